@@ -1,0 +1,1 @@
+"""Benchmarks and measurement helpers for corp-deploy (real weights, compress cost, fidelity)."""

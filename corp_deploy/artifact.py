@@ -1,0 +1,233 @@
+"""The self-describing artifact: ``model.safetensors`` + ``config.json`` + ``report.json``.
+
+No pickle: weights are safetensors, everything else JSON. A directory is written under
+a temporary name beside its destination and renamed into place only when complete, so a
+failed run never leaves a directory that looks like an artifact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CorpError
+from .layers import BlockDims, block_dims, reshape_block
+from .models import create_base_model
+
+FORMAT = "corp-deploy-artifact"
+FORMAT_VERSION = 1
+WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
+
+
+def library_versions() -> dict[str, str]:
+    import numpy
+    import safetensors
+    import timm
+    from . import __version__
+    return {"corp_deploy": __version__, "torch": torch.__version__, "timm": timm.__version__,
+            "safetensors": safetensors.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version()}
+
+
+def base_model_spec(model: nn.Module, name: str | None = None,
+                    model_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Name and creation kwargs that rebuild ``model``'s dense skeleton with timm.
+
+    Without explicit values, the name comes from timm's ``pretrained_cfg`` and the kwargs
+    from the model itself (``img_size``, ``num_classes``); :func:`save_artifact` checks
+    that they really rebuild a matching skeleton.
+    """
+    if name is None:
+        name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+        if name is None:
+            raise CorpError("cannot tell which timm model this is; pass its timm name explicitly")
+    if model_kwargs is None:
+        img = model.patch_embed.img_size
+        model_kwargs = {"img_size": list(img) if isinstance(img, (tuple, list)) else img,
+                        "num_classes": model.num_classes}
+    return {"name": name, "model_kwargs": dict(model_kwargs)}
+
+
+def build_skeleton(config: dict) -> nn.Module:
+    """The compressed model's structure with random weights, from a ``config.json`` dict."""
+    base = config["base_model"]
+    model = create_base_model(base["name"], base["model_kwargs"], pretrained=False)
+    fc2_bias = config.get("fc2_bias")
+    for i, (block, dims) in enumerate(zip(model.blocks, config["blocks"])):
+        reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i])
+    return model.eval()
+
+
+def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any],
+                  settings: dict[str, Any], calibration: dict[str, Any], report: dict[str, Any],
+                  method: str = "corp", extra: dict[str, Any] | None = None) -> Path:
+    """Write the artifact directory atomically and return its path.
+
+    Args:
+        model: the compressed timm ViT.
+        base_model: ``{"name", "model_kwargs", "weights"}`` (see :func:`base_model_spec`).
+        settings: every setting of the run (CompressConfig plus calibration options).
+        calibration: summary of the calibration data.
+        report: diagnostics (from :func:`corp_deploy.compress`).
+    An existing artifact at ``out_dir`` is replaced; any other non-empty directory is refused.
+    """
+    from safetensors.torch import save_file
+    from .calibration import model_transform
+
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    _, data_config = model_transform(model)
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "method": method,
+        "base_model": base_model,
+        "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
+        "blocks": [block_dims(b).to_dict() for b in model.blocks],
+        "fc2_bias": [b.mlp.fc2.bias is not None for b in model.blocks],
+        "settings": settings,
+        "calibration": calibration,
+        "versions": library_versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
+    }
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    _check_rebuildable(config, state)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        _write_json(tmp / CONFIG_FILE, config)
+        _write_json(tmp / REPORT_FILE, report)
+        _apply_umask(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_config(path: str | Path) -> dict:
+    """The ``config.json`` of an artifact directory, validated."""
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir() or not cfg_file.is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise CorpError(f"{path} is not a corp-deploy artifact (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CorpError(f"cannot read {cfg_file}: {exc}") from None
+    if config.get("format") != FORMAT:
+        raise CorpError(f"{cfg_file} is not a corp-deploy artifact config")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise CorpError(f"{path}: artifact format version {config.get('format_version')} is not "
+                        f"supported by this corp-deploy (reads version {FORMAT_VERSION})")
+    return config
+
+
+def load_compressed(path: str | Path) -> nn.Module:
+    """Rebuild a compressed model from its artifact: no network, no calibration, strict load."""
+    from safetensors.torch import load_file
+    config = read_config(path)
+    model = build_skeleton(config)
+    try:
+        state = load_file(str(Path(path) / WEIGHTS_FILE))
+    except Exception as exc:
+        raise CorpError(f"cannot read weights of {path}: {exc}") from None
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CorpError(f"weights of {path} do not match its config: {exc}") from None
+    return model.eval()
+
+
+def state_dir() -> Path:
+    """Where corp-deploy remembers the most recent artifact (``$CORP_DEPLOY_STATE_DIR``,
+    else ``$XDG_STATE_HOME/corp-deploy``, else ``~/.local/state/corp-deploy``)."""
+    if os.environ.get("CORP_DEPLOY_STATE_DIR"):
+        return Path(os.environ["CORP_DEPLOY_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "corp-deploy"
+
+
+def record_latest(path: str | Path) -> None:
+    """Remember ``path`` as the most recent artifact (for commands run without a path)."""
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_json(folder / "latest.json", {"artifact": str(Path(path).resolve()),
+                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def latest_artifact() -> Path:
+    """The most recent artifact written by ``compress``; CorpError if none is known."""
+    record = state_dir() / "latest.json"
+    try:
+        path = Path(json.loads(record.read_text())["artifact"])
+    except (OSError, ValueError, KeyError):
+        raise CorpError("no artifact given and none recorded; run `corp-deploy compress` first "
+                        "or pass the artifact directory") from None
+    read_config(path)
+    return path
+
+
+def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
+    skeleton = build_skeleton(config).state_dict()
+    mismatch = sorted(set(skeleton) ^ set(state)) or \
+        [k for k in state if skeleton[k].shape != state[k].shape]
+    if mismatch:
+        raise CorpError(f"the recorded base model {config['base_model']} does not rebuild this model "
+                        f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
+                        "it was created with")
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CorpError(f"output path {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG_FILE).is_file():
+        raise CorpError(f"output directory {out_dir} exists, is not empty and is not an artifact; "
+                        "refusing to overwrite it")
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Move the finished directory ``new`` to ``dest``, replacing an old one."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.time_ns()}")
+        dest.rename(old)
+    new.rename(dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give the finished directory and its files ordinary permissions (mkdtemp uses 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

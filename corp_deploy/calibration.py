@@ -1,0 +1,137 @@
+"""Unlabelled calibration images, preprocessed exactly as the model expects at inference."""
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import nn
+
+from .errors import CorpError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+# Natural photos bundled inside scikit-image's package data (no download needed).
+BUILTIN_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
+                  "motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "ihc.png",
+                  "camera.png", "coins.png", "moon.png", "brick.png", "grass.png", "gravel.png")
+
+
+def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
+    """timm's inference preprocessing for ``model`` and the data config it came from."""
+    from timm.data import create_transform, resolve_model_data_config
+    cfg = resolve_model_data_config(model)
+    return create_transform(**cfg, is_training=False), cfg
+
+
+def find_images(directory: str | Path) -> list[Path]:
+    """Image files under ``directory`` (recursive, sorted), by extension."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CorpError(f"calibration directory not found: {root}")
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+
+
+def builtin_photo_paths(names: Sequence[str] = BUILTIN_PHOTOS) -> list[Path]:
+    """Paths of scikit-image's bundled photos."""
+    import skimage.data
+    folder = Path(skimage.data.__file__).parent
+    paths = [folder / n for n in names]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise CorpError(f"scikit-image does not ship the photos {missing}; use --calib DIR")
+    return paths
+
+
+class CalibrationImages:
+    """An iterable of preprocessed image batches ``(B, 3, H, W)`` float32.
+
+    Two sources:
+    - ``from_directory``: up to ``limit`` readable files, a seeded random choice when the
+      directory holds more; unreadable files are skipped and counted.
+    - ``from_builtin``: ``count`` seeded random crops (25-100 % of the area, aspect 3/4-4/3)
+      and horizontal flips of a few bundled photos.
+    Each full iteration yields the same images in the same order. ``summary()``
+    describes what the last iteration used.
+    """
+
+    def __init__(self, sources: list, transform: Callable, batch_size: int, description: dict,
+                 limit: int, crop_seed: int | None = None) -> None:
+        if batch_size < 1:
+            raise CorpError(f"batch size must be >= 1, got {batch_size}")
+        if limit < 1:
+            raise CorpError(f"the number of calibration samples must be >= 1, got {limit}")
+        self._sources = sources
+        self._transform = transform
+        self._batch_size = batch_size
+        self._limit = limit
+        self._crop_seed = crop_seed
+        self._description = description
+        self.used = 0
+        self.skipped: list[str] = []
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, transform: Callable, *, limit: int = 256,
+                       batch_size: int = 32, seed: int = 0) -> "CalibrationImages":
+        paths = find_images(directory)
+        if not paths:
+            raise CorpError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {directory}")
+        random.Random(seed).shuffle(paths)
+        return cls(paths, transform, batch_size, {"source": "directory", "path": str(directory),
+                                                  "files_found": len(paths)}, limit)
+
+    @classmethod
+    def from_builtin(cls, transform: Callable, *, count: int = 256, batch_size: int = 32,
+                     seed: int = 0, photos: Sequence[str] = BUILTIN_PHOTOS) -> "CalibrationImages":
+        paths = builtin_photo_paths(photos)
+        sources = [paths[i % len(paths)] for i in range(count)]
+        return cls(sources, transform, batch_size,
+                   {"source": "builtin", "photos": list(photos), "augmentation":
+                    "seeded random resized crops (scale 0.25-1) and horizontal flips"},
+                   count, crop_seed=seed)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.used, self.skipped = 0, []
+        rng = random.Random(self._crop_seed)
+        batch: list[torch.Tensor] = []
+        for path in self._sources:
+            if self.used + len(batch) >= self._limit:
+                break
+            try:
+                with Image.open(path) as im:
+                    im = im.convert("RGB")
+                    if self._crop_seed is not None:
+                        im = _random_crop_flip(im, rng)
+                    batch.append(self._transform(im))
+            except (OSError, UnidentifiedImageError, ValueError, SyntaxError):
+                self.skipped.append(str(path))
+                continue
+            if len(batch) == self._batch_size:
+                yield torch.stack(batch)
+                self.used += len(batch)
+                batch = []
+        if batch:
+            yield torch.stack(batch)
+            self.used += len(batch)
+
+    def summary(self) -> dict:
+        return {**self._description, "images_used": self.used, "files_skipped": len(self.skipped),
+                "skipped_examples": self.skipped[:5]}
+
+
+def _random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
+    """A random crop of 25-100 % of the area with aspect ratio in [3/4, 4/3], maybe mirrored."""
+    width, height = im.size
+    for _ in range(10):
+        area = width * height * rng.uniform(0.25, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = rng.randint(0, width - w), rng.randint(0, height - h)
+            im = im.crop((left, top, left + w, top + h))
+            break
+    if rng.random() < 0.5:
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return im

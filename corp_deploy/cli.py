@@ -1,0 +1,189 @@
+"""The ``corp-deploy`` command line: a thin layer over the library."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import CorpError
+
+DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
+
+
+def _user_errors(func):
+    """Turn CorpError into one clear message and exit status 1 (no traceback)."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except CorpError as exc:
+            raise click.ClickException(str(exc)) from None
+    return wrapper
+
+
+def _parse_model_args(pairs: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` strings to a dict; values are parsed as JSON when they can be."""
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CorpError(f"--model-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def default_output_dir(model: str, s_mlp: float, s_attn: float, target: str, compensation: bool) -> Path:
+    """``./corp-deploy/<model>-s<S>`` (with the target / split sparsities when they differ)."""
+    if target == "mlp":
+        tag = f"mlp-s{s_mlp:g}"
+    elif target == "attn":
+        tag = f"attn-s{s_attn:g}"
+    elif s_mlp == s_attn:
+        tag = f"s{s_mlp:g}"
+    else:
+        tag = f"mlp{s_mlp:g}-attn{s_attn:g}"
+    suffix = "" if compensation else "-nocomp"
+    return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}-{tag}{suffix}"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="corp-deploy")
+def cli():
+    """Compress timm Vision Transformers one-shot with CORP and ship them.
+
+    \b
+    Typical use:
+      corp-deploy compress deit_base --s 0.5
+      corp-deploy compress deit_small --s-mlp 0.5 --s-attn 0.3 --calib ./images
+    """
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--s", "sparsity", type=float, default=0.5, show_default=True,
+              help="Sparsity of both MLP hidden channels and attention query/key dims.")
+@click.option("--s-mlp", type=float, default=None, help="MLP sparsity (overrides --s).")
+@click.option("--s-attn", type=float, default=None, help="Query/key sparsity (overrides --s).")
+@click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default="both", show_default=True,
+              help="Which parts to prune.")
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
+                   "Default: built-in photos from scikit-image.")
+@click.option("--calib-samples", type=int, default=256, show_default=True,
+              help="Number of calibration images.")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
+@click.option("--ranker", type=click.Choice(["combined", "energy", "magnitude", "active", "variance"]),
+              default="combined", show_default=True, help="MLP channel ranking.")
+@click.option("--ridge", type=float, default=None,
+              help="Scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|). [default: 1e-3]")
+@click.option("--calibration", type=click.Choice(["sequential", "independent"]), default="sequential",
+              show_default=True, help="Statistics from the partly compressed model (sequential) "
+                                      "or all from the dense model (independent, as in the paper).")
+@click.option("--round-to", type=int, default=1, show_default=True,
+              help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
+@click.option("--no-compensation", is_flag=True, help="Keep the same channels but only slice (ablation).")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+              help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True).")
+@click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed for calibration sampling/augmentation and random weights.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Artifact directory. [default: ./corp-deploy/<model>-s<S>]")
+@_user_errors
+def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch_size, ranker, ridge,
+             calibration, round_to, no_compensation, model_args, checkpoint, no_pretrained, device,
+             seed, output):
+    """Calibrate, rank, compensate and write a compressed-model artifact.
+
+    \b
+    Examples:
+      corp-deploy compress deit_base --s 0.5
+      corp-deploy compress deit_tiny --target mlp --s 0.3 --calib ./val_images -o out/tiny
+      corp-deploy compress vit_small_patch14_dinov2 --model-arg img_size=224 \\
+          --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
+    """
+    import torch
+
+    from .artifact import base_model_spec, record_latest, save_artifact
+    from .calibration import CalibrationImages, model_transform
+    from .config import CompressConfig
+    from .engine import compress as run_compress
+    from .models import create_base_model, resolve_model_name
+
+    full_name = resolve_model_name(model)
+    kwargs = _parse_model_args(model_args)
+    config = CompressConfig(
+        s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
+        target=target, ranker=ranker, ridge=1e-3 if ridge is None else ridge, calibration=calibration,
+        round_to=round_to, compensation=not no_compensation, device=device)
+    if checkpoint is not None and no_pretrained:
+        raise CorpError("--checkpoint and --no-pretrained exclude each other")
+    if calib is not None and not Path(calib).is_dir():
+        raise CorpError(f"calibration directory not found: {calib}")
+    out_dir = output or default_output_dir(model, config.s_mlp, config.s_attn, target,
+                                           config.compensation)
+
+    torch.manual_seed(seed)
+    click.echo(f"building {full_name} ...", err=True)
+    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint)
+    transform, _ = model_transform(base)
+    if calib is None:
+        click.secho("warning: no --calib given; calibrating on built-in photos. Images from your "
+                    "deployment distribution give better accuracy.", fg="yellow", err=True)
+        images = CalibrationImages.from_builtin(transform, count=calib_samples, batch_size=batch_size,
+                                                seed=seed)
+    else:
+        images = CalibrationImages.from_directory(calib, transform, limit=calib_samples,
+                                                  batch_size=batch_size, seed=seed)
+    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty())
+    summary = images.summary()
+    if summary["files_skipped"]:
+        click.secho(f"warning: skipped {summary['files_skipped']} unreadable calibration files "
+                    f"(e.g. {summary['skipped_examples'][0]})", fg="yellow", err=True)
+    weights = ({"source": "checkpoint", "path": str(Path(checkpoint).resolve())} if checkpoint else
+               {"source": "random", "seed": seed} if no_pretrained else {"source": "timm-pretrained"})
+    settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
+    path = save_artifact(compressed, out_dir,
+                         base_model={**base_model_spec(base, full_name, kwargs), "weights": weights},
+                         settings=settings, calibration=summary, report=report)
+    record_latest(path)
+    _print_summary(report, path)
+
+
+def _print_summary(report: dict, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    layers = report["layers"]
+    table = Table(title=f"corp-deploy compress -> {path}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    p, m = report["params"], report["macs"]
+    table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
+    table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
+    for part, label in (("mlp", "MLP output"), ("attention", "attention logits")):
+        rows = [layer[part] for layer in layers if part in layer]
+        if rows:
+            unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
+            comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
+            table.add_row(f"{label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
+    table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
+    Console().print(table)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

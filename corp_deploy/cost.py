@@ -1,0 +1,72 @@
+"""Parameter and multiply-accumulate counts, and peak memory."""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from torch import nn
+from timm.layers.attention import Attention
+
+from .layers import PrunedAttention
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
+    """Multiply-accumulates of one forward pass on one image of ``input_size`` (C, H, W).
+
+    Counted: every ``nn.Linear`` (``rows x in x out``), ``nn.Conv2d`` and the two attention
+    matmuls (``heads x N^2 x (qk_dim + v_dim)`` per image). Not counted: normalisation,
+    activations, softmax, additions (a few percent of a ViT's total).
+    """
+    total = 0
+
+    def linear(mod, args, out):
+        nonlocal total
+        total += args[0].numel() * mod.out_features
+
+    def conv(mod, args, out):
+        nonlocal total
+        k = mod.in_channels // mod.groups
+        for size in mod.kernel_size:
+            k *= size
+        total += out.numel() * k
+
+    def attention(mod, args, out):
+        nonlocal total
+        batch, tokens, _ = args[0].shape
+        if isinstance(mod, PrunedAttention):
+            dims = mod.qk_head_dim + mod.v_head_dim
+        else:
+            dims = 2 * mod.head_dim
+        total += batch * mod.num_heads * tokens * tokens * dims
+
+    hooks = []
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            hooks.append(mod.register_forward_hook(linear))
+        elif isinstance(mod, nn.Conv2d):
+            hooks.append(mod.register_forward_hook(conv))
+        elif isinstance(mod, (Attention, PrunedAttention)):
+            hooks.append(mod.register_forward_hook(attention))
+    param = next(model.parameters())
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(1, *input_size, device=param.device, dtype=param.dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+    return total
+
+
+def peak_memory_mb(device: torch.device) -> dict:
+    """Peak process RSS (MB) and, on CUDA, peak allocated GPU memory (MB)."""
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_mb = rss_kb / 1024 if sys.platform != "darwin" else rss_kb / 2 ** 20
+    out = {"process_rss_peak": round(rss_mb, 1)}
+    if device.type == "cuda":
+        out["cuda_allocated_peak"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
+    return out

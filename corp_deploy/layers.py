@@ -1,0 +1,94 @@
+"""Reduced-dimension layers and the per-block structure of a compressed ViT."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PrunedAttention(nn.Module):
+    """Multi-head self-attention whose query/key head dim may differ from the value head dim.
+
+    ``qkv`` is one ``Linear(dim, num_heads * (2 * qk_head_dim + v_head_dim))`` whose output
+    is laid out as ``[q | k | v]``, each part head-major (head ``h`` occupies
+    ``h * head_dim : (h + 1) * head_dim`` of its part). Logits are
+    ``scale * q @ k^T`` with a fixed ``scale`` (the original model's
+    ``head_dim ** -0.5``, kept after pruning), so it is passed to SDPA explicitly.
+    Input and output: ``(B, N, dim)``. The call signature matches timm's ``Attention``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qk_head_dim: int, v_head_dim: int, scale: float,
+                 qkv_bias: bool = True, proj_bias: bool = True) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qk_head_dim = qk_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = float(scale)
+        self.qkv = nn.Linear(dim, num_heads * (2 * qk_head_dim + v_head_dim), bias=qkv_bias)
+        self.proj = nn.Linear(num_heads * v_head_dim, dim, bias=proj_bias)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
+        q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
+        q = q.reshape(B, N, H, dqk).transpose(1, 2)
+        k = k.reshape(B, N, H, dqk).transpose(1, 2)
+        v = v.reshape(B, N, H, dv).transpose(1, 2)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                           scale=self.scale)
+        return self.proj(x.transpose(1, 2).reshape(B, N, H * dv))
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
+                f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}")
+
+
+@dataclass(frozen=True)
+class BlockDims:
+    """The shape of one transformer block after compression.
+
+    ``attention`` is ``"timm"`` when the block keeps timm's own attention module (not
+    pruned) and ``"pruned"`` when it is a :class:`PrunedAttention` with ``qk_head_dim``
+    query/key dims and ``v_head_dim`` value dims per head and softmax ``scale``.
+    """
+
+    mlp_hidden: int
+    num_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    attention: str = "timm"
+    scale: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def block_dims(block: nn.Module) -> BlockDims:
+    """Read the current dims of a timm ``Block`` (dense or compressed)."""
+    attn = block.attn
+    if isinstance(attn, PrunedAttention):
+        return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.qk_head_dim,
+                         attn.v_head_dim, "pruned", attn.scale)
+    return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.head_dim, attn.head_dim)
+
+
+def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None) -> None:
+    """Replace a block's layers by empty ones of the sizes in ``dims`` (weights to be loaded).
+
+    ``fc2_bias`` forces whether the new fc2 has a bias (compensation may add one);
+    by default it follows the current fc2.
+    """
+    mlp = block.mlp
+    dim = mlp.fc1.in_features
+    if dims.mlp_hidden != mlp.fc1.out_features or fc2_bias is not None:
+        has_fc2_bias = mlp.fc2.bias is not None if fc2_bias is None else fc2_bias
+        mlp.fc1 = nn.Linear(dim, dims.mlp_hidden, bias=mlp.fc1.bias is not None)
+        mlp.fc2 = nn.Linear(dims.mlp_hidden, mlp.fc2.out_features, bias=has_fc2_bias)
+    if dims.attention == "pruned":
+        old = block.attn
+        block.attn = PrunedAttention(dim, dims.num_heads, dims.qk_head_dim, dims.v_head_dim,
+                                     dims.scale, qkv_bias=old.qkv.bias is not None,
+                                     proj_bias=old.proj.bias is not None)

@@ -1,0 +1,134 @@
+"""Building the base timm Vision Transformer: names, weights and supported structure."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+from timm.layers import Mlp
+from timm.layers.attention import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
+
+from .errors import CorpError
+
+ALIASES = {
+    "deit_tiny": "deit_tiny_patch16_224",
+    "deit_small": "deit_small_patch16_224",
+    "deit_base": "deit_base_patch16_224",
+    "deit3_small": "deit3_small_patch16_224",
+    "deit3_base": "deit3_base_patch16_224",
+    "vit_tiny": "vit_tiny_patch16_224",
+    "vit_small": "vit_small_patch16_224",
+    "vit_base": "vit_base_patch16_224",
+    "dinov2_small": "vit_small_patch14_dinov2",
+    "dinov2_base": "vit_base_patch14_dinov2",
+}
+SUPPORTED_FAMILIES = "timm VisionTransformer models: deit_*, deit3_*, vit_*, *_dinov2 (incl. distilled DeiT)"
+_VIT_MODULES = ("vision_transformer", "deit")
+
+
+def resolve_model_name(name: str) -> str:
+    """Full timm name for ``name`` (an alias or a timm name); CorpError if unknown or not a ViT."""
+    full = ALIASES.get(name, name)
+    base = full.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
+    if not timm.is_model(base):
+        raise CorpError(f"unknown model {name!r}; supported: {SUPPORTED_FAMILIES} "
+                        f"(aliases: {', '.join(sorted(ALIASES))})")
+    if base not in timm.list_models(module=list(_VIT_MODULES)):
+        raise CorpError(f"model {name!r} is not a Vision Transformer; supported: {SUPPORTED_FAMILIES}")
+    return full
+
+
+def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
+                      pretrained: bool = True, checkpoint: str | Path | None = None) -> nn.Module:
+    """The dense timm model in eval mode.
+
+    Weights come from ``checkpoint`` (a local state dict) when given, else from timm's
+    pretrained weights when ``pretrained``, else random initialisation.
+    """
+    full = resolve_model_name(name)
+    kwargs = dict(model_kwargs or {})
+    use_hub = pretrained and checkpoint is None
+    try:
+        model = timm.create_model(full, pretrained=use_hub, **kwargs)
+    except TypeError as exc:
+        raise CorpError(f"bad model argument for {full}: {exc}") from None
+    except Exception as exc:  # network / hub errors come in many types
+        if not use_hub:
+            raise CorpError(f"could not build {full} with {kwargs}: {exc}") from None
+        raise CorpError(
+            f"could not fetch pretrained weights for {full} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no details'}). "
+            "Without network access, pass local weights with --checkpoint FILE "
+            "(safetensors or .pth state dict) or use --no-pretrained for random weights.") from None
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint)
+    check_vit(model)
+    return model.eval()
+
+
+def load_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """Load a local state dict strictly: safetensors, or a torch file read with weights_only=True."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpError(f"checkpoint not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorpError(f"cannot read checkpoint {path}: {exc}") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorpError(f"checkpoint {path} does not hold a state dict of tensors")
+    result = model.load_state_dict(state, strict=False)
+    problems = []
+    if result.missing_keys:
+        problems.append(f"missing {len(result.missing_keys)} keys (e.g. {result.missing_keys[:3]})")
+    if result.unexpected_keys:
+        problems.append(f"unexpected {len(result.unexpected_keys)} keys (e.g. {result.unexpected_keys[:3]})")
+    if problems:
+        raise CorpError(f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
+                        "Check the model name and --model-arg values (e.g. num_classes, img_size).")
+
+
+def check_vit(model: nn.Module) -> None:
+    """CorpError unless ``model`` is a timm VisionTransformer made of standard pre-norm blocks."""
+    if not isinstance(model, VisionTransformer):
+        raise CorpError(f"{type(model).__name__} is not supported; supported: {SUPPORTED_FAMILIES}")
+    for i, block in enumerate(model.blocks):
+        if type(block) is not Block:
+            raise CorpError(f"block {i} is a {type(block).__name__}; only timm's standard pre-norm "
+                            "Block is supported")
+
+
+def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
+    """CorpError if a part asked to be pruned does not have the structure CORP assumes."""
+    for i, block in enumerate(model.blocks):
+        if mlp:
+            m = block.mlp
+            if type(m) is not Mlp or not isinstance(m.norm, nn.Identity) or not isinstance(m.fc1, nn.Linear):
+                raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP "
+                                "pruning (needs timm Mlp: fc1 -> elementwise act -> fc2; gated/SwiGLU "
+                                "MLPs are not); use --target attn")
+        if attn:
+            a = block.attn
+            plain = (type(a) is Attention and isinstance(a.q_norm, nn.Identity)
+                     and isinstance(a.k_norm, nn.Identity) and isinstance(a.norm, nn.Identity)
+                     and getattr(a, "gate", None) is None)
+            if not plain:
+                raise CorpError(f"block {i}: attention of type {type(a).__name__} (or with qk-norm, "
+                                "scale-norm or gating) is not supported for query/key pruning; "
+                                "use --target mlp")
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    """A deep copy, so that compression never modifies the caller's model."""
+    return copy.deepcopy(model)
