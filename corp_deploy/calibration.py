@@ -20,9 +20,16 @@ BUILTIN_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "m
 
 
 def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
-    """timm's inference preprocessing for ``model`` and the data config it came from."""
+    """timm's inference preprocessing for ``model`` and the data config it came from.
+
+    The input size is the one the model was built for (``patch_embed.img_size``), which
+    differs from the pretrained config's when ``img_size`` was overridden (e.g. DINOv2 at 224).
+    """
     from timm.data import create_transform, resolve_model_data_config
     cfg = resolve_model_data_config(model)
+    patch_embed = getattr(model, "patch_embed", None)
+    if patch_embed is not None and getattr(patch_embed, "img_size", None):
+        cfg["input_size"] = (cfg["input_size"][0], *patch_embed.img_size)
     return create_transform(**cfg, is_training=False), cfg
 
 
@@ -115,6 +122,9 @@ class CalibrationImages:
         if batch:
             yield torch.stack(batch)
             self.used += len(batch)
+        if self.used == 0:
+            raise CorpError(f"none of the {len(self.skipped)} calibration files could be read as an "
+                            f"image (e.g. {self.skipped[0] if self.skipped else '-'})")
 
     def summary(self) -> dict:
         return {**self._description, "images_used": self.used, "files_skipped": len(self.skipped),

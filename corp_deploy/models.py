@@ -52,6 +52,12 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
     full = resolve_model_name(name)
     kwargs = dict(model_kwargs or {})
     use_hub = pretrained and checkpoint is None
+    if use_hub and not _hub_reachable():
+        raise CorpError(
+            f"cannot reach the Hugging Face hub to download pretrained weights for {full}. "
+            "Pass local weights with --checkpoint FILE (safetensors or .pth state dict), "
+            "use --no-pretrained for random weights, or set HF_HUB_OFFLINE=1 to use weights "
+            "already in the local Hugging Face cache.")
     try:
         model = timm.create_model(full, pretrained=use_hub, **kwargs)
     except TypeError as exc:
@@ -68,6 +74,22 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
         load_checkpoint(model, checkpoint)
     check_vit(model)
     return model.eval()
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the weights hub answers a TCP connection (True when HF_HUB_OFFLINE is set,
+    so that timm reads its local cache)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:

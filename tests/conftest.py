@@ -1,0 +1,37 @@
+"""Shared fixtures: small random-weight timm ViTs and calibration batches."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+# A DeiT-shaped ViT small enough for exact linear algebra in tests:
+# 32 px / patch 8 -> 16 patches + class token, width 48, 3 heads of 16 dims, MLP 192.
+SMALL_VIT_KWARGS = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+
+
+def small_vit(seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False,
+                              **{**SMALL_VIT_KWARGS, **overrides})
+    # Random init gives near-zero biases; give them scale so bias handling is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def image_batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]
+
+
+@pytest.fixture
+def vit():
+    return small_vit()
+
+
+@pytest.fixture
+def batches():
+    return image_batches(3, 8)

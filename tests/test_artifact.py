@@ -1,0 +1,107 @@
+"""Artifact save/load: bit-exact round trip, self-description, atomic writes."""
+import json
+
+import pytest
+import torch
+
+from corp_deploy import CompressConfig, compress, load_compressed, read_config, save_artifact
+from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
+from corp_deploy.errors import CorpError
+from tests.conftest import SMALL_VIT_KWARGS, image_batches
+
+
+@pytest.fixture
+def compressed(vit, batches):
+    model, report = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5))
+    return vit, model, report
+
+
+def save(model, report, path, name="deit_tiny_patch16_224", kwargs=SMALL_VIT_KWARGS):
+    return save_artifact(model, path, base_model={"name": name, "model_kwargs": dict(kwargs),
+                                                  "weights": {"source": "random"}},
+                         settings=CompressConfig().to_dict(), calibration={"images": 24}, report=report)
+
+
+def test_round_trip_is_bit_exact(compressed, tmp_path):
+    dense, model, report = compressed
+    path = save(model, report, tmp_path / "art")
+    loaded = load_compressed(path)
+    x = image_batches(1, 5, seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    for (k1, v1), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+
+
+def test_config_describes_the_model(compressed, tmp_path):
+    dense, model, report = compressed
+    path = save(model, report, tmp_path / "art")
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "report.json"]
+    cfg = read_config(path)
+    assert cfg["format_version"] == 1 and cfg["method"] == "corp"
+    assert cfg["base_model"]["name"] == "deit_tiny_patch16_224"
+    assert cfg["blocks"][0] == {"mlp_hidden": 96, "num_heads": 3, "qk_head_dim": 8, "v_head_dim": 16,
+                                "attention": "pruned", "scale": 0.25}
+    assert cfg["input"]["input_size"] == [3, 32, 32]
+    assert {"torch", "timm", "corp_deploy", "safetensors"} <= set(cfg["versions"])
+    saved_report = json.loads((path / "report.json").read_text())
+    assert saved_report["params"] == report["params"]
+    assert len(saved_report["layers"]) == 2 and "ridge_lambda" in saved_report["layers"][0]["mlp"]
+
+
+def test_spec_is_inferred_from_a_user_built_model_and_checked(compressed, tmp_path):
+    dense, model, report = compressed
+    spec = base_model_spec(dense)
+    assert spec == {"name": "deit_tiny_patch16_224", "model_kwargs": {"img_size": [32, 32], "num_classes": 1000}}
+    with pytest.raises(CorpError, match="does not rebuild"):  # depth/width are not inferable
+        save(model, report, tmp_path / "art", kwargs=spec["model_kwargs"])
+    assert not (tmp_path / "art").exists()
+
+
+def test_failed_write_leaves_nothing(compressed, tmp_path, monkeypatch):
+    dense, model, report = compressed
+    import safetensors.torch
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError):
+        save(model, report, tmp_path / "art")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_artifact_is_replaced_but_other_directories_are_refused(compressed, tmp_path):
+    dense, model, report = compressed
+    path = save(model, report, tmp_path / "art")
+    save(model, report, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(CorpError, match="refusing"):
+        save(model, report, other)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_corrupt_or_foreign_artifacts_are_refused(compressed, tmp_path):
+    dense, model, report = compressed
+    path = save(model, report, tmp_path / "art")
+    with pytest.raises(CorpError, match="not a corp-deploy artifact"):
+        load_compressed(tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CorpError, match="cannot read"):
+        load_compressed(path)
+    path = save(model, report, tmp_path / "art2")
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CorpError, match="cannot read weights"):
+        load_compressed(path)
+
+
+def test_latest_artifact_pointer(compressed, tmp_path, monkeypatch):
+    monkeypatch.setenv("CORP_DEPLOY_STATE_DIR", str(tmp_path / "state"))
+    with pytest.raises(CorpError, match="none recorded"):
+        latest_artifact()
+    dense, model, report = compressed
+    path = save(model, report, tmp_path / "art")
+    record_latest(path)
+    assert latest_artifact() == path.resolve()

@@ -1,0 +1,135 @@
+"""Query/key compensation against raw per-image activations (METHOD.md 3)."""
+import pytest
+import torch
+from timm.layers.attention import Attention
+
+from corp_deploy import attention as attn_ops
+from corp_deploy.layers import PrunedAttention
+from corp_deploy.stats import per_image_head_grams
+
+N_IMAGES, TOKENS, DIM, HEADS = 12, 10, 24, 2  # head dim 12
+
+
+def attention_with_bias(seed=0):
+    torch.manual_seed(seed)
+    attn = Attention(DIM, num_heads=HEADS, qkv_bias=True).eval()
+    with torch.no_grad():
+        attn.qkv.bias.normal_(0, 0.5)
+    return attn
+
+
+def raw_qk(attn, x):
+    """Q, K of shape (images, heads, tokens, d) float64."""
+    B, N, _ = x.shape
+    qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    return qkv[0].double(), qkv[1].double()
+
+
+def setup(seed=0, kept=7):
+    attn = attention_with_bias(seed)
+    x = torch.randn(N_IMAGES, TOKENS, DIM, generator=torch.Generator().manual_seed(seed + 10))
+    with torch.no_grad():
+        q, k = raw_qk(attn, x)
+    a, g = per_image_head_grams(q.float()), per_image_head_grams(k.float())
+    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(a, g), kept)
+    return attn, x, q, k, a, g, S, P
+
+
+def test_kronecker_sum_matches_explicit_kron():
+    a = torch.randn(5, 4, 4, dtype=torch.float64)
+    g = torch.randn(5, 4, 4, dtype=torch.float64)
+    a, g = a + a.transpose(1, 2), g + g.transpose(1, 2)
+    expected = sum(torch.kron(a[i], g[i]) for i in range(5))
+    torch.testing.assert_close(attn_ops.kronecker_sum(a, g), expected)
+
+
+def test_ranking_is_per_image_logit_energy():
+    attn, x, q, k, a, g, S, P = setup()
+    expected = ((q ** 2).sum(2) * (k ** 2).sum(2)).mean(0)  # (heads, d)
+    torch.testing.assert_close(attn_ops.qk_dim_scores(a, g), expected, rtol=1e-5, atol=1e-6)
+    for h in range(HEADS):
+        assert expected[h, S[h]].min() >= expected[h, P[h]].max()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1e-2])
+def test_solution_satisfies_normal_equations(alpha):
+    attn, x, q, k, a, g, S, P = setup()
+    for h in range(HEADS):
+        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha)
+        qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
+        ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
+        A, G = qs.transpose(1, 2) @ qs, ks.transpose(1, 2) @ ks
+        C = (qs.transpose(1, 2) @ qp) @ (kp.transpose(1, 2) @ ks)
+        lhs = (A @ sol.M @ G).sum(0) + sol.ridge_lambda * sol.M
+        torch.testing.assert_close(lhs, C.sum(0), rtol=1e-4, atol=1e-4 * float(C.abs().max()))
+
+
+def test_solution_equals_least_squares_on_raw_logits():
+    attn, x, q, k, a, g, S, P = setup()
+    for h in range(HEADS):
+        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=0.0)
+        qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
+        ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
+        # vec(Q_S M K_S^T) = (Q_S kron K_S) vec(M), row-major, stacked over images
+        design = torch.cat([torch.kron(qs[i], ks[i]) for i in range(N_IMAGES)])
+        target = torch.cat([(qp[i] @ kp[i].T).reshape(-1) for i in range(N_IMAGES)])
+        m = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.reshape(len(S[h]), len(S[h]))
+        torch.testing.assert_close(sol.M, m, rtol=1e-3, atol=1e-4)
+
+
+def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps():
+    attn, x, q, k, a, g, S, P = setup()
+    for h in range(HEADS):
+        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=1e-3)
+        qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
+        ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
+        full = q[:, h] @ k[:, h].transpose(1, 2)
+        sliced = qs @ ks.transpose(1, 2)
+        comp = qs @ (torch.eye(len(S[h]), dtype=q.dtype) + sol.M) @ ks.transpose(1, 2)
+        err_slice = float(((full - sliced) ** 2).sum()) / N_IMAGES
+        err_comp = float(((full - comp) ** 2).sum()) / N_IMAGES
+        assert sol.error_uncompensated == pytest.approx(err_slice, rel=1e-4)
+        assert sol.error_compensated == pytest.approx(err_comp, rel=1e-3)
+        assert sol.logit_energy == pytest.approx(float((full ** 2).sum()) / N_IMAGES, rel=1e-4)
+        assert err_comp < err_slice
+
+
+def test_identity_plus_factorisation_is_not_symmetrised():
+    m = torch.randn(6, 6, dtype=torch.float64)
+    u, v = attn_ops.factor_identity_plus(m)
+    torch.testing.assert_close(u @ v.T, torch.eye(6, dtype=torch.float64) + m)
+    u0, v0 = attn_ops.factor_identity_plus(torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.equal(u0, torch.eye(3, dtype=torch.float64)) and torch.equal(v0, u0)
+
+
+def test_folded_logits_equal_compensated_logits_including_biases():
+    attn, x, q, k, a, g, S, P = setup()
+    sols = [attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=1e-3) for h in range(HEADS)]
+    pruned = attn_ops.fold_attention(attn, S, [s.M for s in sols])
+    assert isinstance(pruned, PrunedAttention) and pruned.scale == attn.scale
+    with torch.no_grad():
+        B, N, _ = x.shape
+        dq = S.shape[1]
+        qkv = pruned.qkv(x)
+        q2 = qkv[..., :HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
+        k2 = qkv[..., HEADS * dq:2 * HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
+        for h in range(HEADS):
+            expected = q[:, h][..., S[h]] @ (torch.eye(dq, dtype=q.dtype) + sols[h].M) \
+                @ k[:, h][..., S[h]].transpose(1, 2)
+            torch.testing.assert_close(attn.scale * q2[:, h] @ k2[:, h].transpose(1, 2),
+                                       attn.scale * expected, rtol=1e-4, atol=1e-4)
+        # the module computes softmax(scale * logits) @ V with the original V and proj
+        v = attn.qkv(x).reshape(B, N, 3, HEADS, attn.head_dim).permute(2, 0, 3, 1, 4)[2].double()
+        logits = attn.scale * q2 @ k2.transpose(-1, -2)
+        manual = (logits.softmax(-1) @ v).transpose(1, 2).reshape(B, N, -1)
+        manual = manual @ attn.proj.weight.double().T + attn.proj.bias.double()
+        torch.testing.assert_close(pruned(x).double(), manual, rtol=1e-4, atol=1e-5)
+
+
+def test_uncompensated_fold_is_slicing_and_zero_sparsity_is_identity():
+    attn, x, *_ = setup()
+    d = attn.head_dim
+    full = torch.arange(d).expand(HEADS, d)
+    same = attn_ops.fold_attention(attn, full, [torch.zeros(d, d, dtype=torch.float64)] * HEADS)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), attn(x), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,133 @@
+"""The corp-deploy command line: end to end on a tiny model, and every bad input."""
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from corp_deploy import load_compressed, read_config
+from corp_deploy.artifact import latest_artifact
+from corp_deploy.cli import cli
+
+TINY = ["--model-arg", "img_size=32", "--model-arg", "patch_size=8", "--model-arg", "embed_dim=48",
+        "--model-arg", "depth=2", "--model-arg", "num_heads=3"]
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORP_DEPLOY_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def calib_dir(tmp_path):
+    root = tmp_path / "calib"
+    (root / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        ext = ["png", "jpg", "webp"][i % 3]
+        folder = root / "sub" if i % 2 else root
+        Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(folder / f"im{i}.{ext}")
+    (root / "broken.jpg").write_bytes(b"not an image")
+    (root / "notes.txt").write_text("ignored")
+    return root
+
+
+def run(args):
+    result = CliRunner().invoke(cli, args)
+    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+
+
+def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
+    out = tmp_path / "out"
+    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--s-mlp", "0.5",
+                        "--s-attn", "0.25", "--calib", str(calib_dir), "--batch-size", "4", "-o", str(out)])
+    assert result.exit_code == 0, text
+    assert "skipped 1 unreadable" in text and "parameters (M)" in text
+    cfg = read_config(out)
+    assert cfg["calibration"]["images_used"] == 6 and cfg["calibration"]["files_skipped"] == 1
+    assert cfg["settings"]["s_mlp"] == 0.5 and cfg["settings"]["s_attn"] == 0.25
+    assert [b["qk_head_dim"] for b in cfg["blocks"]] == [12, 12]
+    assert cfg["base_model"]["weights"]["source"] == "random"
+    model = load_compressed(out)
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 1000)
+    assert latest_artifact() == out.resolve()
+
+
+def test_default_output_dir_builtin_calibration_and_pth_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    dense = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48,
+                              depth=2, num_heads=3)
+    torch.save({"model": dense.state_dict()}, tmp_path / "w.pth")
+    result, text = run(["compress", "deit_tiny", *TINY, "--checkpoint", str(tmp_path / "w.pth"),
+                        "--s", "0.5", "--calib-samples", "6", "--target", "mlp"])
+    assert result.exit_code == 0, text
+    assert "built-in photos" in text
+    out = tmp_path / "corp-deploy" / "deit_tiny-mlp-s0.5"
+    cfg = read_config(out)
+    assert cfg["calibration"]["source"] == "builtin" and cfg["calibration"]["images_used"] == 6
+    assert cfg["base_model"]["weights"]["source"] == "checkpoint"
+    assert torch.equal(load_compressed(out).blocks[0].attn.qkv.weight, dense.blocks[0].attn.qkv.weight)
+
+
+def test_help_has_examples():
+    result, text = run(["compress", "--help"])
+    assert result.exit_code == 0 and "Examples:" in text and "--calibration" in text
+
+
+def bad_inputs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    (unreadable / "a.png").write_bytes(b"\x89PNG garbage")
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"garbage")
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+    save_file({"foo": torch.zeros(2)}, str(other))
+    base = ["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4"]
+    return [
+        (["compress", "resnet_nonexistent"], "unknown model"),
+        (["compress", "resnet18", "--no-pretrained"], "not a Vision Transformer"),
+        ([*base, "--s", "1.0"], "must be in [0, 1)"),
+        ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
+        ([*base, "--ridge", "-1"], "ridge"),
+        ([*base, "--round-to", "0"], "round_to"),
+        ([*base, "--calib-samples", "0"], "must be >= 1"),
+        ([*base, "--calib", str(empty)], "no images"),
+        ([*base, "--calib", str(tmp_path / "missing")], "not found"),
+        ([*base, "--calib", str(unreadable)], "could be read"),
+        (["compress", "deit_tiny", *TINY, "--checkpoint", str(tmp_path / "nope.pth")], "checkpoint not found"),
+        (["compress", "deit_tiny", *TINY, "--checkpoint", str(corrupt)], "cannot read checkpoint"),
+        (["compress", "deit_tiny", *TINY, "--checkpoint", str(other)], "does not match the model"),
+        ([*base, "--checkpoint", str(other)], "exclude each other"),
+        ([*base, "--model-arg", "oops"], "KEY=VALUE"),
+        ([*base, "--model-arg", "no_such_argument=3"], "bad model argument"),
+        (["compress", "deit_tiny", *TINY, "--calib-samples", "4"], "cannot reach the Hugging Face hub"),
+    ]
+
+
+def test_bad_inputs_give_one_message_and_leave_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("corp_deploy.models._hub_reachable", lambda timeout=3.0: False)
+    for args, message in bad_inputs(tmp_path):
+        out = tmp_path / "out"
+        result, text = run([*args, "-o", str(out)])
+        assert result.exit_code not in (0, None), (args, text)
+        assert message in text, (args, text)
+        assert "Traceback" not in text, (args, text)
+        assert not out.exists() and not (tmp_path / "corp-deploy").exists(), args
+        assert not list(tmp_path.glob(".out*")), args
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_is_a_clear_error(tmp_path):
+    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "2",
+                        "--device", "cuda", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "no CUDA GPU" in text and "Traceback" not in text
+    assert not (tmp_path / "out").exists()

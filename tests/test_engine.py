@@ -1,0 +1,129 @@
+"""Whole-model compression on small random-weight ViTs."""
+import pytest
+import timm
+import torch
+
+from corp_deploy import CompressConfig, PrunedAttention, compress, count_macs, count_params
+from corp_deploy.errors import CorpError
+from tests.conftest import image_batches, small_vit
+
+
+@pytest.mark.parametrize("mode", ["sequential", "independent"])
+@pytest.mark.parametrize("target", ["mlp", "attn", "both"])
+def test_zero_sparsity_reproduces_the_dense_model(vit, batches, mode, target):
+    x = image_batches(1, 4, seed=7)[0]
+    model, report = compress(vit, batches, CompressConfig(s_mlp=0.0, s_attn=0.0, target=target,
+                                                          calibration=mode))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
+    assert report["params"]["compressed"] == report["params"]["dense"]
+
+
+def test_input_model_is_left_unchanged(vit, batches):
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5))
+    after = vit.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_compensation_lowers_every_layer_error_and_output_error(vit, batches):
+    x = image_batches(2, 8, seed=9)
+    comp, report = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, ridge=1e-2))
+    sliced, report_sliced = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, compensation=False))
+    for layer in report["layers"]:
+        assert layer["mlp"]["error_compensated"] < layer["mlp"]["error_uncompensated"]
+        assert layer["attention"]["error_compensated"] < layer["attention"]["error_uncompensated"]
+    with torch.no_grad():
+        dense = torch.cat([vit.forward_features(b) for b in x])
+        err_c = (torch.cat([comp.forward_features(b) for b in x]) - dense).pow(2).mean()
+        err_s = (torch.cat([sliced.forward_features(b) for b in x]) - dense).pow(2).mean()
+    assert err_c < err_s
+    # with statistics from the dense model, the kept channels do not depend on compensation
+    cfg = dict(s_mlp=0.5, s_attn=0.5, calibration="independent")
+    comp, _ = compress(vit, batches, CompressConfig(**cfg))
+    sliced, _ = compress(vit, batches, CompressConfig(**cfg, compensation=False))
+    for b1, b2 in zip(comp.blocks, sliced.blocks):
+        assert b1.mlp.fc1.weight.shape == b2.mlp.fc1.weight.shape
+        torch.testing.assert_close(b1.mlp.fc1.weight, b2.mlp.fc1.weight, rtol=0, atol=0)
+
+
+def test_modes_agree_on_first_block_and_differ_after(vit, batches):
+    cfg = dict(s_mlp=0.5, s_attn=0.5)
+    seq, _ = compress(vit, batches, CompressConfig(**cfg, calibration="sequential"))
+    ind, _ = compress(vit, batches, CompressConfig(**cfg, calibration="independent"))
+    # block 0: attention identical (both see dense inputs); its MLP differs (sequential
+    # takes MLP statistics after the compressed attention)
+    torch.testing.assert_close(seq.blocks[0].attn.qkv.weight, ind.blocks[0].attn.qkv.weight)
+    assert not torch.allclose(seq.blocks[0].mlp.fc2.weight, ind.blocks[0].mlp.fc2.weight)
+
+
+def test_round_to_and_split_sparsities(vit, batches):
+    model, report = compress(vit, batches, CompressConfig(s_mlp=0.3, s_attn=0.5, round_to=8))
+    for block in model.blocks:
+        assert block.mlp.fc1.out_features == 136  # 192 - 58 = 134 -> nearest multiple of 8
+        assert block.attn.qk_head_dim == 8 and block.attn.v_head_dim == 16
+
+
+def test_target_mlp_keeps_timm_attention(vit, batches):
+    model, _ = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, target="mlp"))
+    assert all(type(b.attn).__name__ == "Attention" for b in model.blocks)
+    assert all(b.mlp.fc1.out_features == 96 for b in model.blocks)
+
+
+def test_distilled_deit_and_register_tokens(batches):
+    for name, size in (("deit_tiny_distilled_patch16_224", 32), ("vit_small_patch14_reg4_dinov2", 28)):
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False, img_size=size, depth=2, num_classes=10).eval()
+        imgs = [torch.randn(4, 3, size, size) for _ in range(2)]
+        out, report = compress(model, imgs, CompressConfig(s_mlp=0.5, s_attn=0.25))
+        assert report["calibration"]["tokens_per_image"] == model.patch_embed.num_patches + model.num_prefix_tokens
+        with torch.no_grad():
+            assert out(imgs[0]).shape == (4, 10)
+
+
+def test_hand_counted_shapes_params_and_macs_for_deit_tiny_at_half_sparsity():
+    torch.manual_seed(0)
+    dense = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    images = [torch.randn(2, 3, 224, 224)]
+    model, report = compress(dense, images, CompressConfig(s_mlp=0.5, s_attn=0.5))
+    C, heads, d, hidden, T, depth, classes = 192, 3, 64, 768, 197, 12, 1000
+    kq, kh = 32, 384
+    for block in model.blocks:
+        assert isinstance(block.attn, PrunedAttention)
+        assert block.attn.qkv.weight.shape == (heads * (2 * kq + d), C)
+        assert block.attn.proj.weight.shape == (C, heads * d)
+        assert block.mlp.fc1.weight.shape == (kh, C) and block.mlp.fc2.weight.shape == (C, kh)
+    removed_per_block = (hidden - kh) * (C + 1) + (hidden - kh) * C + 2 * heads * (d - kq) * (C + 1)
+    assert report["params"]["dense"] == 5_717_416
+    assert report["params"]["compressed"] == 5_717_416 - depth * removed_per_block
+    def macs(qk, hid):
+        per_block = (T * C * heads * (2 * qk + d) + heads * T * T * (qk + d) + T * heads * d * C
+                     + 2 * T * C * hid)
+        return 196 * C * 3 * 16 * 16 + depth * per_block + C * classes
+    assert report["macs"]["dense"] == macs(d, hidden) == count_macs(dense, (3, 224, 224))
+    assert report["macs"]["compressed"] == macs(kq, kh)
+    assert count_params(model) == report["params"]["compressed"]
+
+
+def test_bad_calibration_input(vit):
+    with pytest.raises(CorpError, match="empty"):
+        compress(vit, [], CompressConfig())
+    with pytest.raises(CorpError, match="NaN"):
+        compress(vit, [torch.full((2, 3, 32, 32), float("nan"))], CompressConfig())
+    with pytest.raises(CorpError, match="shape"):
+        compress(vit, [torch.zeros(3, 32, 32)], CompressConfig())
+
+
+@pytest.mark.parametrize("kwargs", [dict(s_mlp=1.0), dict(s_attn=-0.1), dict(target="x"),
+                                    dict(ranker="x"), dict(ridge=-1.0), dict(round_to=0),
+                                    dict(calibration="x"), dict(device="tpu")])
+def test_config_validation(kwargs):
+    with pytest.raises(CorpError):
+        CompressConfig(**kwargs)
+
+
+def test_unsupported_structures_are_refused(batches):
+    gated = small_vit(qk_norm=True)
+    with pytest.raises(CorpError, match="query/key pruning"):
+        compress(gated, batches, CompressConfig(target="both"))
+    compress(gated, batches, CompressConfig(target="mlp"))  # MLP-only still works

@@ -1,0 +1,29 @@
+import torch
+
+from corp_deploy.stats import MomentAccumulator, per_image_head_grams, symmetric_gram
+
+
+def test_symmetric_gram_equals_full_product():
+    x = torch.randn(300, 1000, dtype=torch.float64)
+    torch.testing.assert_close(symmetric_gram(x, block=256), x.T @ x)
+
+
+def test_moments_match_direct_computation_over_uneven_batches():
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(1000, 20, generator=g) * 3 + 50  # large mean: centring matters
+    acc = MomentAccumulator(20)
+    for chunk in torch.split(data, [1, 99, 400, 500]):
+        acc.update(chunk)
+    d = data.double()
+    assert acc.n == 1000
+    torch.testing.assert_close(acc.mean, d.mean(0))
+    torch.testing.assert_close(acc.covariance, torch.cov(d.T, correction=0), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(acc.second_moment_diag, (d ** 2).mean(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(acc.positive_rate, (d > 0).double().mean(0))
+
+
+def test_per_image_head_grams():
+    t = torch.randn(2, 3, 7, 5)
+    grams = per_image_head_grams(t)
+    assert grams.shape == (2, 3, 5, 5) and grams.dtype == torch.float64
+    torch.testing.assert_close(grams[1, 2], (t[1, 2].T @ t[1, 2]).double())
