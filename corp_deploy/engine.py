@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import attention as attn_ops
@@ -130,39 +131,47 @@ def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 def _compress_block(block: nn.Module, cache: _BoundaryCache, config: CompressConfig,
                     timer: "_PhaseTimer") -> dict:
-    """Calibrate and compress one block; advance ``cache`` to the block's output."""
-    dense_attn = block.attn
-    dense_mlp_fc = (block.mlp.fc1, block.mlp.fc2)
-    info: dict = {}
-    if config.prunes_attn:
-        with timer("attention_statistics"):
-            a_full, g_full = _attention_grams(block, cache)
-        with timer("attention_solve"):
-            info["attention"] = _compress_attention(block, a_full, g_full, config)
-        del a_full, g_full
+    """Calibrate and compress one block; advance ``cache`` to the block's output.
 
+    Sequential: (1) query/key Grams of the dense attention, compress the attention;
+    (2) compressed attention, MLP statistics; compress the MLP; (3) compressed MLP gives
+    the next boundary. Independent: one pass of the dense block collects both
+    statistics and produces the (dense) next boundary; then both parts are compressed.
+    """
     sequential = config.calibration == "sequential"
-    stats_attn = block.attn if sequential else dense_attn
-    mlp_stats = MomentAccumulator(block.mlp.fc1.out_features, cache.batches[0].device) \
+    mlp_stats = MomentAccumulator(block.mlp.fc1.out_features, cache.batches[0].device,
+                                  track_positive=config.ranker == "active") \
         if config.prunes_mlp else None
-    # When the MLP is left dense, or statistics come from the dense model, the block
-    # output can be produced in the same pass as the MLP statistics.
-    output_in_same_pass = mlp_stats is None or not sequential
-    with timer("mlp_statistics"):
+    grams = _HeadGrams() if config.prunes_attn else None
+    info: dict = {}
+    if grams is not None and sequential:
+        with timer("attention_statistics"):
+            for x in cache.batches:
+                _collect_qk_grams(block.attn, block.norm1(x), grams)
+        with timer("attention_solve"):
+            info["attention"] = _compress_attention(block, grams, config)
+        grams = None
+
+    fc1, fc2 = block.mlp.fc1, block.mlp.fc2  # dense until the MLP is compressed below
+    with timer("block_statistics"):
         for i, x in enumerate(cache.batches):
-            x = x + block.ls1(stats_attn(block.norm1(x)))
+            xn = block.norm1(x)
+            x = x + block.ls1(_attend(block.attn, xn, grams) if grams is not None else block.attn(xn))
             if mlp_stats is None:
                 x = x + block.ls2(block.mlp(block.norm2(x)))
             else:
-                h = block.mlp.act(dense_mlp_fc[0](block.norm2(x)))
+                h = block.mlp.act(fc1(block.norm2(x)))
                 mlp_stats.update(h)
-                if output_in_same_pass:
-                    x = x + block.ls2(dense_mlp_fc[1](h))
+                if not sequential:
+                    x = x + block.ls2(fc2(h))
             cache.batches[i] = x
+    if grams is not None:
+        with timer("attention_solve"):
+            info["attention"] = _compress_attention(block, grams, config)
     if mlp_stats is not None:
         with timer("mlp_solve"):
             info["mlp"] = _compress_mlp(block, mlp_stats, config)
-        if not output_in_same_pass:
+        if sequential:
             with timer("propagate"):
                 for i, x in enumerate(cache.batches):
                     cache.batches[i] = x + block.ls2(block.mlp(block.norm2(x)))
@@ -170,22 +179,51 @@ def _compress_block(block: nn.Module, cache: _BoundaryCache, config: CompressCon
     return info
 
 
-def _attention_grams(block: nn.Module, cache: _BoundaryCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-image query and key Grams ``(N_images, H, d, d)`` float64 for ``block.attn``."""
-    attn = block.attn
+class _HeadGrams:
+    """Per-image query and key Grams of one attention layer, collected batch by batch."""
+
+    def __init__(self) -> None:
+        self.query: list[torch.Tensor] = []
+        self.key: list[torch.Tensor] = []
+
+    def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """``q``, ``k``: ``(B, H, N, d)``."""
+        self.query.append(per_image_head_grams(q))
+        self.key.append(per_image_head_grams(k))
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(N_images, H, d, d)`` float64 each."""
+        return torch.cat(self.query), torch.cat(self.key)
+
+
+def _collect_qk_grams(attn: nn.Module, x: torch.Tensor, grams: _HeadGrams) -> None:
+    """Record the q/k Grams of timm ``Attention`` on normalised tokens ``x`` (B, N, C),
+    projecting queries and keys only."""
+    B, N, _ = x.shape
     H, d = attn.num_heads, attn.head_dim
-    a_parts, g_parts = [], []
-    for x in cache.batches:
-        B, N, _ = x.shape
-        qkv = attn.qkv(block.norm1(x)).reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4)
-        a_parts.append(per_image_head_grams(qkv[0]))
-        g_parts.append(per_image_head_grams(qkv[1]))
-    return torch.cat(a_parts), torch.cat(g_parts)
+    rows = 2 * H * d
+    bias = attn.qkv.bias[:rows] if attn.qkv.bias is not None else None
+    q, k = F.linear(x, attn.qkv.weight[:rows], bias).reshape(B, N, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)
+    grams.add(q, k)
 
 
-def _compress_attention(block: nn.Module, a_full: torch.Tensor, g_full: torch.Tensor,
-                        config: CompressConfig) -> dict:
+def _attend(attn: nn.Module, x: torch.Tensor, grams: _HeadGrams) -> torch.Tensor:
+    """timm ``Attention`` on normalised tokens ``x`` (B, N, C), recording q/k Grams.
+
+    Computes what ``attn(x)`` computes (its structure is checked by ``check_prunable``),
+    reusing the query/key projections for the statistics.
+    """
+    B, N, _ = x.shape
+    H, d = attn.num_heads, attn.head_dim
+    q, k, v = attn.qkv(x).reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)
+    grams.add(q, k)
+    out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+    return attn.proj(out.transpose(1, 2).reshape(B, N, H * d))
+
+
+def _compress_attention(block: nn.Module, grams: _HeadGrams, config: CompressConfig) -> dict:
     attn = block.attn
+    a_full, g_full = grams.stacked()
     H, d = attn.num_heads, attn.head_dim
     kept = kept_count(d, config.s_attn, config.round_to)
     scores = attn_ops.qk_dim_scores(a_full, g_full)

@@ -77,13 +77,18 @@ def solve_mlp(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tensor, pr
         B = torch.zeros(len(P), len(S), dtype=cov.dtype, device=cov.device)
         c = torch.zeros(len(P), dtype=cov.dtype, device=cov.device)
     w2p = w2[:, P]
-    err_unc = _weighted_trace(w2p, sig_pp + torch.outer(mu[P], mu[P]))
+    err_unc = _weighted_trace(w2p, sig_pp) + float((w2p @ mu[P]).square().sum())
     if compensate and len(P):
-        resid = sig_pp - B @ sig_ps.T - sig_ps @ B.T + B @ sig_ss @ B.T
-        err_comp = _weighted_trace(w2p, resid)
+        # E||W2_P((h_P - mu_P) - B(h_S - mu_S))||^2 = tr(D R D^T), D = W2_P, with
+        # R = Sigma_PP - Sigma_PS B^T - lambda B B^T (uses (Sigma_SS + lambda I) B^T = Sigma_SP).
+        e = w2p @ B
+        err_comp = (_weighted_trace(w2p, sig_pp) - float(((w2p @ sig_ps) * e).sum())
+                    - lam * float(e.square().sum()))
     else:
         err_comp = err_unc
-    energy = _weighted_trace(w2, cov + torch.outer(mu, mu))
+    # E||W2 h||^2, only a scale for relative errors: float32 is precise enough.
+    w32 = w2.float()
+    energy = _weighted_trace(w32, cov.float()) + float((w32 @ mu.float()).square().sum())
     return MlpSolution(S, P, B, c, lam, err_unc, err_comp, energy)
 
 

@@ -8,63 +8,97 @@ from __future__ import annotations
 import torch
 
 
-def symmetric_gram(x: torch.Tensor, block: int = 768) -> torch.Tensor:
-    """``x^T x`` for ``x`` of shape ``(n, d)``, computing only the upper block triangle.
+def _add_upper_gram(out: torch.Tensor, x: torch.Tensor, block: int) -> None:
+    """``out += x^T x`` on the upper block triangle only (blocks of ``block`` columns).
 
-    Same result as ``x.T @ x`` at about ``(1 + 1/k) / 2`` of its cost for ``k`` column
-    blocks; the lower blocks are mirrored.
+    For ``k`` column blocks this costs ``(1 + 1/k) / 2`` of the full product; the lower
+    blocks of ``out`` are left untouched (see :func:`_mirror_blocks_`).
     """
     d = x.shape[1]
-    if d <= block:
-        return x.T @ x
-    out = torch.empty(d, d, dtype=x.dtype, device=x.device)
-    starts = list(range(0, d, block))
-    for i in starts:
-        xi = x[:, i:i + block]
-        for j in starts:
-            if j < i:
-                continue
-            g = xi.T @ x[:, j:j + block]
-            out[i:i + block, j:j + block] = g
-            if j > i:
-                out[j:j + block, i:i + block] = g.T
-    return out
+    for i in range(0, d, block):
+        xi_t = x[:, i:i + block].T
+        out[i:i + block, i:].addmm_(xi_t, x[:, i:])
+
+
+def _mirror_blocks_(matrix: torch.Tensor, block: int) -> torch.Tensor:
+    """Make ``matrix`` symmetric in place by copying its upper block triangle (blocks of
+    ``block``) onto the lower one; returns it."""
+    d = matrix.shape[0]
+    for i in range(block, d, block):
+        matrix[i:i + block, :i] = matrix[:i, i:i + block].T
+    return matrix
+
+
+def symmetric_gram(x: torch.Tensor, block: int = 384) -> torch.Tensor:
+    """``x^T x`` for ``x`` of shape ``(n, d)``, computing only the upper block triangle."""
+    out = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+    _add_upper_gram(out, x, block)
+    return _mirror_blocks_(out, block)
 
 
 class MomentAccumulator:
-    """Mean, covariance and sign frequency of ``d``-dim samples, streamed in batches.
+    """Mean, covariance and (optionally) sign frequency of ``d``-dim samples, streamed.
 
-    Batches are merged with Chan et al.'s parallel update: for each batch the centred
-    Gram ``M2_b = sum (x - mean_b)(x - mean_b)^T`` is formed in float32, then
-    ``M2 += M2_b + delta delta^T * n_a n_b / n`` in float64.
+    Uses the shifted-data algorithm: samples are centred on a fixed shift ``K`` (the
+    first batch's mean), ``sum (x - K)`` is kept in float64 and the Gram
+    ``sum (x - K)(x - K)^T`` is accumulated in float32 by in-place matrix products
+    (upper block triangle only) and flushed into a float64 total every
+    ``flush_samples`` samples. Then ``Sigma = G / n - delta delta^T`` with
+    ``delta = sum (x - K) / n`` in float64; since ``K`` is close to the mean,
+    ``delta`` is small and the subtraction loses little precision.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True,
+                 block: int = 384, flush_samples: int = 65536) -> None:
         self.n = 0
-        self.mean = torch.zeros(dim, dtype=torch.float64, device=device)
-        self.m2 = torch.zeros(dim, dim, dtype=torch.float64, device=device)
-        self.positive = torch.zeros(dim, dtype=torch.float64, device=device)
+        self._dim, self._block, self._flush_samples = dim, block, flush_samples
+        self._shift: torch.Tensor | None = None
+        self._sum = torch.zeros(dim, dtype=torch.float64, device=device)
+        self._gram64 = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        self._gram32 = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+        self._pending = 0
+        self._covariance: torch.Tensor | None = None
+        self.positive = torch.zeros(dim, dtype=torch.float64, device=device) if track_positive else None
 
     def update(self, x: torch.Tensor) -> None:
-        """Add samples ``x`` of shape ``(n_b, d)`` (any leading dims are flattened)."""
+        """Add samples ``x`` of shape ``(..., d)`` (leading dims are flattened)."""
         x = x.reshape(-1, x.shape[-1]).float()
-        nb = x.shape[0]
-        if nb == 0:
+        if x.shape[0] == 0:
             return
-        mean_b = x.mean(0)
-        m2_b = symmetric_gram(x - mean_b).double()
-        mean_b = mean_b.double()
-        self.positive += (x > 0).sum(0).double()
-        n = self.n + nb
-        delta = mean_b - self.mean
-        self.m2 += m2_b + torch.outer(delta, delta) * (self.n * nb / n)
-        self.mean += delta * (nb / n)
-        self.n = n
+        if self._shift is None:
+            self._shift = x.mean(0)
+        if self.positive is not None:
+            self.positive += torch.count_nonzero(x > 0, dim=0).double()
+        xc = x - self._shift
+        self._sum += xc.sum(0).double()
+        _add_upper_gram(self._gram32, xc, self._block)
+        self.n += x.shape[0]
+        self._pending += x.shape[0]
+        self._covariance = None
+        if self._pending >= self._flush_samples:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._gram64 += self._gram32
+        self._gram32.zero_()
+        self._pending = 0
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """``E[x]``, float64 ``(d,)``."""
+        shift = self._shift.double() if self._shift is not None else 0.0
+        return self._sum / max(self.n, 1) + shift
 
     @property
     def covariance(self) -> torch.Tensor:
-        """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)``."""
-        return self.m2 / max(self.n, 1)
+        """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (cached)."""
+        if self._covariance is None:
+            self._flush()
+            _mirror_blocks_(self._gram64, self._block)
+            n = max(self.n, 1)
+            delta = self._sum / n
+            self._covariance = torch.addr(self._gram64, delta, delta, beta=1.0 / n, alpha=-1.0)
+        return self._covariance
 
     @property
     def second_moment_diag(self) -> torch.Tensor:
@@ -73,7 +107,9 @@ class MomentAccumulator:
 
     @property
     def positive_rate(self) -> torch.Tensor:
-        """``P(x_j > 0)`` per dim, float64 ``(d,)``."""
+        """``P(x_j > 0)`` per dim, float64 ``(d,)`` (needs ``track_positive``)."""
+        if self.positive is None:
+            raise ValueError("this accumulator was created with track_positive=False")
         return self.positive / max(self.n, 1)
 
 

