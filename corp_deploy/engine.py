@@ -7,17 +7,19 @@ through a block, so no second copy is held. Attention statistics add per-image q
 and key Grams (``images x heads x d x d`` float64 x 2, 100 MB for DeiT-B / 256 images)
 for one block at a time; MLP statistics one ``H x H`` float64 matrix.
 
-Cost: the blocks are run once over the calibration set. Per block: one query/key
-projection (attention statistics), the attention and MLP up-projection with the
-MLP Gram (MLP statistics), and in sequential mode the compressed MLP to produce the
-next boundary. No gradient is ever taken.
+Cost: independent mode runs each dense block once over the calibration set, collecting
+the query/key Grams and the MLP hidden Gram in the same pass. Sequential mode runs, per
+block, the dense query/key projection (attention statistics), then the compressed
+attention and the dense MLP up-projection (MLP statistics), then the compressed MLP
+(next boundary). The MLP Gram (``tokens x H^2``, upper block triangle only) is the largest
+single cost. No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,18 +56,18 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     dense_params = count_params(model)
 
     model = clone_model(model).eval().to(device)
-    with torch.no_grad(), timer("embed"):
-        cache, n_images = _embed_all(model, calibration_batches, device)
-    if n_images == 0:
-        raise CorpError("the calibration set is empty")
-    input_size = tuple(cache.input_size)
-    dense_macs = count_macs(model, input_size)
-
-    layers = []
-    with _progress_bar(progress, len(model.blocks)) as advance, torch.no_grad():
+    with _Progress(progress) as bar, torch.no_grad():
+        with timer("embed"):
+            cache, n_images = _embed_all(model, calibration_batches, device, bar.images)
+        if n_images == 0:
+            raise CorpError("the calibration set is empty")
+        input_size = tuple(cache.input_size)
+        dense_macs = count_macs(model, input_size)
+        layers = []
+        bar.start_blocks(len(model.blocks))
         for block in model.blocks:
             layers.append(_compress_block(block, cache, config, timer))
-            advance()
+            bar.block_done()
     model = model.cpu().eval()
     report = {
         "calibration": {"images": n_images, "tokens_per_image": cache.tokens,
@@ -91,8 +93,8 @@ class _BoundaryCache:
         return self.batches[0].shape[1] if self.batches else 0
 
 
-def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device
-               ) -> tuple[_BoundaryCache, int]:
+def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
+               on_batch: Callable[[int], None]) -> tuple[_BoundaryCache, int]:
     """Run each batch up to the first block (patch + position embedding, prefix tokens)."""
     cache = _BoundaryCache()
     n = 0
@@ -104,6 +106,7 @@ def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.
         cache.input_size = tuple(images.shape[1:])
         cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
         n += images.shape[0]
+        on_batch(images.shape[0])
     return cache, n
 
 
@@ -292,14 +295,38 @@ class _PhaseTimer:
         return out
 
 
-@contextmanager
-def _progress_bar(enabled: bool, total: int) -> Iterator:
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn("calibrating blocks"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
-        task = bar.add_task("blocks", total=total)
-        yield lambda: bar.advance(task)
+class _Progress:
+    """Progress on stderr: images loaded and embedded, then blocks calibrated (no-op if disabled)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True))
+            self._images = self._bar.add_task("loading calibration images", total=None)
+
+    def __enter__(self) -> "_Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def images(self, count: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._images, count)
+
+    def start_blocks(self, total: int) -> None:
+        if self._bar is not None:
+            done = self._bar.tasks[0].completed
+            self._bar.update(self._images, total=done, completed=done)
+            self._blocks = self._bar.add_task("calibrating blocks", total=total)
+
+    def block_done(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._blocks)

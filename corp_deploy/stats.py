@@ -5,35 +5,40 @@ per-batch centred data, and keep their running sums in float64 (METHOD.md 1).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def _add_upper_gram(out: torch.Tensor, x: torch.Tensor, block: int) -> None:
-    """``out += x^T x`` on the upper block triangle only (blocks of ``block`` columns).
+def _add_lower_gram(out: torch.Tensor, x: torch.Tensor, block: int = 384) -> None:
+    """``out += x^T x`` on the lower triangle of ``out`` (``(d, d)``); ``x``: ``(n, d)``.
 
-    For ``k`` column blocks this costs ``(1 + 1/k) / 2`` of the full product; the lower
-    blocks of ``out`` are left untouched (see :func:`_mirror_blocks_`).
+    On the CPU in float32 this is BLAS ``ssyrk`` (half the products of ``x.T @ x``);
+    elsewhere column panels of ``block`` columns, about ``(1 + 1/k) / 2`` of the products
+    for ``k`` panels. The strict upper triangle of ``out`` is left unchanged (zero in
+    the accumulators); :func:`symmetric_from_lower` completes the matrix.
     """
+    if out.device.type == "cpu" and out.dtype == x.dtype == torch.float32 and out.is_contiguous():
+        from scipy.linalg.blas import ssyrk
+        c = out.numpy().T  # Fortran-ordered view: its upper triangle is out's lower one
+        result = ssyrk(1.0, x.contiguous().numpy().T, beta=1.0, c=c, trans=0, lower=0, overwrite_c=1)
+        if result is not c and not np.shares_memory(result, c):
+            c[...] = result
+        return
     d = x.shape[1]
     for i in range(0, d, block):
-        xi_t = x[:, i:i + block].T
-        out[i:i + block, i:].addmm_(xi_t, x[:, i:])
+        out[i:, i:i + block].addmm_(x[:, i:].T, x[:, i:i + block])
 
 
-def _mirror_blocks_(matrix: torch.Tensor, block: int) -> torch.Tensor:
-    """Make ``matrix`` symmetric in place by copying its upper block triangle (blocks of
-    ``block``) onto the lower one; returns it."""
-    d = matrix.shape[0]
-    for i in range(block, d, block):
-        matrix[i:i + block, :i] = matrix[:i, i:i + block].T
-    return matrix
+def symmetric_from_lower(matrix: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose lower triangle is ``matrix``'s."""
+    return torch.tril(matrix) + torch.tril(matrix, -1).T
 
 
-def symmetric_gram(x: torch.Tensor, block: int = 384) -> torch.Tensor:
-    """``x^T x`` for ``x`` of shape ``(n, d)``, computing only the upper block triangle."""
+def symmetric_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x^T x`` for ``x`` of shape ``(n, d)``, computing one triangle only."""
     out = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
-    _add_upper_gram(out, x, block)
-    return _mirror_blocks_(out, block)
+    _add_lower_gram(out, x)
+    return symmetric_from_lower(out)
 
 
 class MomentAccumulator:
@@ -41,17 +46,17 @@ class MomentAccumulator:
 
     Uses the shifted-data algorithm: samples are centred on a fixed shift ``K`` (the
     first batch's mean), ``sum (x - K)`` is kept in float64 and the Gram
-    ``sum (x - K)(x - K)^T`` is accumulated in float32 by in-place matrix products
-    (upper block triangle only) and flushed into a float64 total every
-    ``flush_samples`` samples. Then ``Sigma = G / n - delta delta^T`` with
+    ``sum (x - K)(x - K)^T`` is accumulated in float32 by in-place symmetric rank-k
+    updates (one triangle) and flushed into a float64 total every ``flush_samples``
+    samples. Then ``Sigma = G / n - delta delta^T`` with
     ``delta = sum (x - K) / n`` in float64; since ``K`` is close to the mean,
     ``delta`` is small and the subtraction loses little precision.
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True,
-                 block: int = 384, flush_samples: int = 65536) -> None:
+                 flush_samples: int = 65536) -> None:
         self.n = 0
-        self._dim, self._block, self._flush_samples = dim, block, flush_samples
+        self._flush_samples = flush_samples
         self._shift: torch.Tensor | None = None
         self._sum = torch.zeros(dim, dtype=torch.float64, device=device)
         self._gram64 = torch.zeros(dim, dim, dtype=torch.float64, device=device)
@@ -71,7 +76,7 @@ class MomentAccumulator:
             self.positive += torch.count_nonzero(x > 0, dim=0).double()
         xc = x - self._shift
         self._sum += xc.sum(0).double()
-        _add_upper_gram(self._gram32, xc, self._block)
+        _add_lower_gram(self._gram32, xc)
         self.n += x.shape[0]
         self._pending += x.shape[0]
         self._covariance = None
@@ -94,10 +99,10 @@ class MomentAccumulator:
         """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (cached)."""
         if self._covariance is None:
             self._flush()
-            _mirror_blocks_(self._gram64, self._block)
             n = max(self.n, 1)
             delta = self._sum / n
-            self._covariance = torch.addr(self._gram64, delta, delta, beta=1.0 / n, alpha=-1.0)
+            self._covariance = torch.addr(symmetric_from_lower(self._gram64), delta, delta,
+                                          beta=1.0 / n, alpha=-1.0)
         return self._covariance
 
     @property

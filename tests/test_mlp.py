@@ -33,8 +33,11 @@ def test_compensation_equals_least_squares_on_raw_activations():
     sol = mlp_ops.solve_mlp(stats_of(h), torch.randn(10, 24), S, P, alpha=0.0)
     design = torch.cat([h[:, S], torch.ones(len(h), 1, dtype=h.dtype)], 1)
     coef = torch.linalg.lstsq(design, h[:, P]).solution  # (|S|+1, |P|)
+    # statistics are accumulated in float32 (METHOD.md 1): coefficients agree to ~1e-5,
+    # the predictions of the pruned channels to ~1e-6 of their scale
     torch.testing.assert_close(sol.B, coef[:-1].T, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(sol.c, coef[-1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sol.c, coef[-1], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(h[:, S] @ sol.B.T + sol.c, design @ coef, rtol=0, atol=1e-5 * float(h.std()))
 
 
 def test_ridge_equals_augmented_least_squares():
