@@ -1,17 +1,19 @@
 """Cost of `compress` relative to one plain forward pass over the same calibration images.
 
-    python -m benchmarks.compress_cost --model deit_base --images 256 --out benchmarks/results/compress_cost_deit_base.json
+    python -m benchmarks.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
 
 Images are preprocessed once up front (decoding is not timed); random weights (timing does
 not depend on them). Forward passes and compress runs of both calibration modes are
-interleaved in one process, so that the ratios are robust on a shared, noisy machine:
-each compress time is divided by the mean of the forward passes just before and after it.
+interleaved in one process (F I F S F I F S F for two rounds), so that the ratios are
+robust on a shared, noisy machine: each compress time is divided by the mean of the
+forward passes just before and after it; the summary gives the median ratio per mode.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--s", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -46,7 +49,7 @@ def main() -> None:
 
     forwards = [timed_forward(model, batches)]
     runs = []
-    for mode in ("independent", "sequential"):
+    for mode in ("independent", "sequential") * args.rounds:
         start = time.perf_counter()
         _, report = compress(model, batches, CompressConfig(s_mlp=args.s, s_attn=args.s, calibration=mode))
         total = time.perf_counter() - start
@@ -58,7 +61,9 @@ def main() -> None:
         print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"python -m benchmarks.compress_cost --model {args.model} --images {args.images} "
-                   f"--batch-size {args.batch_size} --s {args.s} --out {args.out}",
+                   f"--batch-size {args.batch_size} --s {args.s} --rounds {args.rounds} --out {args.out}",
+        "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["calibration"] == mode)
+                         for mode in ("independent", "sequential")},
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "versions": library_versions(),
         "forward_passes_s": [round(f, 2) for f in forwards],

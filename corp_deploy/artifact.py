@@ -66,14 +66,15 @@ def build_skeleton(config: dict) -> nn.Module:
     return model.eval()
 
 
-def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any],
-                  settings: dict[str, Any], calibration: dict[str, Any], report: dict[str, Any],
-                  method: str = "corp", extra: dict[str, Any] | None = None) -> Path:
+def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any] | None = None,
+                  settings: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
+                  report: dict[str, Any] | None = None, method: str = "corp") -> Path:
     """Write the artifact directory atomically and return its path.
 
     Args:
         model: the compressed timm ViT.
-        base_model: ``{"name", "model_kwargs", "weights"}`` (see :func:`base_model_spec`).
+        base_model: ``{"name", "model_kwargs", "weights"}``; by default inferred with
+            :func:`base_model_spec` (and checked to rebuild the model).
         settings: every setting of the run (CompressConfig plus calibration options).
         calibration: summary of the calibration data.
         report: diagnostics (from :func:`corp_deploy.compress`).
@@ -85,6 +86,8 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
     _, data_config = model_transform(model)
+    if base_model is None:
+        base_model = base_model_spec(model)
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -93,11 +96,10 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
         "blocks": [block_dims(b).to_dict() for b in model.blocks],
         "fc2_bias": [b.mlp.fc2.bias is not None for b in model.blocks],
-        "settings": settings,
-        "calibration": calibration,
+        "settings": settings or {},
+        "calibration": calibration or {},
         "versions": library_versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **(extra or {}),
     }
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
@@ -107,7 +109,7 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     try:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         _write_json(tmp / CONFIG_FILE, config)
-        _write_json(tmp / REPORT_FILE, report)
+        _write_json(tmp / REPORT_FILE, report or {})
         _apply_umask(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:

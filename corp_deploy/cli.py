@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
+from .config import CALIBRATION_MODES, RANKERS, CompressConfig
 from .errors import CorpError
 
+DEFAULTS = CompressConfig()
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
 
 
@@ -66,8 +68,8 @@ def cli():
 
 @cli.command()
 @click.argument("model")
-@click.option("--s", "sparsity", type=float, default=0.5, show_default=True,
-              help="Sparsity of both MLP hidden channels and attention query/key dims.")
+@click.option("--s", "sparsity", type=float, default=DEFAULTS.s_mlp, show_default=True,
+              help="Sparsity in [0, 1) of both MLP hidden channels and attention query/key dims.")
 @click.option("--s-mlp", type=float, default=None, help="MLP sparsity (overrides --s).")
 @click.option("--s-attn", type=float, default=None, help="Query/key sparsity (overrides --s).")
 @click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default="both", show_default=True,
@@ -78,13 +80,13 @@ def cli():
 @click.option("--calib-samples", type=int, default=256, show_default=True,
               help="Number of calibration images.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
-@click.option("--ranker", type=click.Choice(["combined", "energy", "magnitude", "active", "variance"]),
-              default="combined", show_default=True, help="MLP channel ranking.")
-@click.option("--ridge", type=float, default=None,
-              help="Scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|). [default: 1e-3]")
-@click.option("--calibration", type=click.Choice(["sequential", "independent"]), default="sequential",
-              show_default=True, help="Statistics from the partly compressed model (sequential) "
-                                      "or all from the dense model (independent, as in the paper).")
+@click.option("--ranker", type=click.Choice(RANKERS), default=DEFAULTS.ranker, show_default=True,
+              help="MLP channel ranking.")
+@click.option("--ridge", type=float, default=DEFAULTS.ridge, show_default=True,
+              help="Scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|).")
+@click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS.calibration,
+              show_default=True, help="Statistics all from the dense model (independent, as in the "
+                                      "paper) or from the partly compressed model (sequential).")
 @click.option("--round-to", type=int, default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
 @click.option("--no-compensation", is_flag=True, help="Keep the same channels but only slice (ablation).")
@@ -115,7 +117,6 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
 
     from .artifact import base_model_spec, record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
-    from .config import CompressConfig
     from .engine import compress as run_compress
     from .models import create_base_model, resolve_model_name
 
@@ -123,7 +124,7 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
     kwargs = _parse_model_args(model_args)
     config = CompressConfig(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
-        target=target, ranker=ranker, ridge=1e-3 if ridge is None else ridge, calibration=calibration,
+        target=target, ranker=ranker, ridge=ridge, calibration=calibration,
         round_to=round_to, compensation=not no_compensation, device=device)
     if checkpoint is not None and no_pretrained:
         raise CorpError("--checkpoint and --no-pretrained exclude each other")
@@ -149,7 +150,8 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
     if summary["files_skipped"]:
         click.secho(f"warning: skipped {summary['files_skipped']} unreadable calibration files "
                     f"(e.g. {summary['skipped_examples'][0]})", fg="yellow", err=True)
-    weights = ({"source": "checkpoint", "path": str(Path(checkpoint).resolve())} if checkpoint else
+    weights = ({"source": "checkpoint", "path": str(Path(checkpoint).resolve()),
+                "sha256": _sha256(checkpoint)} if checkpoint else
                {"source": "random", "seed": seed} if no_pretrained else {"source": "timm-pretrained"})
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
     path = save_artifact(compressed, out_dir,
@@ -157,6 +159,15 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
                          settings=settings, calibration=summary, report=report)
     record_latest(path)
     _print_summary(report, path)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _print_summary(report: dict, path: Path) -> None:

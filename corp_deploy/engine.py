@@ -226,12 +226,13 @@ def _attend(attn: nn.Module, x: torch.Tensor, grams: _HeadGrams) -> torch.Tensor
 
 def _compress_attention(block: nn.Module, grams: _HeadGrams, config: CompressConfig) -> dict:
     attn = block.attn
-    a_full, g_full = grams.stacked()
+    a_full, g_full = grams.stacked()  # head-major below: a_full[h] is contiguous (N, d, d)
+    a_full, g_full = a_full.transpose(0, 1).contiguous(), g_full.transpose(0, 1).contiguous()
     H, d = attn.num_heads, attn.head_dim
     kept = kept_count(d, config.s_attn, config.round_to)
-    scores = attn_ops.qk_dim_scores(a_full, g_full)
+    scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
     S, P = attn_ops.split_head_dims(scores, kept)
-    heads = [attn_ops.solve_head(a_full[:, h], g_full[:, h], S[h], P[h], config.ridge,
+    heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.ridge,
                                  config.compensation) for h in range(H)]
     block.attn = attn_ops.fold_attention(attn, S, [s.M for s in heads])
     scale2 = attn.scale ** 2

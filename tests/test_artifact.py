@@ -105,3 +105,15 @@ def test_latest_artifact_pointer(compressed, tmp_path, monkeypatch):
     path = save(model, report, tmp_path / "art")
     record_latest(path)
     assert latest_artifact() == path.resolve()
+
+
+def test_base_model_is_inferred_when_not_given(tmp_path):
+    import timm
+    torch.manual_seed(0)
+    dense = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7).eval()
+    model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
+    path = save_artifact(model, tmp_path / "art", report=report)
+    assert read_config(path)["base_model"]["model_kwargs"] == {"img_size": [32, 32], "num_classes": 7}
+    x = image_batches(1, 2, seed=5)[0]
+    with torch.no_grad():
+        assert torch.equal(load_compressed(path)(x), model(x))
