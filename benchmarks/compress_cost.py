@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--s", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--full-warmup", action="store_true", help="untimed forward pass over all images first")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -45,7 +46,10 @@ def main() -> None:
     model = create_base_model(args.model, pretrained=False)
     transform, _ = model_transform(model)
     batches = list(CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size))
-    timed_forward(model, batches[:1])  # warm-up
+    if args.full_warmup:
+        timed_forward(model, batches)  # the first full pass over new tensors runs slow
+    else:
+        timed_forward(model, batches[:1])
 
     forwards = [timed_forward(model, batches)]
     runs = []
@@ -61,7 +65,8 @@ def main() -> None:
         print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"python -m benchmarks.compress_cost --model {args.model} --images {args.images} "
-                   f"--batch-size {args.batch_size} --s {args.s} --rounds {args.rounds} --out {args.out}",
+                   f"--batch-size {args.batch_size} --s {args.s} --rounds {args.rounds}"
+                   f"{' --full-warmup' if args.full_warmup else ''} --out {args.out}",
         "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["calibration"] == mode)
                          for mode in ("independent", "sequential")},
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},

@@ -77,13 +77,13 @@ def solve_mlp(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tensor, pr
         B = torch.zeros(len(P), len(S), dtype=cov.dtype, device=cov.device)
         c = torch.zeros(len(P), dtype=cov.dtype, device=cov.device)
     w2p = w2[:, P]
-    err_unc = _weighted_trace(w2p, sig_pp) + float((w2p @ mu[P]).square().sum())
+    centred_pp = _weighted_trace(w2p, sig_pp)  # tr(W2_P Sigma_PP W2_P^T)
+    err_unc = centred_pp + float((w2p @ mu[P]).square().sum())
     if compensate and len(P):
         # E||W2_P((h_P - mu_P) - B(h_S - mu_S))||^2 = tr(D R D^T), D = W2_P, with
         # R = Sigma_PP - Sigma_PS B^T - lambda B B^T (uses (Sigma_SS + lambda I) B^T = Sigma_SP).
         e = w2p @ B
-        err_comp = (_weighted_trace(w2p, sig_pp) - float(((w2p @ sig_ps) * e).sum())
-                    - lam * float(e.square().sum()))
+        err_comp = centred_pp - float(((w2p @ sig_ps) * e).sum()) - lam * float(e.square().sum())
     else:
         err_comp = err_unc
     # E||W2 h||^2, only a scale for relative errors: float32 is precise enough.
