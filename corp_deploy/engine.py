@@ -61,7 +61,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
             cache, n_images = _embed_all(model, calibration_batches, device, bar.images)
         if n_images == 0:
             raise CorpError("the calibration set is empty")
-        input_size = tuple(cache.input_size)
+        input_size = cache.input_size
         dense_macs = count_macs(model, input_size)
         layers = []
         bar.start_blocks(len(model.blocks))
@@ -103,6 +103,9 @@ def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.
             raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
         if not torch.isfinite(images).all():
             raise CorpError("calibration batch contains NaN or infinite values")
+        if cache.input_size and tuple(images.shape[1:]) != cache.input_size:
+            raise CorpError(f"calibration batches differ in image size: {tuple(images.shape[1:])} "
+                            f"after {cache.input_size}")
         cache.input_size = tuple(images.shape[1:])
         cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
         n += images.shape[0]

@@ -112,6 +112,8 @@ def test_bad_calibration_input(vit):
         compress(vit, [torch.full((2, 3, 32, 32), float("nan"))], CompressConfig())
     with pytest.raises(CorpError, match="shape"):
         compress(vit, [torch.zeros(3, 32, 32)], CompressConfig())
+    with pytest.raises(CorpError, match="differ in image size"):
+        compress(vit, [torch.zeros(2, 3, 32, 32), torch.zeros(2, 3, 48, 48)], CompressConfig())
 
 
 @pytest.mark.parametrize("kwargs", [dict(s_mlp=1.0), dict(s_attn=-0.1), dict(target="x"),
