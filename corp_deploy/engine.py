@@ -16,6 +16,7 @@ single cost. No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from .config import CompressConfig, kept_count
 from .cost import count_macs, count_params, peak_memory_mb
 from .errors import CorpError
 from .layers import block_dims
-from .models import check_prunable, check_vit, clone_model
+from .models import check_prunable, check_vit
 from .stats import MomentAccumulator, per_image_head_grams
 
 
@@ -55,7 +56,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     timer = _PhaseTimer()
     dense_params = count_params(model)
 
-    model = clone_model(model).eval().to(device)
+    model = copy.deepcopy(model).eval().to(device)  # never modify the caller's model
     with _Progress(progress) as bar, torch.no_grad():
         with timer("embed"):
             cache, n_images = _embed_all(model, calibration_batches, device, bar.images)

@@ -1,7 +1,6 @@
 """Building the base timm Vision Transformer: names, weights and supported structure."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +148,3 @@ def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
                 raise CorpError(f"block {i}: attention of type {type(a).__name__} (or with qk-norm, "
                                 "scale-norm or gating) is not supported for query/key pruning; "
                                 "use --target mlp")
-
-
-def clone_model(model: nn.Module) -> nn.Module:
-    """A deep copy, so that compression never modifies the caller's model."""
-    return copy.deepcopy(model)

@@ -40,13 +40,6 @@ def symmetrize_lower_(matrix: torch.Tensor, block: int = 384) -> torch.Tensor:
     return matrix
 
 
-def symmetric_gram(x: torch.Tensor) -> torch.Tensor:
-    """``x^T x`` for ``x`` of shape ``(n, d)``, computing one triangle only."""
-    out = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
-    _add_lower_gram(out, x)
-    return symmetrize_lower_(out)
-
-
 class MomentAccumulator:
     """Mean, covariance and (optionally) sign frequency of ``d``-dim samples, streamed.
 

@@ -1,6 +1,13 @@
 import torch
 
-from corp_deploy.stats import MomentAccumulator, per_image_head_grams, symmetric_gram
+from corp_deploy.stats import MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
+
+
+def symmetric_gram(x):
+    """x^T x through one-triangle accumulation (ssyrk for float32 on the CPU, panels otherwise)."""
+    out = torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype)
+    _add_lower_gram(out, x)
+    return symmetrize_lower_(out)
 
 
 def test_symmetric_gram_equals_full_product():
