@@ -5,21 +5,22 @@ Public API::
     model, report = corp_deploy.compress(model, calibration_batches, CompressConfig(...))
     corp_deploy.save_artifact(model, out_dir, ...)
     model = corp_deploy.load_compressed(out_dir)
+    dense = corp_deploy.load_base_model(out_dir)   # the model it was compressed from
 """
 __version__ = "0.1.0"
 
-from .artifact import latest_artifact, load_compressed, read_config, save_artifact
+from .artifact import latest_artifact, load_base_model, load_compressed, read_config, save_artifact
 from .calibration import CalibrationImages, model_transform
 from .config import CompressConfig, kept_count
 from .cost import count_macs, count_params
 from .engine import compress
 from .errors import CorpError
 from .layers import BlockDims, PrunedAttention
-from .models import create_base_model, resolve_model_name
+from .models import create_base_model, is_plain_attention, resolve_model_name
 
 __all__ = [
     "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "PrunedAttention",
-    "compress", "count_macs", "count_params", "create_base_model", "kept_count",
-    "latest_artifact", "load_compressed", "model_transform", "read_config",
-    "resolve_model_name", "save_artifact",
+    "compress", "count_macs", "count_params", "create_base_model", "is_plain_attention",
+    "kept_count", "latest_artifact", "load_base_model", "load_compressed", "model_transform",
+    "read_config", "resolve_model_name", "save_artifact",
 ]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import CorpError
+from .files import sha256_file, staged_directory, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import create_base_model
 
@@ -84,7 +83,6 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     from .calibration import model_transform
 
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
     _, data_config = model_transform(model)
     if base_model is None:
         base_model = base_model_spec(model)
@@ -104,17 +102,10 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir, CONFIG_FILE) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
-        _write_json(tmp / CONFIG_FILE, config)
-        _write_json(tmp / REPORT_FILE, report or {})
-        _apply_umask(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / CONFIG_FILE, config)
+        write_json(tmp / REPORT_FILE, report or {})
     return out_dir
 
 
@@ -152,6 +143,33 @@ def load_compressed(path: str | Path) -> nn.Module:
     return model.eval()
 
 
+def load_base_model(path: str | Path) -> nn.Module:
+    """The dense model an artifact was compressed from, rebuilt from ``config.json``.
+
+    Uses the weight source that ``compress`` recorded: the local checkpoint (which must still
+    have the recorded SHA-256), the seeded random initialisation, or timm's pretrained weights
+    (which need the hub or its local cache). CorpError when the source cannot be reproduced.
+    """
+    config = read_config(path)
+    base = config["base_model"]
+    name, kwargs = base["name"], base["model_kwargs"]
+    weights = base.get("weights") or {}
+    source = weights.get("source")
+    if source == "checkpoint":
+        checkpoint = Path(weights["path"])
+        if not checkpoint.is_file():
+            raise CorpError(f"the dense weights of {path} came from {checkpoint}, which no longer exists")
+        if sha256_file(checkpoint) != weights.get("sha256"):
+            raise CorpError(f"{checkpoint} has changed since {path} was compressed (SHA-256 differs)")
+        return create_base_model(name, kwargs, pretrained=False, checkpoint=checkpoint)
+    if source == "random":
+        return create_base_model(name, kwargs, pretrained=False, seed=weights["seed"])
+    if source == "timm-pretrained":
+        return create_base_model(name, kwargs, pretrained=True)
+    raise CorpError(f"{path} does not record where its dense weights came from "
+                    f"(weights source {source!r}); rebuild the dense model yourself")
+
+
 def state_dir() -> Path:
     """Where corp-deploy remembers the most recent artifact (``$CORP_DEPLOY_STATE_DIR``,
     else ``$XDG_STATE_HOME/corp-deploy``, else ``~/.local/state/corp-deploy``)."""
@@ -165,7 +183,7 @@ def record_latest(path: str | Path) -> None:
     """Remember ``path`` as the most recent artifact (for commands run without a path)."""
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "latest.json", {"artifact": str(Path(path).resolve()),
+    write_json(folder / "latest.json", {"artifact": str(Path(path).resolve()),
                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
@@ -189,40 +207,6 @@ def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
         raise CorpError(f"the recorded base model {config['base_model']} does not rebuild this model "
                         f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
                         "it was created with")
-
-
-def _check_replaceable(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CorpError(f"output path {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG_FILE).is_file():
-        raise CorpError(f"output directory {out_dir} exists, is not empty and is not an artifact; "
-                        "refusing to overwrite it")
-
-
-def _replace_dir(new: Path, dest: Path) -> None:
-    """Move the finished directory ``new`` to ``dest``, replacing an old one."""
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.time_ns()}")
-        dest.rename(old)
-    new.rename(dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _apply_umask(folder: Path) -> None:
-    """Give the finished directory and its files ordinary permissions (mkdtemp uses 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import click
 
+from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+from exporters.precision import PRECISIONS
+from exporters.tensorrt import BatchProfile
+
 from .config import CALIBRATION_MODES, RANKERS, CompressConfig
 from .errors import CorpError
 
@@ -16,13 +20,15 @@ DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
 
 
 def _user_errors(func):
-    """Turn CorpError into one clear message and exit status 1 (no traceback)."""
+    """Turn CorpError into one clear message and its exit status (1 by default; no traceback)."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except CorpError as exc:
-            raise click.ClickException(str(exc)) from None
+            error = click.ClickException(str(exc))
+            error.exit_code = exc.exit_code
+            raise error from None
     return wrapper
 
 
@@ -61,7 +67,7 @@ def cli():
 
     \b
     Typical use:
-      corp-deploy compress deit_base --s 0.5
+      corp-deploy compress deit_base --s 0.5 && corp-deploy export --trt
       corp-deploy compress deit_small --s-mlp 0.5 --s-attn 0.3 --calib ./images
     """
 
@@ -113,11 +119,10 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
       corp-deploy compress vit_small_patch14_dinov2 --model-arg img_size=224 \\
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
     """
-    import torch
-
     from .artifact import base_model_spec, record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
+    from .files import sha256_file
     from .models import create_base_model, resolve_model_name
 
     full_name = resolve_model_name(model)
@@ -133,9 +138,9 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
     out_dir = output or default_output_dir(model, config.s_mlp, config.s_attn, target,
                                            config.compensation)
 
-    torch.manual_seed(seed)
     click.echo(f"building {full_name} ...", err=True)
-    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint)
+    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint,
+                             seed=seed)
     transform, _ = model_transform(base)
     if calib is None:
         click.secho("warning: no --calib given; calibrating on built-in photos. Images from your "
@@ -151,26 +156,17 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
         click.secho(f"warning: skipped {summary['files_skipped']} unreadable calibration files "
                     f"(e.g. {summary['skipped_examples'][0]})", fg="yellow", err=True)
     weights = ({"source": "checkpoint", "path": str(Path(checkpoint).resolve()),
-                "sha256": _sha256(checkpoint)} if checkpoint else
+                "sha256": sha256_file(checkpoint)} if checkpoint else
                {"source": "random", "seed": seed} if no_pretrained else {"source": "timm-pretrained"})
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
     path = save_artifact(compressed, out_dir,
                          base_model={**base_model_spec(base, full_name, kwargs), "weights": weights},
                          settings=settings, calibration=summary, report=report)
     record_latest(path)
-    _print_summary(report, path)
+    _print_compress_summary(report, path)
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _print_summary(report: dict, path: Path) -> None:
+def _print_compress_summary(report: dict, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -189,6 +185,99 @@ def _print_summary(report: dict, path: Path) -> None:
             comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
             table.add_row(f"{label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
     table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
+    Console().print(table)
+
+
+
+@cli.command()
+@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.option("--onnx", "onnx_only", is_flag=True, help="Export ONNX (always done; implied by --trt).")
+@click.option("--trt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a CUDA GPU; "
+                                           "build_engine.sh is written either way).")
+@click.option("--dense", is_flag=True, help="Also export the unpruned base model (dense.onnx) the same way.")
+@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="ONNX opset.")
+@click.option("--exporter", type=click.Choice(EXPORTERS), default=DEFAULT_EXPORTER, show_default=True,
+              help="torch.onnx exporter.")
+@click.option("--batch", "batch", default=str(BatchProfile()), show_default=True, metavar="MIN:OPT:MAX",
+              help="TensorRT optimisation profile of the batch axis (the ONNX batch axis is dynamic).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32.")
+@click.option("--workspace", "workspace_gb", type=float, default=None, metavar="GB",
+              help="TensorRT builder workspace limit. [default: TensorRT's]")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
+              help="TensorRT timing cache: read if it exists, updated after the build.")
+@click.option("--atol", type=float, default=None,
+              help="Parity gate: max abs error vs the reference. [default: 1e-4 for fp32, not checked "
+                   "for fp16/bf16]")
+@click.option("--min-cosine", type=float, default=None,
+              help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16]")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Export directory. [default: ARTIFACT/export-<precision>]")
+@_user_errors
+def export(artifact, onnx_only, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
+           atol, min_cosine, output):
+    """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
+
+    Every ONNX file is checked against the PyTorch model on calibration-like images at batch
+    sizes 1 and 8, every TensorRT engine against ONNX Runtime; a failed gate writes nothing.
+    Without ARTIFACT, the most recent one written by `compress` is used.
+
+    \b
+    Exit status: 0 done; 1 error; 2 bad usage; 3 files written but TensorRT engines not built
+    here (no TensorRT or no CUDA GPU: run build_engine.sh on the target); 4 parity gate failed.
+
+    \b
+    Examples:
+      corp-deploy export --trt
+      corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision fp16 -o out/deit_base-fp16
+      corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
+    """
+    from exporters.parity import Tolerance
+    from exporters.pipeline import EXIT_INCOMPLETE, ExportOptions, export_artifact
+    from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
+
+    from .artifact import latest_artifact
+
+    if artifact is None:
+        artifact = latest_artifact()
+        click.echo(f"exporting the most recent artifact: {artifact}", err=True)
+    options = ExportOptions(
+        trt=trt, dense=dense, opset=opset, exporter=exporter,
+        precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
+        timing_cache=timing_cache,
+        tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
+    result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
+    _print_export_summary(result.manifest, result.out_dir)
+    if result.incomplete:
+        for reason in result.incomplete:
+            click.secho(f"not done here: {reason}", fg="yellow", err=True)
+        if trt:
+            click.echo(f"To build the engines on the target GPU machine, either run\n"
+                       f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
+                       f"or, with TensorRT's trtexec there,\n"
+                       f"  bash {result.out_dir / SCRIPT_NAME}", err=True)
+        sys.exit(EXIT_INCOMPLETE)
+
+
+def _print_export_summary(manifest: dict, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"corp-deploy export -> {path}",
+                  caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}")
+    for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
+        table.add_column(column, justify="left" if column in ("file", "checked against") else "right")
+    for entry in manifest["models"].values():
+        for check, batches in entry["parity"].items():
+            backend, reference = check.split("_vs_")
+            file = entry["engine"] if backend == "tensorrt" else entry["onnx"][0]
+            if "skipped" in batches:
+                table.add_row(file, reference, "not run", "", "")
+                continue
+            results = list(batches.values())
+            top1 = [r["top1_agreement"] for r in results if r["top1_agreement"] is not None]
+            table.add_row(file, reference, f"{max(r['max_abs'] for r in results):.2e}",
+                          f"{min(r['cosine'] for r in results):.6f}", f"{min(top1):.3f}" if top1 else "-")
     Console().print(table)
 
 

@@ -42,11 +42,13 @@ def resolve_model_name(name: str) -> str:
 
 
 def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
-                      pretrained: bool = True, checkpoint: str | Path | None = None) -> nn.Module:
+                      pretrained: bool = True, checkpoint: str | Path | None = None,
+                      seed: int | None = None) -> nn.Module:
     """The dense timm model in eval mode.
 
     Weights come from ``checkpoint`` (a local state dict) when given, else from timm's
-    pretrained weights when ``pretrained``, else random initialisation.
+    pretrained weights when ``pretrained``, else random initialisation (reproducible when
+    ``seed`` is given: the torch RNG is seeded right before the model is created).
     """
     full = resolve_model_name(name)
     kwargs = dict(model_kwargs or {})
@@ -57,6 +59,8 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
             "Pass local weights with --checkpoint FILE (safetensors or .pth state dict), "
             "use --no-pretrained for random weights, or set HF_HUB_OFFLINE=1 to use weights "
             "already in the local Hugging Face cache.")
+    if seed is not None:
+        torch.manual_seed(seed)
     try:
         model = timm.create_model(full, pretrained=use_hub, **kwargs)
     except TypeError as exc:
@@ -139,12 +143,15 @@ def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
                 raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP "
                                 "pruning (needs timm Mlp: fc1 -> elementwise act -> fc2; gated/SwiGLU "
                                 "MLPs are not); use --target attn")
-        if attn:
-            a = block.attn
-            plain = (type(a) is Attention and isinstance(a.q_norm, nn.Identity)
-                     and isinstance(a.k_norm, nn.Identity) and isinstance(a.norm, nn.Identity)
-                     and getattr(a, "gate", None) is None)
-            if not plain:
-                raise CorpError(f"block {i}: attention of type {type(a).__name__} (or with qk-norm, "
-                                "scale-norm or gating) is not supported for query/key pruning; "
-                                "use --target mlp")
+        if attn and not is_plain_attention(block.attn):
+            raise CorpError(f"block {i}: attention of type {type(block.attn).__name__} (or with qk-norm, "
+                            "scale-norm or gating) is not supported for query/key pruning; "
+                            "use --target mlp")
+
+
+def is_plain_attention(attn: nn.Module) -> bool:
+    """Whether ``attn`` is timm's standard ``Attention`` without qk-norm, scale-norm or gating:
+    ``softmax(scale * q k^T) v`` on one fused ``qkv`` projection, then ``proj``."""
+    return (type(attn) is Attention and isinstance(attn.q_norm, nn.Identity)
+            and isinstance(attn.k_norm, nn.Identity) and isinstance(attn.norm, nn.Identity)
+            and getattr(attn, "gate", None) is None)

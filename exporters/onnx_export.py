@@ -1,58 +1,120 @@
-"""Export a (compressed or dense) timm ViT to one self-contained ONNX file with a dynamic batch axis.
+"""Export a (compressed or dense) timm ViT to a checked ONNX file with a dynamic batch axis.
 
-First step of the export issue: the CLI, TensorRT and the manifest come later. The
-TorchScript exporter is used: on this project's models both torch exporters give the
-same ONNX Runtime parity (~1e-7 on small ViTs), and it exports in a fraction of the
-dynamo exporter's time (0.17 s vs 4.4 s on a 2-block test ViT).
+Exporter and opset defaults come from measurements on dense and pruned DeiT
+(``benchmarks/export_choice.py``, results in ``benchmarks/RESULTS.md``).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from corp_deploy import CorpError
+
+from .precision import for_export
+
 INPUT_NAME, OUTPUT_NAME = "images", "outputs"
-DEFAULT_OPSET = 17
+BATCH_AXIS = "batch"
+EXPORTERS = ("dynamo", "torchscript")
+DEFAULT_EXPORTER = "dynamo"
+DEFAULT_OPSET = 18
+MIN_OPSET = 17  # LayerNormalization is an ONNX op from opset 17 on
+#: Protobuf cannot serialise a message of 2 GiB or more; larger models keep their weights
+#: in one external file ``<name>.data`` beside the graph.
+PROTOBUF_LIMIT = 2 ** 31 - 1
 
 
 def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, int], *,
-                opset: int = DEFAULT_OPSET, trace_batch: int = 2) -> dict:
-    """Write ``model`` (eval mode, float32) as ONNX to ``path`` atomically and check it.
+                opset: int = DEFAULT_OPSET, exporter: str = DEFAULT_EXPORTER, precision: str = "fp32",
+                trace_batch: int = 2, single_file_limit: int = PROTOBUF_LIMIT) -> dict:
+    """Write ``model`` as ONNX to ``path`` (atomically), then check it and infer its shapes.
 
     Args:
+        model: a timm ViT (dense or compressed), float32; it is not modified.
         input_size: ``(C, H, W)`` of one image; only the batch axis is dynamic.
+        precision: ``fp32``, ``fp16`` or ``bf16`` (see :mod:`exporters.precision`); the graph's
+            input and output are float32 in every case.
         trace_batch: batch size of the example input used for tracing.
+        single_file_limit: weights larger than this go to ``<path>.data`` (default: protobuf's
+            2 GiB limit).
     Returns:
-        ``{"opset", "exporter", "inputs", "outputs"}`` with names and shapes (``"batch"``
-        for the dynamic axis).
+        ``{"files", "opset", "exporter", "precision", "inputs", "outputs", "dynamic_axes"}``;
+        ``files`` lists the written file names (the graph first), shapes use ``"batch"`` for
+        the dynamic axis.
     """
     import onnx
 
+    check_settings(opset, exporter)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    model = model.eval().float()
+    traced = for_export(model, precision)
     example = torch.zeros(trace_batch, *input_size)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with torch.no_grad():
-            torch.onnx.export(model, (example,), tmp, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                              opset_version=opset, dynamo=False)
-        onnx.checker.check_model(tmp, full_check=True)  # includes strict shape inference
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as work:
+        raw = Path(work) / "raw" / "model.onnx"
+        raw.parent.mkdir()
+        _run_exporter(traced, example, raw, opset, exporter)
+        proto = onnx.load(str(raw))  # also reads any external weight files
+        staged = Path(work) / path.name
+        data_name = None
+        if sum(t.ByteSize() for t in proto.graph.initializer) > single_file_limit:
+            data_name = path.name + ".data"
+            onnx.save_model(proto, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+        else:
+            onnx.save_model(proto, str(staged))
+        del proto
+        onnx.checker.check_model(str(staged), full_check=True)
+        onnx.shape_inference.infer_shapes_path(str(staged), str(staged), check_type=True,
+                                               strict_mode=True, data_prop=True)
+        if data_name is not None:
+            os.replace(Path(work) / data_name, path.parent / data_name)
+        os.replace(staged, path)
     graph = onnx.load(str(path), load_external_data=False).graph
-    return {"opset": opset, "exporter": "torchscript",
-            "inputs": [_describe(v) for v in graph.input],
-            "outputs": [_describe(v) for v in graph.output]}
+    return {"files": [path.name] + ([data_name] if data_name else []), "opset": opset,
+            "exporter": exporter, "precision": precision,
+            "inputs": [_describe(v) for v in graph.input], "outputs": [_describe(v) for v in graph.output],
+            "dynamic_axes": {INPUT_NAME: {"0": BATCH_AXIS}, OUTPUT_NAME: {"0": BATCH_AXIS}}}
+
+
+def check_settings(opset: int, exporter: str) -> None:
+    """CorpError unless ``exporter`` is known and ``opset`` is one it can write."""
+    import onnx
+    if exporter not in EXPORTERS:
+        raise CorpError(f"exporter must be one of {', '.join(EXPORTERS)}; got {exporter!r}")
+    max_opset = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= max_opset:
+        raise CorpError(f"opset must be between {MIN_OPSET} and {max_opset} (this onnx package); got {opset}")
+
+
+def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: int, exporter: str) -> None:
+    """Trace ``model`` on ``example`` into ``path`` (weights may land in files beside it).
+
+    The exporters' own progress lines and deprecation/tracer warnings are swallowed: the
+    result is checked afterwards (``onnx.checker``, shape inference, and the parity gate at
+    batch sizes other than the traced one).
+    """
+    common = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset)
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            batch = torch.export.Dim(BATCH_AXIS, min=1, max=1 << 16)
+            torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=True,
+                              dynamic_shapes=({0: batch},), verbose=False, **common)
+        else:
+            torch.onnx.export(model, (example,), str(path), dynamo=False,
+                              dynamic_axes={INPUT_NAME: {0: BATCH_AXIS}, OUTPUT_NAME: {0: BATCH_AXIS}},
+                              **common)
 
 
 def _describe(value) -> dict:
-    dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-    return {"name": value.name, "shape": dims}
+    import onnx
+    tensor_type = value.type.tensor_type
+    dims = [d.dim_param or d.dim_value for d in tensor_type.shape.dim]
+    return {"name": value.name, "shape": dims,
+            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name}

@@ -8,6 +8,8 @@ import torch
 # A DeiT-shaped ViT small enough for exact linear algebra in tests:
 # 32 px / patch 8 -> 16 patches + class token, width 48, 3 heads of 16 dims, MLP 192.
 SMALL_VIT_KWARGS = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+#: The same model as ``corp-deploy compress deit_tiny`` arguments.
+SMALL_VIT_CLI_ARGS = [arg for key, value in SMALL_VIT_KWARGS.items() for arg in ("--model-arg", f"{key}={value}")]
 
 
 def small_vit(seed: int = 0, **overrides) -> torch.nn.Module:

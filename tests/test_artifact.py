@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from corp_deploy import CompressConfig, compress, load_compressed, read_config, save_artifact
+from corp_deploy import (CompressConfig, compress, create_base_model, load_base_model, load_compressed,
+                         read_config, save_artifact)
 from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
 from corp_deploy.errors import CorpError
 from tests.conftest import SMALL_VIT_KWARGS, image_batches
@@ -117,3 +118,29 @@ def test_base_model_is_inferred_when_not_given(tmp_path):
     x = image_batches(1, 2, seed=5)[0]
     with torch.no_grad():
         assert torch.equal(load_compressed(path)(x), model(x))
+
+
+def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path):
+    from safetensors.torch import save_file
+    from corp_deploy.files import sha256_file
+    dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=3)
+    model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
+    checkpoint = tmp_path / "dense.safetensors"
+    save_file({k: v + 0.5 for k, v in dense.state_dict().items()}, str(checkpoint))
+    sources = {"random": {"source": "random", "seed": 3},
+               "checkpoint": {"source": "checkpoint", "path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+               "unknown": {"source": "somewhere"}}
+    paths = {name: save_artifact(model, tmp_path / name, report=report, base_model={
+        "name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS, "weights": weights})
+        for name, weights in sources.items()}
+    for name, offset in (("random", 0.0), ("checkpoint", 0.5)):
+        rebuilt = load_base_model(paths[name]).state_dict()
+        assert all(torch.equal(rebuilt[k], v + offset) for k, v in dense.state_dict().items()), name
+    with pytest.raises(CorpError, match="does not record where"):
+        load_base_model(paths["unknown"])
+    save_file(dense.state_dict(), str(checkpoint))
+    with pytest.raises(CorpError, match="has changed since"):
+        load_base_model(paths["checkpoint"])
+    checkpoint.unlink()
+    with pytest.raises(CorpError, match="no longer exists"):
+        load_base_model(paths["checkpoint"])

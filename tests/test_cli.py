@@ -11,9 +11,7 @@ from PIL import Image
 from corp_deploy import load_compressed, read_config
 from corp_deploy.artifact import latest_artifact
 from corp_deploy.cli import cli
-
-TINY = ["--model-arg", "img_size=32", "--model-arg", "patch_size=8", "--model-arg", "embed_dim=48",
-        "--model-arg", "depth=2", "--model-arg", "num_heads=3"]
+from tests.conftest import SMALL_VIT_CLI_ARGS as TINY
 
 
 @pytest.fixture(autouse=True)

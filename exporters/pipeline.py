@@ -1,0 +1,231 @@
+"""``corp-deploy export``: a compressed artifact (and optionally its dense base) to checked ONNX
+files, TensorRT engines or the script that builds them, and a manifest, written atomically.
+
+Every ONNX file passes a parity gate against the PyTorch model it came from, and every
+engine one against ONNX Runtime on the same graph; a failed gate leaves nothing behind.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from torch import nn
+
+from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
+                         load_compressed, model_transform, read_config)
+from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
+from corp_deploy.files import sha256_file, staged_directory, write_json
+
+from . import tensorrt as trt_backend
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entries, versions
+from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
+from .parity import Tolerance, compare_outputs
+from .precision import PRECISIONS
+from .runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
+
+#: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
+EXIT_INCOMPLETE = 3
+#: Exit status when a parity gate failed (nothing is written).
+EXIT_PARITY = 4
+TRACE_BATCH = 2
+#: ONNX parity batch sizes, both different from ``TRACE_BATCH``; their images are disjoint.
+PARITY_BATCHES = (1, 8)
+
+
+class ParityError(CorpError):
+    """A backend's outputs differ from the reference beyond the tolerance."""
+
+    exit_code = EXIT_PARITY
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``export_artifact`` writes and how.
+
+    ``tolerance`` None means :meth:`Tolerance.for_precision` defaults; ``workspace_gb`` None
+    leaves TensorRT's workspace unbounded; ``timing_cache`` is read if it exists and updated.
+    """
+
+    trt: bool = False
+    dense: bool = False
+    opset: int = DEFAULT_OPSET
+    exporter: str = DEFAULT_EXPORTER
+    precision: str = "fp32"
+    batch: trt_backend.BatchProfile = trt_backend.BatchProfile()
+    workspace_gb: float | None = None
+    timing_cache: Path | None = None
+    tolerance: Tolerance | None = None
+
+    def __post_init__(self) -> None:
+        check_settings(self.opset, self.exporter)
+        if self.precision not in PRECISIONS:
+            raise CorpError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.workspace_gb is not None and not self.workspace_gb > 0:
+            raise CorpError(f"workspace must be > 0 GB; got {self.workspace_gb}")
+        if self.timing_cache is not None and not Path(self.timing_cache).parent.is_dir():
+            raise CorpError(f"the folder of the timing cache {self.timing_cache} does not exist")
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: dict
+    #: Why the export is not complete here (TensorRT or a GPU missing); empty when complete.
+    incomplete: list[str] = field(default_factory=list)
+
+
+def default_export_dir(artifact: str | Path, precision: str) -> Path:
+    """``<artifact>/export-<precision>``: exports live with the artifact they came from and are
+    replaced with it."""
+    return Path(artifact) / f"export-{precision}"
+
+
+def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
+                    options: ExportOptions = ExportOptions(), *, dense_model: nn.Module | None = None,
+                    log: Callable[[str], None] = lambda message: None) -> ExportResult:
+    """Export the compressed model of ``artifact`` (and its dense base with ``options.dense``).
+
+    Writes ``model.onnx`` (``dense.onnx``), with ``options.trt`` also ``build_engine.sh`` and,
+    where TensorRT and a CUDA GPU are present, ``model.engine`` (``dense.engine``), and
+    ``export.json``. ``dense_model`` replaces the dense base rebuilt from the artifact's record.
+    Raises :class:`ParityError` (nothing written) when a parity gate fails.
+    """
+    artifact = Path(artifact)
+    config = read_config(artifact)
+    out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
+    tolerance = options.tolerance or Tolerance.for_precision(options.precision)
+    models = {"model": load_compressed(artifact)}
+    if options.dense:
+        log("rebuilding the dense base model ...")
+        models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
+    input_size = tuple(config["input"]["input_size"])
+    classifier = models["model"].num_classes > 0
+    trt_missing = trt_backend.unavailable_reason() if options.trt else None
+    engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
+    n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
+    images = parity_images(models["model"], n_images)
+    incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
+
+    entries, graph = {}, {}
+    with staged_directory(out_dir, MANIFEST) as tmp:
+        for name, model in models.items():
+            log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
+                f"{options.precision}) ...")
+            graph = export_onnx(model, tmp / f"{name}.onnx", input_size, opset=options.opset,
+                                exporter=options.exporter, precision=options.precision, trace_batch=TRACE_BATCH)
+            log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
+            runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
+            if runner is None:
+                parity = {"skipped": reason}
+                incomplete.append(f"{name}.onnx not checked: {reason}")
+            else:
+                parity = check_parity(f"{name}.onnx on ONNX Runtime vs PyTorch", TorchRunner(model), runner,
+                                      images, PARITY_BATCHES, tolerance, classifier)
+            entries[name] = {"onnx": graph["files"], "engine": None, "params": count_params(model),
+                             "macs": count_macs(model, input_size),
+                             "parity": {"onnxruntime_vs_pytorch": parity}}
+        if options.trt:
+            _write_build_script(tmp, list(models), options, input_size)
+            if not trt_missing:
+                for name, model in models.items():
+                    _build_and_check_engine(tmp, name, model, entries[name], options, input_size, images,
+                                            engine_batches, tolerance, classifier, log)
+        manifest = _manifest(artifact, config, graph, entries, options, tolerance, trt_missing, tmp)
+        write_json(tmp / MANIFEST, manifest)
+    return ExportResult(out_dir, manifest, incomplete)
+
+
+def parity_images(model: nn.Module, count: int) -> np.ndarray:
+    """``count`` calibration-like images ``(count, C, H, W)`` float32: seeded random crops of the
+    photos bundled with scikit-image, preprocessed exactly as ``model`` expects."""
+    transform, _ = model_transform(model)
+    images = CalibrationImages.from_builtin(transform, count=count, batch_size=count, seed=0)
+    return next(iter(images)).numpy()
+
+
+def check_parity(label: str, reference, candidate, images: np.ndarray, batches, tolerance: Tolerance,
+                 classifier: bool) -> dict:
+    """Compare two runners on disjoint slices of ``images`` of each size in ``batches``.
+
+    Returns ``{"batch_<b>": numbers}``; raises :class:`ParityError` with every number when any
+    batch breaks ``tolerance``.
+    """
+    results, failures, start = {}, [], 0
+    for b in batches:
+        x = images[start:start + b]
+        start += b
+        result = compare_outputs(reference.infer(x), candidate.infer(x), top1=classifier)
+        results[f"batch_{b}"] = result
+        failures += [f"batch {b}: {v}" for v in tolerance.violations(result)]
+    if failures:
+        numbers = "; ".join(f"{key}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.items() if v is not None)
+                            for key, r in results.items())
+        raise ParityError(f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
+                          "Nothing was written. Loosen the limits with --atol / --min-cosine only if this "
+                          "precision loss is acceptable.")
+    return results
+
+
+def _onnxruntime_runner(path: Path, precision: str) -> tuple[OnnxRuntimeRunner | None, str | None]:
+    """The ONNX Runtime reference for ``precision``, or (None, why not)."""
+    if precision != "bf16":
+        return OnnxRuntimeRunner(path, "cpu"), None
+    try:  # ONNX Runtime's CPU provider has no bfloat16 kernels
+        return OnnxRuntimeRunner(path, "cuda"), None
+    except BackendUnavailable as exc:
+        return None, (f"ONNX Runtime's CPU provider has no bfloat16 kernels and {exc}; verify it on a "
+                      "GPU machine with `corp-deploy export --precision bf16`")
+
+
+def _write_build_script(folder: Path, names: list[str], options: ExportOptions, input_size) -> None:
+    script = folder / trt_backend.SCRIPT_NAME
+    script.write_text(trt_backend.build_script(
+        [f"{n}.onnx" for n in names], batch=options.batch, image_shape=input_size,
+        precision=options.precision, workspace_gb=options.workspace_gb, timing_cache=options.timing_cache))
+    script.chmod(0o755)
+
+
+def _build_and_check_engine(folder: Path, name: str, model: nn.Module, entry: dict, options: ExportOptions,
+                            input_size, images: np.ndarray, batches, tolerance: Tolerance, classifier: bool,
+                            log) -> None:
+    """Build ``<name>.engine``, gate it against ONNX Runtime (PyTorch for bf16 without it) and
+    record both in the manifest ``entry``."""
+    log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
+    entry["engine_build"] = trt_backend.build_engine(
+        folder / f"{name}.onnx", folder / f"{name}.engine", batch=options.batch, image_shape=input_size,
+        workspace_gb=options.workspace_gb, timing_cache=options.timing_cache)
+    entry["engine"] = f"{name}.engine"
+    runner, _ = _onnxruntime_runner(folder / f"{name}.onnx", options.precision)
+    reference, ref_name = (runner, "onnxruntime") if runner is not None else (TorchRunner(model), "pytorch")
+    log(f"{name}: checking TensorRT against {ref_name} at batch sizes {tuple(batches)} ...")
+    with trt_backend.TensorRTRunner(folder / f"{name}.engine") as engine:
+        entry["parity"][f"tensorrt_vs_{ref_name}"] = check_parity(
+            f"{name}.engine on TensorRT vs {ref_name}", reference, engine, images, batches, tolerance, classifier)
+
+
+def _manifest(artifact: Path, config: dict, graph: dict, models: dict, options: ExportOptions,
+              tolerance: Tolerance, trt_missing: str | None, folder: Path) -> dict:
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "artifact": {"path": str(artifact.resolve()), "base_model": config["base_model"]["name"],
+                     "method": config.get("method"), "config_sha256": sha256_file(artifact / CONFIG_FILE),
+                     "weights_sha256": sha256_file(artifact / WEIGHTS_FILE)},
+        "precision": options.precision, "exporter": graph["exporter"], "opset": graph["opset"],
+        "inputs": graph["inputs"], "outputs": graph["outputs"], "dynamic_axes": graph["dynamic_axes"],
+        "data_config": config["input"]["data_config"],
+        "parity_inputs": {"images": "seeded random crops of scikit-image's bundled photos, preprocessed "
+                                    "with the model's data config", "batches": list(PARITY_BATCHES)},
+        "tolerance": tolerance.to_dict(),
+        "models": models,
+        "tensorrt": {"requested": options.trt, "built": options.trt and trt_missing is None,
+                     "not_built_reason": trt_missing, "batch_profile": options.batch.to_dict(),
+                     "workspace_gb": options.workspace_gb,
+                     "timing_cache": str(Path(options.timing_cache).resolve()) if options.timing_cache else None,
+                     "script": trt_backend.SCRIPT_NAME if options.trt else None},
+        "files": file_entries(folder),
+        "versions": versions(),
+    }

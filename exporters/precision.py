@@ -1,0 +1,108 @@
+"""Reduced-precision (fp16 / bf16) copies of a ViT for export, kept numerically safe.
+
+TensorRT builds strongly typed networks (always from TensorRT 11 on, with the
+strongly-typed flag on 10.x): the types written in the ONNX graph are the types it runs,
+and builder precision flags no longer exist. So precision is decided here, in the graph:
+
+* weights, Linear layers, the attention matmuls, GELU and the residual stream run in the
+  low precision;
+* every LayerNorm and the attention softmax run in float32 (their reductions, a variance and
+  a sum of exponentials, are where fp16 overflows or drops small terms) and cast back;
+* the patch-embedding convolution runs in float32 (ONNX ``Conv`` has no bfloat16 before
+  opset 22; it is under 1 % of a ViT's MACs);
+* the graph input and output stay float32, so callers feed the same tensors as for fp32.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from corp_deploy import CorpError, PrunedAttention, is_plain_attention
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Float32Island(nn.Module):
+    """Runs ``module`` (kept in float32) on a float32 copy of its input; output cast to ``dtype``."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module.float()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.float()).to(self.dtype)
+
+
+class Float32SoftmaxAttention(nn.Module):
+    """Multi-head self-attention written out with a float32 softmax; everything else in the
+    parameters' dtype.
+
+    Same parameters and layout as :class:`corp_deploy.PrunedAttention` (``qkv`` output
+    ``[q | k | v]``, each head-major; query/key head dim may differ from the value head dim;
+    logits ``scale * q k^T`` with a fixed ``scale``). Input and output ``(B, N, dim)``.
+    """
+
+    def __init__(self, qkv: nn.Linear, proj: nn.Linear, num_heads: int, qk_head_dim: int,
+                 v_head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.qkv, self.proj = qkv, proj
+        self.num_heads, self.qk_head_dim, self.v_head_dim = num_heads, qk_head_dim, v_head_dim
+        self.scale = float(scale)
+
+    @classmethod
+    def from_module(cls, attn: nn.Module) -> "Float32SoftmaxAttention":
+        """From a :class:`PrunedAttention` or a plain timm ``Attention`` (same weights)."""
+        if isinstance(attn, PrunedAttention):
+            return cls(attn.qkv, attn.proj, attn.num_heads, attn.qk_head_dim, attn.v_head_dim, attn.scale)
+        if is_plain_attention(attn):
+            return cls(attn.qkv, attn.proj, attn.num_heads, attn.head_dim, attn.head_dim, attn.scale)
+        raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, scale-norm or "
+                        "gating) in reduced precision; use --precision fp32")
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise CorpError("masked attention is not supported in reduced-precision export")
+        B, N, _ = x.shape
+        H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
+        q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
+        q = q.reshape(B, N, H, dqk).transpose(1, 2)
+        k = k.reshape(B, N, H, dqk).transpose(1, 2)
+        v = v.reshape(B, N, H, dv).transpose(1, 2)
+        logits = (q * self.scale) @ k.transpose(-2, -1)
+        weights = logits.float().softmax(dim=-1).to(v.dtype)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, H * dv))
+
+
+class ReducedPrecisionModel(nn.Module):
+    """float32 images in, float32 outputs out; ``model`` runs in low precision inside."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images).float()
+
+
+def for_export(model: nn.Module, precision: str) -> nn.Module:
+    """The module to trace for ``precision``: ``model`` itself (eval, float32) for fp32, else a
+    converted copy of the timm ViT ``model`` following the policy in this module's docstring
+    (``model`` itself is unchanged)."""
+    if precision not in PRECISIONS:
+        raise CorpError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if precision == "fp32":
+        return model.eval().float()
+    dtype = DTYPES[precision]
+    low = copy.deepcopy(model).eval().to(dtype)
+    for block in low.blocks:
+        block.attn = Float32SoftmaxAttention.from_module(block.attn)
+    for parent in list(low.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, (nn.LayerNorm, nn.Conv2d)):
+                setattr(parent, name, Float32Island(child, dtype))
+    return ReducedPrecisionModel(low)

@@ -1,0 +1,61 @@
+"""Backends that run a model on a batch of images, one small class per backend.
+
+Every runner has ``infer(images) -> outputs`` on float32 numpy arrays ``(B, 3, H, W)`` ->
+``(B, features)``. The TensorRT runner lives in :mod:`exporters.tensorrt`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from corp_deploy import CorpError
+
+
+class BackendUnavailable(CorpError):
+    """A backend cannot run here (missing package, GPU or kernels); the message says why."""
+
+
+class TorchRunner:
+    """A PyTorch module in eval mode, float32, on the CPU (the reference for parity)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model.eval().float()
+
+    @torch.no_grad()
+    def infer(self, images: np.ndarray) -> np.ndarray:
+        return self.model(torch.from_numpy(np.ascontiguousarray(images, np.float32))).numpy()
+
+
+class OnnxRuntimeRunner:
+    """An ONNX file on ONNX Runtime.
+
+    ``device="cpu"`` uses the CPU provider (always present). ``"cuda"`` uses the CUDA
+    provider and fails with :class:`BackendUnavailable` unless it really is the provider in
+    use (ONNX Runtime otherwise falls back to the CPU silently).
+    """
+
+    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only; failures are raised below
+        if threads:
+            options.intra_op_num_threads = threads
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise BackendUnavailable("ONNX Runtime's CUDA provider needs a CUDA GPU; none is visible")
+            providers.insert(0, "CUDAExecutionProvider")
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # ORT raises its own exception types (e.g. NOT_IMPLEMENTED kernels)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BackendUnavailable(f"ONNX Runtime ({device}) cannot run {Path(path).name}: {reason}") from None
+        if self.session.get_providers()[0] != providers[0]:
+            raise BackendUnavailable(f"ONNX Runtime's {providers[0]} is not usable here")
+        self.input_name = self.session.get_inputs()[0].name
+
+    def infer(self, images: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(images, np.float32)})[0]
