@@ -184,7 +184,7 @@ def record_latest(path: str | Path) -> None:
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "latest.json", {"artifact": str(Path(path).resolve()),
-                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def latest_artifact() -> Path:

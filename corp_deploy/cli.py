@@ -191,7 +191,7 @@ def _print_compress_summary(report: dict, path: Path) -> None:
 
 @cli.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
-@click.option("--onnx", "onnx_only", is_flag=True, help="Export ONNX (always done; implied by --trt).")
+@click.option("--onnx", is_flag=True, help="Export ONNX (always done; accepted for explicit scripts).")
 @click.option("--trt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a CUDA GPU; "
                                            "build_engine.sh is written either way).")
 @click.option("--dense", is_flag=True, help="Also export the unpruned base model (dense.onnx) the same way.")
@@ -214,7 +214,7 @@ def _print_compress_summary(report: dict, path: Path) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
 @_user_errors
-def export(artifact, onnx_only, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
+def export(artifact, onnx, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
            atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
@@ -223,8 +223,9 @@ def export(artifact, onnx_only, trt, dense, opset, exporter, batch, precision, w
     Without ARTIFACT, the most recent one written by `compress` is used.
 
     \b
-    Exit status: 0 done; 1 error; 2 bad usage; 3 files written but TensorRT engines not built
-    here (no TensorRT or no CUDA GPU: run build_engine.sh on the target); 4 parity gate failed.
+    Exit status: 0 done; 1 error; 2 bad usage; 3 files written but not finished here (no
+    TensorRT or no CUDA GPU for the engines, or a bf16 graph nothing here can check: finish on
+    the target, e.g. with build_engine.sh); 4 parity gate failed (nothing written).
 
     \b
     Examples:
@@ -238,6 +239,7 @@ def export(artifact, onnx_only, trt, dense, opset, exporter, batch, precision, w
 
     from .artifact import latest_artifact
 
+    del onnx  # ONNX is always exported
     if artifact is None:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
@@ -251,7 +253,7 @@ def export(artifact, onnx_only, trt, dense, opset, exporter, batch, precision, w
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
-        if trt:
+        if trt and not result.manifest["tensorrt"]["built"]:
             click.echo(f"To build the engines on the target GPU machine, either run\n"
                        f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
                        f"or, with TensorRT's trtexec there,\n"

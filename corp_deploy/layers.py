@@ -29,17 +29,21 @@ class PrunedAttention(nn.Module):
         self.qkv = nn.Linear(dim, num_heads * (2 * qk_head_dim + v_head_dim), bias=qkv_bias)
         self.proj = nn.Linear(num_heads * v_head_dim, dim, bias=proj_bias)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` and v ``(B, H, N, v_head_dim)``."""
         B, N, _ = x.shape
         H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
         q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
-        q = q.reshape(B, N, H, dqk).transpose(1, 2)
-        k = k.reshape(B, N, H, dqk).transpose(1, 2)
-        v = v.reshape(B, N, H, dv).transpose(1, 2)
+        return (q.reshape(B, N, H, dqk).transpose(1, 2), k.reshape(B, N, H, dqk).transpose(1, 2),
+                v.reshape(B, N, H, dv).transpose(1, 2))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.project_heads(x)
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                            scale=self.scale)
-        return self.proj(x.transpose(1, 2).reshape(B, N, H * dv))
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "

@@ -37,45 +37,34 @@ class Float32Island(nn.Module):
         return self.module(x.float()).to(self.dtype)
 
 
-class Float32SoftmaxAttention(nn.Module):
-    """Multi-head self-attention written out with a float32 softmax; everything else in the
-    parameters' dtype.
-
-    Same parameters and layout as :class:`corp_deploy.PrunedAttention` (``qkv`` output
-    ``[q | k | v]``, each head-major; query/key head dim may differ from the value head dim;
-    logits ``scale * q k^T`` with a fixed ``scale``). Input and output ``(B, N, dim)``.
-    """
-
-    def __init__(self, qkv: nn.Linear, proj: nn.Linear, num_heads: int, qk_head_dim: int,
-                 v_head_dim: int, scale: float) -> None:
-        super().__init__()
-        self.qkv, self.proj = qkv, proj
-        self.num_heads, self.qk_head_dim, self.v_head_dim = num_heads, qk_head_dim, v_head_dim
-        self.scale = float(scale)
+class Float32SoftmaxAttention(PrunedAttention):
+    """:class:`corp_deploy.PrunedAttention` written out with a float32 softmax; everything
+    else runs in the parameters' dtype. Same parameters, layout and fixed ``scale``."""
 
     @classmethod
     def from_module(cls, attn: nn.Module) -> "Float32SoftmaxAttention":
-        """From a :class:`PrunedAttention` or a plain timm ``Attention`` (same weights)."""
+        """Sharing the ``qkv`` and ``proj`` layers of a :class:`PrunedAttention` or a plain timm
+        ``Attention``."""
         if isinstance(attn, PrunedAttention):
-            return cls(attn.qkv, attn.proj, attn.num_heads, attn.qk_head_dim, attn.v_head_dim, attn.scale)
-        if is_plain_attention(attn):
-            return cls(attn.qkv, attn.proj, attn.num_heads, attn.head_dim, attn.head_dim, attn.scale)
-        raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, scale-norm or "
-                        "gating) in reduced precision; use --precision fp32")
+            dims = (attn.num_heads, attn.qk_head_dim, attn.v_head_dim, attn.scale)
+        elif is_plain_attention(attn):
+            dims = (attn.num_heads, attn.head_dim, attn.head_dim, attn.scale)
+        else:
+            raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, "
+                            "scale-norm or gating) in reduced precision; use --precision fp32")
+        new = cls(attn.qkv.in_features, *dims)
+        new.qkv, new.proj = attn.qkv, attn.proj
+        return new
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise CorpError("masked attention is not supported in reduced-precision export")
         B, N, _ = x.shape
-        H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
-        q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
-        q = q.reshape(B, N, H, dqk).transpose(1, 2)
-        k = k.reshape(B, N, H, dqk).transpose(1, 2)
-        v = v.reshape(B, N, H, dv).transpose(1, 2)
+        q, k, v = self.project_heads(x)
         logits = (q * self.scale) @ k.transpose(-2, -1)
         weights = logits.float().softmax(dim=-1).to(v.dtype)
-        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, H * dv))
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, -1))
 
 
 class ReducedPrecisionModel(nn.Module):
