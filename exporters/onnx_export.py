@@ -27,7 +27,7 @@ DEFAULT_OPSET = 18
 MIN_OPSET = 17  # LayerNormalization is an ONNX op from opset 17 on
 #: Protobuf cannot serialise a message of 2 GiB or more; larger models keep their weights
 #: in one external file ``<name>.data`` beside the graph.
-PROTOBUF_LIMIT = 2 ** 31 - 1
+PROTOBUF_LIMIT = 2 ** 31
 
 
 def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, int], *,
@@ -41,8 +41,8 @@ def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, 
         precision: ``fp32``, ``fp16`` or ``bf16`` (see :mod:`exporters.precision`); the graph's
             input and output are float32 in every case.
         trace_batch: batch size of the example input used for tracing.
-        single_file_limit: weights larger than this go to ``<path>.data`` (default: protobuf's
-            2 GiB limit).
+        single_file_limit: when the model would serialise to this many bytes or more, its weights
+            go to ``<path>.data`` (default: protobuf's 2 GiB limit).
     Returns:
         ``{"files", "opset", "exporter", "precision", "inputs", "outputs", "dynamic_axes"}``;
         ``files`` lists the written file names (the graph first), shapes use ``"batch"`` for
@@ -62,7 +62,7 @@ def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, 
         proto = onnx.load(str(raw))  # also reads any external weight files
         staged = Path(work) / path.name
         data_name = None
-        if sum(t.ByteSize() for t in proto.graph.initializer) > single_file_limit:
+        if proto.ByteSize() >= single_file_limit:
             data_name = path.name + ".data"
             onnx.save_model(proto, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name, size_threshold=1024)
