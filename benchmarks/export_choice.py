@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import torch

@@ -109,7 +109,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     images = parity_images(models["model"], n_images)
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
 
-    entries, graph = {}, {}
+    entries, graph, onnxruntime = {}, {}, {}
     with staged_directory(out_dir, MANIFEST) as tmp:
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
@@ -118,6 +118,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
                                 exporter=options.exporter, precision=options.precision, trace_batch=TRACE_BATCH)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
+            onnxruntime[name] = runner
             if runner is None:
                 parity = {"skipped": reason}
                 incomplete.append(f"{name}.onnx not checked: {reason}")
@@ -131,7 +132,8 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
             _write_build_script(tmp, list(models), options, input_size)
             if not trt_missing:
                 for name, model in models.items():
-                    _build_and_check_engine(tmp, name, model, entries[name], options, input_size, images,
+                    reference = onnxruntime[name] or TorchRunner(model)
+                    _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
                                             engine_batches, tolerance, classifier, log)
         manifest = _manifest(artifact, config, graph, entries, options, tolerance, trt_missing, tmp)
         write_json(tmp / MANIFEST, manifest)
@@ -188,18 +190,17 @@ def _write_build_script(folder: Path, names: list[str], options: ExportOptions, 
     script.chmod(0o755)
 
 
-def _build_and_check_engine(folder: Path, name: str, model: nn.Module, entry: dict, options: ExportOptions,
+def _build_and_check_engine(folder: Path, name: str, entry: dict, reference, options: ExportOptions,
                             input_size, images: np.ndarray, batches, tolerance: Tolerance, classifier: bool,
                             log) -> None:
-    """Build ``<name>.engine``, gate it against ONNX Runtime (PyTorch for bf16 without it) and
-    record both in the manifest ``entry``."""
+    """Build ``<name>.engine``, gate it against ``reference`` (ONNX Runtime on the same graph, or
+    PyTorch for bf16 where ONNX Runtime cannot run it) and record both in the manifest ``entry``."""
     log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
     entry["engine_build"] = trt_backend.build_engine(
         folder / f"{name}.onnx", folder / f"{name}.engine", batch=options.batch, image_shape=input_size,
         workspace_gb=options.workspace_gb, timing_cache=options.timing_cache)
     entry["engine"] = f"{name}.engine"
-    runner, _ = _onnxruntime_runner(folder / f"{name}.onnx", options.precision)
-    reference, ref_name = (runner, "onnxruntime") if runner is not None else (TorchRunner(model), "pytorch")
+    ref_name = "onnxruntime" if isinstance(reference, OnnxRuntimeRunner) else "pytorch"
     log(f"{name}: checking TensorRT against {ref_name} at batch sizes {tuple(batches)} ...")
     with trt_backend.TensorRTRunner(folder / f"{name}.engine") as engine:
         entry["parity"][f"tensorrt_vs_{ref_name}"] = check_parity(

@@ -1,5 +1,4 @@
 """The corp-deploy command line: end to end on a tiny model, and every bad input."""
-import json
 
 import numpy as np
 import pytest
