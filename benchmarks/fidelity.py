@@ -8,11 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corp_deploy import CalibrationImages
-from corp_deploy.calibration import BUILTIN_PHOTOS
-
-# The bundled photos are split so that held-out images never come from a calibration photo.
-HELD_OUT_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_right.png", "coins.png", "grass.png")
-CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS)
+from corp_deploy.calibration import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS
 
 
 def split_builtin_images(transform, n_calib: int, n_held_out: int, batch_size: int = 32, seed: int = 0
@@ -35,3 +31,53 @@ def feature_cosine(reference: nn.Module, candidate: nn.Module, batches: Iterable
         pooled.append(F.cosine_similarity(reference.forward_head(fr), candidate.forward_head(fc), dim=-1))
         tokens.append(F.cosine_similarity(fr.flatten(1), fc.flatten(1), dim=-1))
     return {"output_cosine": float(torch.cat(pooled).mean()), "token_cosine": float(torch.cat(tokens).mean())}
+
+
+@torch.no_grad()
+def features_and_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled final features (before the classifier) and outputs of a timm ViT, ``(B, D)`` and
+    ``(B, classes)``; for a model without a classifier both are the pooled features."""
+    tokens = model.forward_features(images)
+    return model.forward_head(tokens, pre_logits=True), model.forward_head(tokens)
+
+
+class FidelityMeter:
+    """Compressed-vs-dense fidelity accumulated over batches of held-out images.
+
+    Always: mean cosine of the final pooled features. With a classifier: top-1 agreement with
+    the dense model and the mean KL divergence ``KL(p_dense || p_compressed)`` of the softmax
+    outputs (float64). With labels: top-1 / top-5 accuracy of both models.
+    """
+
+    def __init__(self, classifier: bool) -> None:
+        self.classifier = classifier
+        self.images = 0
+        self.sums: dict[str, float] = {"cosine": 0.0, "agree": 0.0, "kl": 0.0}
+        self.correct: dict[str, dict[str, float]] | None = None
+
+    def update(self, dense: tuple[torch.Tensor, torch.Tensor], compressed: tuple[torch.Tensor, torch.Tensor],
+               labels: torch.Tensor | None = None) -> None:
+        """``dense`` and ``compressed``: ``(features, logits)`` of the same images."""
+        (fd, ld), (fc, lc) = dense, compressed
+        self.images += len(fd)
+        self.sums["cosine"] += float(F.cosine_similarity(fd.double(), fc.double(), dim=-1).sum())
+        if self.classifier:
+            self.sums["agree"] += float((ld.argmax(-1) == lc.argmax(-1)).sum())
+            logp_d, logp_c = F.log_softmax(ld.double(), -1), F.log_softmax(lc.double(), -1)
+            self.sums["kl"] += float((logp_d.exp() * (logp_d - logp_c)).sum())
+        if labels is not None and self.classifier:
+            if self.correct is None:
+                self.correct = {m: {"top1": 0.0, "top5": 0.0} for m in ("dense", "compressed")}
+            for name, logits in (("dense", ld), ("compressed", lc)):
+                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                self.correct[name]["top1"] += float((top[:, 0] == labels).sum())
+                self.correct[name]["top5"] += float((top == labels[:, None]).any(-1).sum())
+
+    def result(self) -> dict:
+        n = max(self.images, 1)
+        out = {"images": self.images, "feature_cosine": self.sums["cosine"] / n,
+               "top1_agreement": self.sums["agree"] / n if self.classifier else None,
+               "kl_mean": self.sums["kl"] / n if self.classifier else None, "accuracy": None}
+        if self.correct is not None:
+            out["accuracy"] = {m: {k: v / n for k, v in c.items()} for m, c in self.correct.items()}
+        return out

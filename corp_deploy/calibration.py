@@ -13,10 +13,13 @@ from torch import nn
 from .errors import CorpError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-# Natural photos bundled inside scikit-image's package data (no download needed).
+# Natural photos bundled inside scikit-image's package data (no download needed), split so
+# that evaluation (``corp-deploy bench``) can use photos calibration never saw.
 BUILTIN_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
                   "motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "ihc.png",
                   "camera.png", "coins.png", "moon.png", "brick.png", "grass.png", "gravel.png")
+HELD_OUT_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_right.png", "coins.png", "grass.png")
+CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS)
 
 
 def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
@@ -59,7 +62,8 @@ class CalibrationImages:
     - ``from_directory``: up to ``limit`` readable files, a seeded random choice when the
       directory holds more; unreadable files are skipped and counted.
     - ``from_builtin``: ``count`` seeded random crops (25-100 % of the area, aspect 3/4-4/3)
-      and horizontal flips of a few bundled photos.
+      and horizontal flips of a few bundled photos (by default the ten of
+      ``CALIBRATION_PHOTOS``; ``HELD_OUT_PHOTOS`` are kept for evaluation).
     Each full iteration yields the same images in the same order. ``summary()``
     describes what the last iteration used.
     """
@@ -91,7 +95,7 @@ class CalibrationImages:
 
     @classmethod
     def from_builtin(cls, transform: Callable, *, count: int = 256, batch_size: int = 32,
-                     seed: int = 0, photos: Sequence[str] = BUILTIN_PHOTOS) -> "CalibrationImages":
+                     seed: int = 0, photos: Sequence[str] = CALIBRATION_PHOTOS) -> "CalibrationImages":
         paths = builtin_photo_paths(photos)
         sources = [paths[i % len(paths)] for i in range(count)]
         return cls(sources, transform, batch_size,

@@ -283,6 +283,109 @@ def _print_export_summary(manifest: dict, path: Path) -> None:
     Console().print(table)
 
 
+def _parse_sizes(text: str, option: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise CorpError(f"{option} takes comma-separated positive integers (e.g. 1,8,32); got {text!r}")
+    return sizes
+
+
+@cli.command()
+@click.argument("target", required=False, type=click.Path(path_type=Path))
+@click.option("--backends", default="torch,ort,trt", show_default=True,
+              help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines).")
+@click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Untimed rounds before timing.")
+@click.option("--min-time", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Seconds each model is timed per backend and batch size (at least 5 rounds).")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
+                   "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
+                   "calibration]")
+@click.option("--data-samples", type=click.IntRange(min=1), default=256, show_default=True,
+              help="At most this many evaluation images.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the full report.")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write tables.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG plot.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Write bench.json, bench.md and bench.png into this directory.")
+@click.option("--baseline", type=click.Path(path_type=Path), default=None,
+              help="A previous --json report: fail when latency, speedup or fidelity regress.")
+@click.option("--max-regression", type=float, default=0.05, show_default=True,
+              help="Allowed relative regression against --baseline.")
+@click.option("--min-agreement", type=float, default=None, help="Fail below this top-1 agreement with dense.")
+@click.option("--max-kl", type=float, default=None, help="Fail above this mean KL divergence from dense.")
+@click.option("--min-cosine", type=float, default=None, help="Fail below this mean feature cosine to dense.")
+@click.option("--min-parity-cosine", type=float, default=0.999, show_default=True,
+              help="Fail when any backend's output cosine to PyTorch (CPU) is below this.")
+@_user_errors
+def bench(target, backends, batches, threads, warmup, min_time, data, data_samples, json_path, markdown_path,
+          plot_path, output, baseline, max_regression, min_agreement, max_kl, min_cosine, min_parity_cosine):
+    """Latency, parity and fidelity of a compressed model against its dense base.
+
+    TARGET is an artifact (its export-fp32/ export is used when present) or an export
+    directory; without it, the most recent artifact. Dense and compressed runs are
+    interleaved on every available backend; unavailable backends are listed with the reason.
+
+    \b
+    Exit status: 0 passed; 1 error; 2 bad usage; 4 the regression gate failed (the reports
+    are still written).
+
+    \b
+    Examples:
+      corp-deploy bench --backends ort --batch 1,32 -o bench/
+      corp-deploy bench corp-deploy/deit_base-s0.5 --data val/ --json new.json --baseline main.json
+    """
+    from benchmarks.backends import parse_families
+    from benchmarks.data import eval_images
+    from benchmarks.gate import GateLimits, read_report, regressions
+    from benchmarks.harness import BenchSettings, run_bench
+    from benchmarks.report import print_terminal, write_outputs
+    from benchmarks.targets import calibration_overlap, load_models, resolve_target
+
+    from .calibration import model_transform
+
+    settings = BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
+                             threads=threads, warmup=warmup, min_time=min_time)
+    limits = GateLimits(max_regression=max_regression, min_agreement=min_agreement, max_kl=max_kl,
+                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine)
+    previous = read_report(baseline) if baseline is not None else None
+    artifact, export_dir = resolve_target(target)
+    click.echo(f"benchmarking {artifact}" + (f" with the export {export_dir}" if export_dir else
+                                             " (no export found: ONNX Runtime and TensorRT need one)"), err=True)
+    compressed, dense = load_models(artifact, export_dir)
+    transform, _ = model_transform(compressed.torch)
+    evaluation = eval_images(data, transform, limit=data_samples)
+    held_out = not calibration_overlap(artifact, evaluation.description)
+    if not held_out:
+        click.secho("warning: the evaluation images overlap the calibration images; fidelity is not held out",
+                    fg="yellow", err=True)
+    report = run_bench(compressed, dense, evaluation, settings, held_out=held_out,
+                       log=lambda message: click.echo(message, err=True))
+    found = regressions(report, limits, previous)
+    report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
+                      "passed": not found, "regressions": found}
+    if output is not None:
+        json_path = json_path or output / "bench.json"
+        markdown_path = markdown_path or output / "bench.md"
+        plot_path = plot_path or output / "bench.png"
+    written = write_outputs(report, json_path=json_path, markdown_path=markdown_path, plot_path=plot_path)
+    print_terminal(report)
+    for path in written:
+        click.echo(f"wrote {path}", err=True)
+    if found:
+        click.secho("regression gate FAILED:", fg="red", err=True)
+        for item in found:
+            click.echo(f"  {item}", err=True)
+        sys.exit(4)
+
+
 def main() -> None:
     cli()
 

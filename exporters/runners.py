@@ -1,10 +1,12 @@
 """Backends that run a model on a batch of images, one small class per backend.
 
 Every runner has ``infer(images) -> outputs`` on float32 numpy arrays ``(B, 3, H, W)`` ->
-``(B, features)``. The TensorRT runner lives in :mod:`exporters.tensorrt`.
+``(B, features)``, host memory in and out (so a GPU runner's time includes the copies).
+The TensorRT runner lives in :mod:`exporters.tensorrt`.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -13,28 +15,40 @@ from torch import nn
 
 from corp_deploy import CorpError
 
+#: ONNX Runtime execution providers by device name, most preferred first.
+ORT_PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
 
 class BackendUnavailable(CorpError):
     """A backend cannot run here (missing package, GPU or kernels); the message says why."""
 
 
 class TorchRunner:
-    """A PyTorch module in eval mode, float32, on the CPU (the reference for parity)."""
+    """A PyTorch module in eval mode, float32, on ``device`` (``cpu`` is the parity reference;
+    for another device a copy of the module is moved there)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model.eval().float()
+    def __init__(self, model: nn.Module, device: str = "cpu") -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("PyTorch sees no CUDA GPU")
+        self.device = torch.device(device)
+        self.model = (model if device == "cpu" else copy.deepcopy(model)).eval().float().to(self.device)
 
     @torch.no_grad()
     def infer(self, images: np.ndarray) -> np.ndarray:
-        return self.model(torch.from_numpy(np.ascontiguousarray(images, np.float32))).numpy()
+        x = torch.from_numpy(np.ascontiguousarray(images, np.float32)).to(self.device)
+        return self.model(x).cpu().numpy()
 
 
 class OnnxRuntimeRunner:
     """An ONNX file on ONNX Runtime.
 
-    ``device="cpu"`` uses the CPU provider (always present). ``"cuda"`` uses the CUDA
-    provider and fails with :class:`BackendUnavailable` unless it really is the provider in
-    use (ONNX Runtime otherwise falls back to the CPU silently).
+    ``device="cpu"`` uses the CPU provider (always present); ``"cuda"`` and ``"tensorrt"``
+    the CUDA and TensorRT providers, and fail with :class:`BackendUnavailable` unless that
+    provider really is the one in use (ONNX Runtime otherwise falls back to the CPU silently).
     """
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
@@ -43,11 +57,12 @@ class OnnxRuntimeRunner:
         options.log_severity_level = 3  # errors only; failures are raised below
         if threads:
             options.intra_op_num_threads = threads
-        providers = ["CPUExecutionProvider"]
-        if device == "cuda":
+        providers = ORT_PROVIDERS[device]
+        if device != "cpu":
+            if providers[0] not in ort.get_available_providers():
+                raise BackendUnavailable(f"this ONNX Runtime build has no {providers[0]}")
             if not torch.cuda.is_available():
-                raise BackendUnavailable("ONNX Runtime's CUDA provider needs a CUDA GPU; none is visible")
-            providers.insert(0, "CUDAExecutionProvider")
+                raise BackendUnavailable(f"ONNX Runtime's {providers[0]} needs a CUDA GPU; none is visible")
         try:
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # ORT raises its own exception types (e.g. NOT_IMPLEMENTED kernels)

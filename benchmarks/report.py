@@ -1,0 +1,152 @@
+"""Rendering a bench report: Markdown, a PNG plot, and the terminal table."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def latency_rows(report: dict) -> list[list[str]]:
+    """One row per backend and batch size: latencies, throughputs, speedup with its spread."""
+    rows = []
+    for r in report["latency"]:
+        s = r["speedup"]
+        rows.append([r["backend"], str(r["batch"]), f"{r['dense']['p50_s'] * 1e3:.2f}",
+                     f"{r['compressed']['p50_s'] * 1e3:.2f}",
+                     f"{r['compressed']['p90_s'] * 1e3:.2f} / {r['compressed']['p99_s'] * 1e3:.2f}",
+                     f"{r['dense']['throughput_ips']:.1f}", f"{r['compressed']['throughput_ips']:.1f}",
+                     f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})", f"{r['ideal_speedup']:.3f}",
+                     f"{r['efficiency'] * 100:.1f}%"])
+    return rows
+
+
+LATENCY_HEADER = ["backend", "batch", "dense p50 (ms)", "compressed p50 (ms)", "compressed p90 / p99 (ms)",
+                  "dense img/s", "compressed img/s", "speedup (p10-p90)", "MAC-ideal", "of ideal"]
+
+
+def fidelity_summary(report: dict) -> str:
+    f = report["fidelity"]
+    text = (f"{f['images']} images ({f['data']['source']}{', held out' if f['held_out'] else ', NOT held out'}): "
+            f"top-1 agreement {_fmt(f['top1_agreement'])}, mean KL {_fmt(f['kl_mean'], '.4g')}, "
+            f"feature cosine {_fmt(f['feature_cosine'])}")
+    if f["accuracy"]:
+        a = f["accuracy"]
+        text += (f"; accuracy top-1/top-5: dense {a['dense']['top1']:.4f}/{a['dense']['top5']:.4f}, "
+                 f"compressed {a['compressed']['top1']:.4f}/{a['compressed']['top5']:.4f}")
+    return text
+
+
+def to_markdown(report: dict) -> str:
+    m, machine = report["models"], report["machine"]
+    lines = [
+        "# corp-deploy bench", "",
+        f"{report['created']} on {machine['cpu']} ({machine['cpu_count']} CPUs, {machine['torch_threads']} "
+        f"threads{', GPU ' + machine['gpu'] if machine['gpu'] else ''}).", "",
+        "| model | params (M) | GMACs / image |", "|---|---|---|",
+        *[f"| {name} | {m[name]['params'] / 1e6:.2f} | {m[name]['macs'] / 1e9:.3f} |" for name in ("dense", "compressed")],
+        "", f"MAC-ideal speedup: {report['ideal_speedup']:.3f}x.", "",
+        "## Latency (dense and compressed timed interleaved)", "",
+        "| " + " | ".join(LATENCY_HEADER) + " |", "|" + "---|" * len(LATENCY_HEADER),
+        *["| " + " | ".join(row) + " |" for row in latency_rows(report)], "",
+    ]
+    skipped = {k: v for k, v in report["backends"].items() if v["status"] == "skipped"}
+    if skipped:
+        lines += ["Skipped backends:", "", *[f"- {name}: {v['reason']}" for name, v in skipped.items()], ""]
+    lines += ["## Parity against PyTorch on the CPU", "",
+              "| model | backend | max abs | max rel | min cosine | top-1 agreement |", "|---|---|---|---|---|---|"]
+    lines += [f"| {model} | {backend} | {n['max_abs']:.2e} | {n['max_rel']:.2e} | {n['cosine']:.6f} | "
+              f"{_fmt(n['top1_agreement'], '.3f')} |"
+              for model, backends in report["parity"].items() for backend, n in backends.items()]
+    lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
+    if report.get("gate"):
+        gate = report["gate"]
+        lines += ["## Regression gate", "", "passed" if gate["passed"] else "**failed**:", "",
+                  *[f"- {item}" for item in gate["regressions"]], ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """Throughput of both models and measured vs MAC-ideal speedup, per backend and batch size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    backends = sorted({r["backend"] for r in report["latency"]})
+    for i, backend in enumerate(backends):
+        rows = sorted((r for r in report["latency"] if r["backend"] == backend), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in rows]
+        color = f"C{i}"
+        left.plot(batches, [r["dense"]["throughput_ips"] for r in rows], "--o", color=color, label=f"{backend} dense")
+        left.plot(batches, [r["compressed"]["throughput_ips"] for r in rows], "-o", color=color,
+                  label=f"{backend} compressed")
+        medians = [r["speedup"]["median"] for r in rows]
+        spread = [[m - r["speedup"]["p10"] for m, r in zip(medians, rows)],
+                  [r["speedup"]["p90"] - m for m, r in zip(medians, rows)]]
+        right.errorbar(batches, medians, yerr=spread, fmt="-o", color=color, capsize=3, label=backend)
+    right.axhline(report["ideal_speedup"], color="black", linestyle=":", label="MAC-ideal")
+    all_batches = sorted({r["batch"] for r in report["latency"]})
+    for ax, ylabel in ((left, "images / s"), (right, "speedup (dense / compressed)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_batches, [str(b) for b in all_batches])
+        ax.minorticks_off()
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_title("Throughput")
+    right.set_title("Measured speedup (p10-p90) vs MAC-ideal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_terminal(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report['ideal_speedup']:.3f}x)")
+    for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
+        table.add_column(column, justify="left" if column == "backend" else "right")
+    for r in report["latency"]:
+        s = r["speedup"]
+        table.add_row(r["backend"], str(r["batch"]), f"{r['dense']['p50_s'] * 1e3:.1f}",
+                      f"{r['compressed']['p50_s'] * 1e3:.1f}", f"{s['median']:.2f} ({s['p10']:.2f}-{s['p90']:.2f})",
+                      f"{r['efficiency'] * 100:.0f}%")
+    console.print(table)
+    for name, v in report["backends"].items():
+        if v["status"] == "skipped":
+            console.print(f"skipped {name}: {v['reason']}", style="yellow")
+    worst = [(n["cosine"], f"{model} on {backend}") for model, b in report["parity"].items() for backend, n in b.items()]
+    if worst:
+        cosine, where = min(worst)
+        console.print(f"parity vs torch-cpu: worst cosine {cosine:.6f} ({where})")
+    console.print("fidelity: " + fidelity_summary(report))
+
+
+def write_outputs(report: dict, *, json_path: Path | None = None, markdown_path: Path | None = None,
+                  plot_path: Path | None = None) -> list[Path]:
+    """Write the requested renderings, each atomically (temporary file, then rename)."""
+    import os
+
+    from corp_deploy.files import write_json
+
+    written = []
+    for path, write in ((json_path, lambda p: write_json(p, report)),
+                        (markdown_path, lambda p: p.write_text(to_markdown(report))),
+                        (plot_path, lambda p: plot(report, p))):
+        if path is None:
+            continue
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(path)
+    return written

@@ -1,0 +1,56 @@
+"""What ``bench`` measures: the compressed model and its dense base, from an artifact or an export."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
+from corp_deploy.artifact import CONFIG_FILE
+from corp_deploy.files import sha256_file
+from exporters.manifest import MANIFEST, read_manifest
+
+from .backends import ModelFiles
+
+
+def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
+    """``(artifact, export directory or None)`` for an artifact, an export directory, or None
+    (the most recent artifact). An artifact's export is ``export-fp32`` inside it, else the
+    first other ``export-*``; an export's artifact is the one it lies in, else the one its
+    manifest names, and it must still match that artifact's ``config.json``."""
+    if path is None:
+        path = latest_artifact()
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        manifest = read_manifest(path)
+        # an export inside an artifact belongs to it (also after both were moved or copied)
+        inside = (path.parent / CONFIG_FILE).is_file()
+        artifact = path.parent if inside else Path(manifest["artifact"]["path"])
+        read_config(artifact)
+        if sha256_file(artifact / CONFIG_FILE) != manifest["artifact"]["config_sha256"]:
+            raise CorpError(f"{path} was exported from a different version of {artifact} (config.json changed); "
+                            "export it again")
+        return artifact, path
+    read_config(path)
+    exports = sorted(p for p in path.glob("export-*") if (p / MANIFEST).is_file())
+    preferred = [p for p in exports if p.name == "export-fp32"] + exports
+    return path, preferred[0] if preferred else None
+
+
+def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:
+    """``(compressed, dense)``: PyTorch modules plus the export's ONNX files and engines."""
+    files = {"model": {}, "dense": {}}
+    if export is not None:
+        for key, entry in read_manifest(export)["models"].items():
+            files[key] = {"onnx": export / entry["onnx"][0], "engine": export / entry["engine"] if entry["engine"] else None}
+    compressed = ModelFiles(load_compressed(artifact), **files["model"])
+    dense = ModelFiles(load_base_model(artifact), **files["dense"])
+    return compressed, dense
+
+
+def calibration_overlap(artifact: Path, eval_description: dict) -> bool:
+    """Whether the evaluation images may have been seen in calibration (then they are not
+    held out): the same directory, or bundled photos that calibration also used."""
+    calib = read_config(artifact).get("calibration", {})
+    if eval_description["source"] == "builtin":
+        return calib.get("source") == "builtin" and bool(set(calib.get("photos", [])) & set(eval_description["photos"]))
+    return calib.get("source") == "directory" and \
+        Path(calib.get("path", "")).resolve() == Path(eval_description["path"]).resolve()

@@ -1,0 +1,233 @@
+"""`corp-deploy bench`: report schema, interleaving, skipped backends, the regression gate,
+fidelity metrics on known inputs, and accuracy on a labelled folder."""
+import copy
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from benchmarks import latency
+from benchmarks.data import eval_images
+from benchmarks.fidelity import FidelityMeter, features_and_logits
+from benchmarks.gate import GateLimits, regressions
+from benchmarks.targets import resolve_target
+from corp_deploy import CorpError, load_compressed, model_transform
+from corp_deploy.cli import cli
+from tests.conftest import SMALL_VIT_CLI_ARGS, small_vit
+
+FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1",
+        "--data-samples", "6"]
+
+
+def run(args, state_dir):
+    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
+    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """A compressed random small ViT with its fp32 export (dense included) inside."""
+    root = tmp_path_factory.mktemp("bench")
+    for args in (["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8,
+                  "-o", root / "art"], ["export", root / "art", "--dense"]):
+        result, text = run(args, root / "state")
+        assert result.exit_code == 0, text
+    return root / "art"
+
+
+@pytest.fixture(scope="module")
+def bench_run(artifact, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    result, text = run(["bench", artifact, *FAST, "-o", out], out / "state")
+    assert result.exit_code == 0, text
+    return json.loads((out / "bench.json").read_text()), out, text
+
+
+def all_numbers(value):
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in all_numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in all_numbers(v)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def test_report_schema_numbers_and_renderings(bench_run):
+    report, out, text = bench_run
+    assert report["format"] == "corp-deploy-bench" and report["format_version"] == 1
+    assert {"machine", "versions", "settings", "models", "ideal_speedup", "backends", "latency", "parity",
+            "fidelity", "gate"} <= set(report)
+    assert all(math.isfinite(n) for n in all_numbers(report))
+    assert report["settings"]["batches"] == [1, 3]
+    models = report["models"]
+    assert report["ideal_speedup"] == pytest.approx(models["dense"]["macs"] / models["compressed"]["macs"])
+    assert [(r["backend"], r["batch"]) for r in report["latency"]] == [
+        ("torch-cpu", 1), ("torch-cpu", 3), ("ort-cpu", 1), ("ort-cpu", 3)]
+    for row in report["latency"]:
+        for model in ("dense", "compressed"):
+            t = row[model]
+            assert t["runs"] >= 5 and 0 < t["min_s"] <= t["p50_s"] <= t["p90_s"] <= t["p99_s"]
+            assert t["throughput_ips"] == pytest.approx(row["batch"] / t["p50_s"])
+        s = row["speedup"]
+        assert s["rounds"] == row["dense"]["runs"] and s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
+        assert row["efficiency"] == pytest.approx(s["median"] / report["ideal_speedup"])
+    for model in ("dense", "compressed"):
+        ort = report["parity"][model]["ort-cpu"]
+        assert ort["max_abs"] < 1e-4 and ort["cosine"] > 0.9999
+    fidelity = report["fidelity"]
+    assert fidelity["images"] == 6 and fidelity["held_out"] is True and fidelity["accuracy"] is None
+    assert 0 <= fidelity["top1_agreement"] <= 1 and fidelity["kl_mean"] >= 0
+    assert report["gate"]["passed"] is True
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "bench.md").read_text()
+    assert "| ort-cpu | 3 |" in markdown and "## Fidelity" in markdown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_backends_are_listed_with_the_reason(bench_run):
+    report, out, text = bench_run
+    backends = report["backends"]
+    assert backends["torch-cpu"] == backends["ort-cpu"] == {"status": "ran"}
+    for name in ("torch-cuda", "ort-cuda", "ort-tensorrt", "trt"):
+        assert backends[name]["status"] == "skipped" and backends[name]["reason"], name
+    assert "skipped trt:" in text.replace("\n", " ")
+    assert "- ort-tensorrt: " in (out / "bench.md").read_text()
+
+
+def test_interleaving_alternates_and_cancels_drift(monkeypatch):
+    """A machine that slows down during the run: A costs 2 units and B 1 unit, times a factor
+    that grows every round. Timed alternately, every round's ratio is still exactly 2."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])
+
+    def work(name, units):
+        def run_once():
+            calls.append(name)
+            clock[0] += units * (1 + 0.5 * ((len(calls) - 1) // 2))
+        return run_once
+
+    samples = latency.interleaved({"A": work("A", 2.0), "B": work("B", 1.0)}, warmup=1, min_time=20, min_rounds=3)
+    assert calls[:2] == ["A", "B"]  # warm-up, untimed
+    assert calls[2:8] == ["A", "B", "B", "A", "A", "B"]
+    assert len(samples["A"]) == len(samples["B"]) >= 3
+    assert sum(samples["B"]) >= 20 > sum(samples["B"][:-1])  # stopped as soon as both had enough
+    ratios = latency.speedup(samples["A"], samples["B"])
+    assert ratios["min"] == pytest.approx(2.0, rel=1e-12) and ratios["max"] == pytest.approx(2.0, rel=1e-12)
+    assert max(samples["B"]) > 2 * min(samples["B"])  # the drift was real
+
+
+def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run, artifact, tmp_path):
+    report, _, _ = bench_run
+    limits = GateLimits(max_regression=0.05, min_parity_cosine=0.999)
+    assert regressions(report, limits, copy.deepcopy(report)) == []
+    doctored = copy.deepcopy(report)
+    doctored["latency"][2]["compressed"]["p50_s"] /= 2  # the baseline was "twice as fast"
+    doctored["latency"][3]["speedup"]["median"] *= 1.5
+    doctored["fidelity"]["feature_cosine"] = report["fidelity"]["feature_cosine"] / 0.9
+    found = regressions(report, limits, doctored)
+    assert found[0].startswith("latency: ort-cpu, batch 1: compressed p50") and "+100.0% > 5%" in found[0]
+    assert found[1].startswith("speedup: ort-cpu, batch 3:")
+    assert any(f.startswith("fidelity: feature cosine") for f in found)
+    assert regressions(report, GateLimits(min_agreement=1.01, max_kl=-1.0, min_cosine=1.01)) == [
+        f"fidelity: top-1 agreement {report['fidelity']['top1_agreement']:.4f} < 1.01",
+        f"fidelity: mean KL {report['fidelity']['kl_mean']:.4g} > -1.0",
+        f"fidelity: feature cosine {report['fidelity']['feature_cosine']:.4f} < 1.01"]
+    # the CLI: exit 4, every regression printed, the reports still written
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(doctored))
+    result, text = run(["bench", artifact, *FAST, "--backends", "ort", "--baseline", baseline,
+                        "--json", tmp_path / "new.json"], tmp_path / "state")
+    assert result.exit_code == 4, text
+    assert "regression gate FAILED" in text and "latency: ort-cpu, batch 1: compressed p50" in text
+    assert json.loads((tmp_path / "new.json").read_text())["gate"]["passed"] is False
+
+
+def test_fidelity_metrics_on_known_inputs():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0]])
+    features = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    same = FidelityMeter(classifier=True)
+    same.update((features, logits), (features.clone(), logits.clone()), labels=torch.tensor([0, 2]))
+    result = same.result()
+    assert result["top1_agreement"] == 1.0 and result["kl_mean"] == 0.0
+    assert result["feature_cosine"] == pytest.approx(1.0)
+    assert result["accuracy"] == {"dense": {"top1": 0.5, "top5": 1.0}, "compressed": {"top1": 0.5, "top5": 1.0}}
+
+    other = torch.tensor([[2.0, 0.0, -1.0], [1.5, 0.5, 0.0]])  # second image: top-1 flips
+    meter = FidelityMeter(classifier=True)
+    meter.update((features, logits), (torch.tensor([[1.0, 1.0], [0.0, -2.0]]), other))
+    p, q = torch.softmax(logits[1].double(), 0), torch.softmax(other[1].double(), 0)
+    expected_kl = float((p * (p / q).log()).sum()) / 2
+    result = meter.result()
+    assert result["top1_agreement"] == 0.5 and result["kl_mean"] == pytest.approx(expected_kl, rel=1e-12)
+    assert result["feature_cosine"] == pytest.approx((2 ** -0.5 - 1.0) / 2)
+    backbone = FidelityMeter(classifier=False)
+    backbone.update((features, features), (features, features))
+    assert backbone.result()["top1_agreement"] is None and backbone.result()["kl_mean"] is None
+
+
+def test_accuracy_on_a_labelled_image_folder(tmp_path):
+    model = small_vit()
+    rng = np.random.default_rng(0)
+    mapping = {"cats": 3, "dogs": 7}
+    for name in mapping:
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / name / f"{i}.png")
+    (tmp_path / "class_index.json").write_text(json.dumps(mapping))
+    transform, _ = model_transform(model)
+    evaluation = eval_images(tmp_path, transform, limit=100, batch_size=4)
+    assert evaluation.labelled and evaluation.description["classes"] == 2
+    # independently: each file through the transform and the model, by hand
+    expected = {"top1": 0, "top5": 0}
+    with torch.no_grad():
+        for name, label in mapping.items():
+            for path in sorted((tmp_path / name).iterdir()):
+                top = model(transform(Image.open(path).convert("RGB"))[None]).topk(5).indices[0]
+                expected["top1"] += int(top[0] == label)
+                expected["top5"] += int(label in top)
+    meter = FidelityMeter(classifier=True)
+    seen = []
+    for images, labels in evaluation:
+        seen += labels.tolist()
+        out = features_and_logits(model, images)
+        meter.update(out, out, labels)
+    assert sorted(seen) == [3, 3, 3, 7, 7, 7]
+    accuracy = meter.result()["accuracy"]["dense"]
+    assert accuracy == {"top1": expected["top1"] / 6, "top5": expected["top5"] / 6}
+
+    (tmp_path / "birds").mkdir()
+    Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "birds" / "0.png")
+    with pytest.raises(CorpError, match="missing from .*class_index.json"):
+        eval_images(tmp_path, transform, limit=10)
+
+
+def test_targets_and_bad_inputs(artifact, tmp_path):
+    assert resolve_target(artifact) == (artifact, artifact / "export-fp32")
+    assert resolve_target(artifact / "export-fp32") == (artifact, artifact / "export-fp32")
+    not_a_report = tmp_path / "x.json"
+    not_a_report.write_text("{}")
+    cases = [
+        (["bench", artifact, "--backends", "tensorflow"], "--backends takes"),
+        (["bench", artifact, "--batch", "0,8"], "--batch takes comma-separated positive integers"),
+        (["bench", artifact, "--baseline", not_a_report], "is not a corp-deploy bench report"),
+        (["bench", artifact, "--baseline", tmp_path / "missing.json"], "not found"),
+        (["bench", artifact, "--data", tmp_path / "nope"], "evaluation data directory not found"),
+        (["bench", artifact, "--max-regression", "1.5"], "--max-regression must be in [0, 1)"),
+        (["bench", tmp_path], "is not a corp-deploy artifact"),
+    ]
+    for args, message in cases:
+        result, text = run([*args, "--json", tmp_path / "r.json"], tmp_path / "state")
+        assert result.exit_code == 1 and message in text and "Traceback" not in text, (args, text)
+        assert not (tmp_path / "r.json").exists()
+    moved = tmp_path / "copy"
+    shutil.copytree(artifact, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["settings"]["seed"] = 99
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CorpError, match="different version"):
+        resolve_target(moved / "export-fp32")
+    assert load_compressed(moved) is not None
