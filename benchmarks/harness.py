@@ -83,7 +83,7 @@ def run_bench(compressed: ModelFiles, dense: ModelFiles, eval_set: EvalImages, s
         report["latency"] = [_latency_row(name, group, batch, image_shape, report["ideal_speedup"], settings, log)
                              for name, group in runners.items() for batch in settings.batches]
     log("fidelity on the evaluation images ...")
-    report["fidelity"] = {**_fidelity(dense.torch, compressed.torch, eval_set, classifier),
+    report["fidelity"] = {**fidelity(dense.torch, compressed.torch, eval_set, classifier),
                           "data": eval_set.description, "held_out": held_out}
     return report
 
@@ -132,7 +132,8 @@ def _latency_row(backend: str, group: dict, batch: int, image_shape, ideal: floa
             "speedup": ratio, "ideal_speedup": ideal, "efficiency": ratio["median"] / ideal}
 
 
-def _fidelity(dense: torch.nn.Module, compressed: torch.nn.Module, eval_set: EvalImages, classifier: bool) -> dict:
+def fidelity(dense: torch.nn.Module, compressed: torch.nn.Module, eval_set: EvalImages, classifier: bool) -> dict:
+    """:class:`FidelityMeter` results of ``compressed`` against ``dense`` over ``eval_set`` (PyTorch, CPU)."""
     meter = FidelityMeter(classifier)
     for images, labels in eval_set:
         meter.update(features_and_logits(dense, images), features_and_logits(compressed, images), labels)

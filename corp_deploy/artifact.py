@@ -143,6 +143,15 @@ def load_compressed(path: str | Path) -> nn.Module:
     return model.eval()
 
 
+def weights_record(checkpoint: str | Path | None, pretrained: bool, seed: int) -> dict:
+    """Where a dense model's weights came from, as ``config.json`` records it for
+    :func:`load_base_model`: a checkpoint (path and SHA-256), timm's pretrained weights, or the
+    seeded random initialisation."""
+    if checkpoint is not None:
+        return {"source": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": sha256_file(checkpoint)}
+    return {"source": "timm-pretrained"} if pretrained else {"source": "random", "seed": seed}
+
+
 def load_base_model(path: str | Path) -> nn.Module:
     """The dense model an artifact was compressed from, rebuilt from ``config.json``.
 

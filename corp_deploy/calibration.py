@@ -103,6 +103,14 @@ class CalibrationImages:
                     "seeded random resized crops (scale 0.25-1) and horizontal flips"},
                    count, crop_seed=seed)
 
+    @classmethod
+    def from_source(cls, directory: str | Path | None, transform: Callable, *, limit: int = 256,
+                    batch_size: int = 32, seed: int = 0) -> "CalibrationImages":
+        """``from_directory`` when a directory is given, else ``from_builtin``."""
+        if directory is None:
+            return cls.from_builtin(transform, count=limit, batch_size=batch_size, seed=seed)
+        return cls.from_directory(directory, transform, limit=limit, batch_size=batch_size, seed=seed)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         self.used, self.skipped = 0, []
         rng = random.Random(self._crop_seed)

@@ -72,19 +72,58 @@ def cli():
     """
 
 
+def _options(*options):
+    """Apply click options in the order listed (so they appear in that order in --help)."""
+    def apply(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return apply
+
+
+#: Which dense model to start from and what to calibrate on (shared by compress and sweep).
+_model_source_options = _options(
+    click.argument("model"),
+    click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default="both", show_default=True,
+                 help="Which parts to prune."),
+    click.option("--calib", type=click.Path(path_type=Path), default=None,
+                 help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
+                      "Default: built-in photos from scikit-image."),
+    click.option("--calib-samples", type=int, default=256, show_default=True, help="Number of calibration images."),
+    click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+                 help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0)."),
+    click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                 help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True)."),
+    click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool)."),
+    click.option("--seed", type=int, default=0, show_default=True,
+                 help="Seed for calibration sampling/augmentation and random weights."),
+)
+
+
+def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool,
+                 seed: int, calib: Path | None):
+    """Check the model-source options and build the dense model; returns it and its artifact record."""
+    from .artifact import base_model_spec, weights_record
+    from .models import create_base_model, resolve_model_name
+
+    full_name = resolve_model_name(model)
+    kwargs = _parse_model_args(model_args)
+    if checkpoint is not None and no_pretrained:
+        raise CorpError("--checkpoint and --no-pretrained exclude each other")
+    if calib is not None and not Path(calib).is_dir():
+        raise CorpError(f"calibration directory not found: {calib}")
+    click.echo(f"building {full_name} ...", err=True)
+    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint, seed=seed)
+    record = {**base_model_spec(base, full_name, kwargs), "weights": weights_record(checkpoint, not no_pretrained, seed)}
+    return base, record
+
+
 @cli.command()
-@click.argument("model")
+@_model_source_options
 @click.option("--s", "sparsity", type=float, default=DEFAULTS.s_mlp, show_default=True,
               help="Sparsity in [0, 1) of both MLP hidden channels and attention query/key dims.")
 @click.option("--s-mlp", type=float, default=None, help="MLP sparsity (overrides --s).")
 @click.option("--s-attn", type=float, default=None, help="Query/key sparsity (overrides --s).")
-@click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default="both", show_default=True,
-              help="Which parts to prune.")
-@click.option("--calib", type=click.Path(path_type=Path), default=None,
-              help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
-                   "Default: built-in photos from scikit-image.")
-@click.option("--calib-samples", type=int, default=256, show_default=True,
-              help="Number of calibration images.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
 @click.option("--ranker", type=click.Choice(RANKERS), default=DEFAULTS.ranker, show_default=True,
               help="MLP channel ranking.")
@@ -96,20 +135,12 @@ def cli():
 @click.option("--round-to", type=int, default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
 @click.option("--no-compensation", is_flag=True, help="Keep the same channels but only slice (ablation).")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
-              help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0).")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-              help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True).")
-@click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed for calibration sampling/augmentation and random weights.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Artifact directory. [default: ./corp-deploy/<model>-s<S>]")
 @_user_errors
-def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch_size, ranker, ridge,
-             calibration, round_to, no_compensation, model_args, checkpoint, no_pretrained, device,
-             seed, output):
+def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsity, s_mlp,
+             s_attn, batch_size, ranker, ridge, calibration, round_to, no_compensation, device, output):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     \b
@@ -119,51 +150,37 @@ def compress(model, sparsity, s_mlp, s_attn, target, calib, calib_samples, batch
       corp-deploy compress vit_small_patch14_dinov2 --model-arg img_size=224 \\
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
     """
-    from .artifact import base_model_spec, record_latest, save_artifact
+    from .artifact import record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
-    from .files import sha256_file
-    from .models import create_base_model, resolve_model_name
 
-    full_name = resolve_model_name(model)
-    kwargs = _parse_model_args(model_args)
     config = CompressConfig(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
         target=target, ranker=ranker, ridge=ridge, calibration=calibration,
         round_to=round_to, compensation=not no_compensation, device=device)
-    if checkpoint is not None and no_pretrained:
-        raise CorpError("--checkpoint and --no-pretrained exclude each other")
-    if calib is not None and not Path(calib).is_dir():
-        raise CorpError(f"calibration directory not found: {calib}")
     out_dir = output or default_output_dir(model, config.s_mlp, config.s_attn, target,
                                            config.compensation)
-
-    click.echo(f"building {full_name} ...", err=True)
-    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint,
-                             seed=seed)
+    base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
     transform, _ = model_transform(base)
     if calib is None:
-        click.secho("warning: no --calib given; calibrating on built-in photos. Images from your "
-                    "deployment distribution give better accuracy.", fg="yellow", err=True)
-        images = CalibrationImages.from_builtin(transform, count=calib_samples, batch_size=batch_size,
-                                                seed=seed)
-    else:
-        images = CalibrationImages.from_directory(calib, transform, limit=calib_samples,
-                                                  batch_size=batch_size, seed=seed)
+        _warn_builtin_calibration()
+    images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size,
+                                           seed=seed)
     compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty())
     summary = images.summary()
     if summary["files_skipped"]:
         click.secho(f"warning: skipped {summary['files_skipped']} unreadable calibration files "
                     f"(e.g. {summary['skipped_examples'][0]})", fg="yellow", err=True)
-    weights = ({"source": "checkpoint", "path": str(Path(checkpoint).resolve()),
-                "sha256": sha256_file(checkpoint)} if checkpoint else
-               {"source": "random", "seed": seed} if no_pretrained else {"source": "timm-pretrained"})
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
-    path = save_artifact(compressed, out_dir,
-                         base_model={**base_model_spec(base, full_name, kwargs), "weights": weights},
-                         settings=settings, calibration=summary, report=report)
+    path = save_artifact(compressed, out_dir, base_model=base_model, settings=settings, calibration=summary,
+                         report=report)
     record_latest(path)
     _print_compress_summary(report, path)
+
+
+def _warn_builtin_calibration() -> None:
+    click.secho("warning: no --calib given; calibrating on built-in photos. Images from your "
+                "deployment distribution give better accuracy.", fg="yellow", err=True)
 
 
 def _print_compress_summary(report: dict, path: Path) -> None:
@@ -384,6 +401,64 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
         for item in found:
             click.echo(f"  {item}", err=True)
         sys.exit(4)
+
+
+def _parse_sparsities(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise CorpError(f"--s takes comma-separated sparsities in [0, 1) (e.g. 0.1,0.3,0.5); got {text!r}")
+    return values
+
+
+@cli.command()
+@_model_source_options
+@click.option("--s", "sparsities", default="0.1,0.3,0.5,0.7", show_default=True,
+              help="Comma-separated sparsities (applied to the parts chosen by --target).")
+@click.option("--compare-uncompensated", is_flag=True,
+              help="Also measure the fidelity of the same channels without compensation (sliced).")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Held-out evaluation images (see `bench --help`). [default: bundled photos kept out "
+                   "of calibration]")
+@click.option("--data-samples", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--backends", default="torch,ort,trt", show_default=True, help="As for bench.")
+@click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="As for bench.")
+@click.option("--min-time", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="As for bench.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Sweep directory. [default: ./corp-deploy/sweep-<model>-<target>]")
+@_user_errors
+def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities,
+          compare_uncompensated, data, data_samples, backends, batches, threads, min_time, output):
+    """Compress at several sparsities, export, benchmark, and tabulate against the dense model.
+
+    Writes one artifact (with its ONNX export) per sparsity, sweep.json (every number),
+    sweep.md (the table) and sweep.png (fidelity, size and speedup vs sparsity).
+
+    \b
+    Examples:
+      corp-deploy sweep deit_small --s 0.3,0.5,0.7 --compare-uncompensated --calib train/ --data val/
+      corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
+    """
+    from benchmarks.backends import parse_families
+    from benchmarks.harness import BenchSettings
+    from benchmarks.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(sparsities=_parse_sparsities(sparsities), target=target,
+                     compare_uncompensated=compare_uncompensated, calib=calib, calib_samples=calib_samples,
+                     data=data, data_samples=data_samples, seed=seed,
+                     bench=BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
+                                         threads=threads, min_time=min_time))
+    out_dir = output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}-{target}"
+    dense, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
+    if calib is None:
+        _warn_builtin_calibration()
+    run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
+    click.echo((out_dir / "sweep.md").read_text())
+    click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per sparsity)", err=True)
 
 
 def main() -> None:
