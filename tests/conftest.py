@@ -24,6 +24,18 @@ def small_vit(seed: int = 0, **overrides) -> torch.nn.Module:
     return model.eval()
 
 
+def run_cli(args, state_dir):
+    """Run ``corp-deploy ARGS`` in-process, remembering the latest artifact under ``state_dir``.
+
+    Returns ``(result, everything it printed)``.
+    """
+    from click.testing import CliRunner
+
+    from corp_deploy.cli import cli
+    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
+    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+
+
 def image_batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]

@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from PIL import Image
 
 from benchmarks import latency
@@ -17,16 +16,11 @@ from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
 from benchmarks.targets import resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
-from corp_deploy.cli import cli
 from tests.conftest import SMALL_VIT_CLI_ARGS, small_vit
+from tests.conftest import run_cli as run
 
 FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1",
         "--data-samples", "6"]
-
-
-def run(args, state_dir):
-    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
-    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,16 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from corp_deploy import create_base_model, load_compressed
-from corp_deploy.cli import cli
 from exporters import tensorrt as trt_backend
 from exporters.manifest import read_manifest
 from exporters.pipeline import EXIT_INCOMPLETE, EXIT_PARITY, PARITY_BATCHES, parity_images
 from exporters.runners import OnnxRuntimeRunner
 from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
+from tests.conftest import run_cli as run
 
 NO_TENSORRT = trt_backend.unavailable_reason()
-
-
-def run(args, state_dir):
-    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
-    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
 
 
 @pytest.fixture(scope="module")

@@ -2,24 +2,16 @@
 the plot, and fidelity with and without compensation."""
 import json
 
-from click.testing import CliRunner
-
 from corp_deploy import read_config
-from corp_deploy.cli import cli
 from exporters.manifest import read_manifest
-from tests.conftest import SMALL_VIT_CLI_ARGS
-
-
-def run(args, tmp_path):
-    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
-    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+from tests.conftest import SMALL_VIT_CLI_ARGS, run_cli
 
 
 def test_sweep_writes_artifacts_table_plot_and_both_fidelities(tmp_path):
     out = tmp_path / "sweep"
-    result, text = run(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
-                        "--calib-samples", 8, "--data-samples", 6, "--compare-uncompensated", "--backends", "ort",
-                        "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path)
+    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
+                            "--calib-samples", 8, "--data-samples", 6, "--compare-uncompensated", "--backends",
+                            "ort", "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
     assert sorted(p.name for p in out.iterdir()) == ["s0.25", "s0.5", "sweep.json", "sweep.md", "sweep.png"]
     sweep = json.loads((out / "sweep.json").read_text())
@@ -44,7 +36,7 @@ def test_sweep_writes_artifacts_table_plot_and_both_fidelities(tmp_path):
 
 def test_bad_sparsities_are_refused_before_any_work(tmp_path):
     for value, message in (("0.3,1.2", "s_mlp must be in [0, 1)"), ("a,b", "--s takes comma-separated")):
-        result, text = run(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", value,
-                            "-o", tmp_path / "sweep"], tmp_path)
+        result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", value,
+                                "-o", tmp_path / "sweep"], tmp_path / "state")
         assert result.exit_code == 1 and message in text and "Traceback" not in text, text
         assert not (tmp_path / "sweep").exists()
