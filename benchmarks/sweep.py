@@ -28,7 +28,7 @@ SWEEP_FILE = "sweep.json"
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """What to sweep. ``base_model`` is the artifact record of ``dense`` (name, kwargs, weights)."""
+    """What to sweep and how to measure it (the dense model itself is given to ``run_sweep``)."""
 
     sparsities: tuple[float, ...]
     target: str = "both"
