@@ -23,6 +23,8 @@ from PIL import UnidentifiedImageError
 from corp_deploy import CalibrationImages, CorpError
 from corp_deploy.calibration import HELD_OUT_PHOTOS
 
+from .fidelity import held_out_images
+
 CLASS_INDEX_FILE = "class_index.json"
 
 
@@ -46,8 +48,7 @@ def eval_images(data: str | Path | None, transform: Callable, *, limit: int, bat
     """The evaluation set: ``data`` (a folder, see the module docstring) or, when None,
     ``limit`` seeded crops of the bundled photos that are kept out of calibration splits."""
     if data is None:
-        images = CalibrationImages.from_builtin(transform, count=limit, batch_size=batch_size, seed=seed + 1,
-                                                photos=HELD_OUT_PHOTOS)
+        images = held_out_images(transform, limit, batch_size, seed)
         return EvalImages(lambda: ((x, None) for x in images),
                           {"source": "builtin", "photos": list(HELD_OUT_PHOTOS), "images": limit}, False)
     root = Path(data)

@@ -16,9 +16,13 @@ def split_builtin_images(transform, n_calib: int, n_held_out: int, batch_size: i
     """Calibration and held-out sets from disjoint bundled photos (seeded crops and flips)."""
     calib = CalibrationImages.from_builtin(transform, count=n_calib, batch_size=batch_size, seed=seed,
                                            photos=CALIBRATION_PHOTOS)
-    held = CalibrationImages.from_builtin(transform, count=n_held_out, batch_size=batch_size,
-                                          seed=seed + 1, photos=HELD_OUT_PHOTOS)
-    return calib, held
+    return calib, held_out_images(transform, n_held_out, batch_size, seed)
+
+
+def held_out_images(transform, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:
+    """Seeded crops and flips of the bundled photos that calibration never uses."""
+    return CalibrationImages.from_builtin(transform, count=count, batch_size=batch_size, seed=seed + 1,
+                                          photos=HELD_OUT_PHOTOS)
 
 
 @torch.no_grad()
