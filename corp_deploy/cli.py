@@ -12,7 +12,7 @@ from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from exporters.precision import PRECISIONS
 from exporters.tensorrt import BatchProfile
 
-from .config import CALIBRATION_MODES, RANKERS, CompressConfig
+from .config import CALIBRATION_MODES, METHODS, RANKERS, CompressConfig
 from .errors import CorpError
 
 DEFAULTS = CompressConfig()
@@ -46,8 +46,9 @@ def _parse_model_args(pairs: tuple[str, ...]) -> dict:
     return out
 
 
-def default_output_dir(model: str, s_mlp: float, s_attn: float, target: str, compensation: bool) -> Path:
-    """``./corp-deploy/<model>-s<S>`` (with the target / split sparsities when they differ)."""
+def default_output_dir(model: str, config: CompressConfig) -> Path:
+    """``./corp-deploy/<model>[-<method>]-s<S>`` (with the target / split sparsities when they differ)."""
+    s_mlp, s_attn, target = config.s_mlp, config.s_attn, config.target
     if target == "mlp":
         tag = f"mlp-s{s_mlp:g}"
     elif target == "attn":
@@ -56,8 +57,9 @@ def default_output_dir(model: str, s_mlp: float, s_attn: float, target: str, com
         tag = f"s{s_mlp:g}"
     else:
         tag = f"mlp{s_mlp:g}-attn{s_attn:g}"
-    suffix = "" if compensation else "-nocomp"
-    return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}-{tag}{suffix}"
+    method = "" if config.method == "corp" else f"-{config.method}"
+    suffix = "" if config.compensation else "-nocomp"
+    return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,8 +86,8 @@ def _options(*options):
 #: Which dense model to start from and what to calibrate on (shared by compress and sweep).
 _model_source_options = _options(
     click.argument("model"),
-    click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default="both", show_default=True,
-                 help="Which parts to prune."),
+    click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default=None,
+                 help="Which parts to prune. [default: mlp for vbp, both otherwise]"),
     click.option("--calib", type=click.Path(path_type=Path), default=None,
                  help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
                       "Default: built-in photos from scikit-image."),
@@ -120,32 +122,48 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 
 @cli.command()
 @_model_source_options
+@click.option("--method", type=click.Choice(METHODS), default=DEFAULTS.method, show_default=True,
+              help="corp: ranking plus closed-form compensation. vbp: variance-based MLP pruning, global "
+                   "ranking, mean folded into the bias. toast: geometric-median head-dim pruning and token "
+                   "channel selection for the FFN. All one-shot.")
 @click.option("--s", "sparsity", type=float, default=DEFAULTS.s_mlp, show_default=True,
-              help="Sparsity in [0, 1) of both MLP hidden channels and attention query/key dims.")
+              help="Sparsity in [0, 1) of both MLP hidden channels and attention head dims (vbp: global "
+                   "MLP rate).")
 @click.option("--s-mlp", type=float, default=None, help="MLP sparsity (overrides --s).")
-@click.option("--s-attn", type=float, default=None, help="Query/key sparsity (overrides --s).")
+@click.option("--s-attn", type=float, default=None,
+              help="Attention sparsity (overrides --s): query/key dims (corp), query/key and value dims "
+                   "(toast); vbp has none.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
 @click.option("--ranker", type=click.Choice(RANKERS), default=DEFAULTS.ranker, show_default=True,
-              help="MLP channel ranking.")
+              help="corp: MLP channel ranking.")
 @click.option("--ridge", type=float, default=DEFAULTS.ridge, show_default=True,
-              help="Scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|).")
+              help="corp: scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|).")
 @click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS.calibration,
               show_default=True, help="Statistics all from the dense model (independent, as in the "
                                       "paper) or from the partly compressed model (sequential).")
 @click.option("--round-to", type=int, default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
-@click.option("--no-compensation", is_flag=True, help="Keep the same channels but only slice (ablation).")
+@click.option("--no-compensation", is_flag=True,
+              help="Keep the same channels but only slice (ablation): no closed-form step (corp), no "
+                   "mean fold (vbp).")
+@click.option("--layer-floor", type=float, default=DEFAULTS.layer_floor, show_default=True,
+              help="vbp: fraction of every MLP's channels always kept.")
+@click.option("--token-fraction", type=float, default=DEFAULTS.token_fraction, show_default=True,
+              help="toast: fraction of patch tokens per image sampled for FFN channel importance.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Artifact directory. [default: ./corp-deploy/<model>-s<S>]")
 @_user_errors
-def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsity, s_mlp,
-             s_attn, batch_size, ranker, ridge, calibration, round_to, no_compensation, device, output):
+def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
+             s_mlp, s_attn, batch_size, ranker, ridge, calibration, round_to, no_compensation, layer_floor,
+             token_fraction, device, output):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     \b
     Examples:
       corp-deploy compress deit_base --s 0.5
+      corp-deploy compress deit_base --method vbp --s 0.3
+      corp-deploy compress deit_base --method toast --s-mlp 0.5 --s-attn 0.25
       corp-deploy compress deit_tiny --target mlp --s 0.3 --calib ./val_images -o out/tiny
       corp-deploy compress vit_small_patch14_dinov2 --model-arg img_size=224 \\
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
@@ -154,12 +172,13 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
 
+    _check_method_options(method, s_attn)
     config = CompressConfig(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
-        target=target, ranker=ranker, ridge=ridge, calibration=calibration,
-        round_to=round_to, compensation=not no_compensation, device=device)
-    out_dir = output or default_output_dir(model, config.s_mlp, config.s_attn, target,
-                                           config.compensation)
+        target=target, ranker=ranker, ridge=ridge, calibration=calibration, round_to=round_to,
+        compensation=not no_compensation, device=device, method=method, layer_floor=layer_floor,
+        token_fraction=token_fraction)
+    out_dir = output or default_output_dir(model, config)
     base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
     transform, _ = model_transform(base)
     if calib is None:
@@ -176,6 +195,21 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
                          report=report)
     record_latest(path)
     _print_compress_summary(report, path)
+
+
+#: Options that only one method reads: giving them to another method is refused, not ignored.
+_METHOD_ONLY_OPTIONS = {"ranker": "corp", "ridge": "corp", "calibration": "corp", "layer_floor": "vbp",
+                        "token_fraction": "toast"}
+
+
+def _check_method_options(method: str, s_attn: float | None) -> None:
+    ctx = click.get_current_context()
+    for name, owner in _METHOD_ONLY_OPTIONS.items():
+        if owner != method and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method}")
+    if method == "vbp" and s_attn is not None:
+        raise CorpError("--method vbp prunes MLP hidden channels only; --s-attn has no meaning for it "
+                        "(use --method corp or toast for attention)")
 
 
 def _warn_builtin_calibration() -> None:
@@ -196,7 +230,7 @@ def _print_compress_summary(report: dict, path: Path) -> None:
     table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
     table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
     for part, label in (("mlp", "MLP output"), ("attention", "attention logits")):
-        rows = [layer[part] for layer in layers if part in layer]
+        rows = [layer[part] for layer in layers if "relative_error_compensated" in layer.get(part, {})]
         if rows:
             unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
             comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)

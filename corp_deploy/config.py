@@ -7,21 +7,31 @@ from dataclasses import dataclass
 
 from .errors import CorpError
 
+METHODS = ("corp", "vbp", "toast")
 TARGETS = ("mlp", "attn", "both")
+#: The parts each method can prune, and its default target.
+METHOD_TARGETS = {"corp": ("mlp", "attn", "both"), "vbp": ("mlp",), "toast": ("mlp", "attn", "both")}
+METHOD_DEFAULT_TARGET = {"corp": "both", "vbp": "mlp", "toast": "both"}
 RANKERS = ("combined", "energy", "magnitude", "active", "variance")
 CALIBRATION_MODES = ("independent", "sequential")
 
 
 @dataclass(frozen=True)
 class CompressConfig:
-    """What to prune and how (METHOD.md sections 1-3).
+    """What to prune and how (METHOD.md sections 1-3, and 5 for the peer methods).
 
     Attributes:
+        method: ``corp`` (ranking plus closed-form ridge compensation, the default),
+            ``vbp`` (variance-based MLP pruning, global ranking, mean folded into the fc2
+            bias) or ``toast`` (geometric-median coupled attention-head pruning and token
+            channel selection for the FFN; no compensation step). All one-shot.
         s_mlp: fraction of MLP hidden channels removed in every block, in [0, 1).
         s_attn: fraction of query/key dims removed in every attention head, in [0, 1).
+        s_attn: for ``toast``, the fraction of query/key and of value dims removed per head.
         target: which parts are pruned: ``mlp``, ``attn`` or ``both``; the other part
-            keeps its dense weights whatever its sparsity says.
-        ranker: MLP channel ranking (``combined``, ``energy``, ``magnitude``,
+            keeps its dense weights whatever its sparsity says. ``None`` picks the
+            method's default (``mlp`` for vbp, which prunes nothing else; ``both`` otherwise).
+        ranker: CORP's MLP channel ranking (``combined``, ``energy``, ``magnitude``,
             ``active``, ``variance``).
         ridge: scale-free ridge strength alpha; the per-layer lambda is
             ``alpha * tr(Sigma_SS) / |S|`` (MLP) and ``alpha * tr(K) / d'^2``
@@ -31,22 +41,33 @@ class CompressConfig:
             cheaper, see benchmarks/RESULTS.md) or ``sequential`` (block l calibrated on
             the outputs of the already compressed blocks < l).
         round_to: kept dims are rounded to a multiple of this (hardware alignment).
-        compensation: fold the closed-form compensation in; False keeps the same
-            channels and slices the weights (ablation).
+        compensation: fold the method's compensation in (CORP's closed-form step, VBP's
+            mean fold); False keeps the same channels and slices the weights (ablation).
+            ToaSt has no compensation step, so it must stay True there.
         device: ``cpu`` or ``cuda``; where calibration runs.
+        layer_floor: ``vbp``: every MLP keeps at least this fraction of its channels
+            (the global variance ranking would otherwise empty low-variance layers).
+        token_fraction: ``toast``: fraction of each image's patch tokens sampled for the
+            FFN channel importance (ToaSt uses 2-20%).
     """
 
     s_mlp: float = 0.5
     s_attn: float = 0.5
-    target: str = "both"
+    target: str | None = None
     ranker: str = "combined"
     ridge: float = 1e-3
     calibration: str = "independent"
     round_to: int = 1
     compensation: bool = True
     device: str = "cpu"
+    method: str = "corp"
+    layer_floor: float = 0.1
+    token_fraction: float = 0.1
 
     def __post_init__(self) -> None:
+        _check_choice("method", self.method, METHODS)
+        if self.target is None:
+            object.__setattr__(self, "target", METHOD_DEFAULT_TARGET[self.method])
         for name in ("s_mlp", "s_attn"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
@@ -60,6 +81,24 @@ class CompressConfig:
             raise CorpError(f"round_to must be an integer >= 1, got {self.round_to!r}")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise CorpError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise CorpError(f"layer_floor must be in [0, 1], got {self.layer_floor!r}")
+        if not 0.0 < self.token_fraction <= 1.0:
+            raise CorpError(f"token_fraction must be in (0, 1], got {self.token_fraction!r}")
+        self._check_method_combination()
+
+    def _check_method_combination(self) -> None:
+        if self.target not in METHOD_TARGETS[self.method]:
+            raise CorpError(f"method {self.method} prunes MLP hidden channels only; attention sparsity "
+                            f"(target {self.target}) is not part of it. Use target mlp, or method corp/toast.")
+        if self.method == "corp":
+            return
+        if self.calibration != "independent":
+            raise CorpError(f"method {self.method} takes its statistics from the dense model; "
+                            "sequential calibration is CORP's only")
+        if self.method == "toast" and not self.compensation:
+            raise CorpError("method toast has no compensation step to switch off; "
+                            "--no-compensation applies to corp and vbp")
 
     @property
     def prunes_mlp(self) -> bool:

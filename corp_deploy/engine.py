@@ -1,4 +1,5 @@
-"""Block-by-block CORP calibration and compression of a timm VisionTransformer.
+"""Block-by-block calibration and compression of a timm VisionTransformer: CORP, and the
+peer methods VBP and ToaSt through the same calibration cache (METHOD.md 5).
 
 Memory: the hidden states at the current block boundary are cached for the whole
 calibration set (``images x tokens x width`` float32 on the calibration device,
@@ -12,7 +13,8 @@ the query/key Grams and the MLP hidden Gram in the same pass. Sequential mode ru
 block, the dense query/key projection (attention statistics), then the compressed
 attention and the dense MLP up-projection (MLP statistics), then the compressed MLP
 (next boundary). The MLP Gram (``tokens x H^2``, upper block triangle only) is the largest
-single cost. No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
+single cost. VBP and ToaSt run each dense block once and keep only per-channel statistics.
+No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -28,18 +30,20 @@ from torch import nn
 
 from . import attention as attn_ops
 from . import mlp as mlp_ops
+from . import toast as toast_ops
+from . import vbp as vbp_ops
 from .config import CompressConfig, kept_count
 from .cost import count_macs, count_params, peak_memory_mb
 from .errors import CorpError
 from .layers import block_dims
-from .models import check_prunable, check_vit
+from .models import check_prunable, check_vit, is_plain_attention, uses_class_token
 from .stats import MomentAccumulator, per_image_head_grams
 
 
 def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
              config: CompressConfig = CompressConfig(), *, progress: bool = False
              ) -> tuple[nn.Module, dict]:
-    """Compress a timm ViT with CORP; the input model is left unchanged.
+    """Compress a timm ViT with ``config.method`` (CORP by default); the input model is left unchanged.
 
     Args:
         model: a timm ``VisionTransformer`` (dense).
@@ -64,11 +68,9 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
             raise CorpError("the calibration set is empty")
         input_size = cache.input_size
         dense_macs = count_macs(model, input_size)
-        layers = []
         bar.start_blocks(len(model.blocks))
-        for block in model.blocks:
-            layers.append(_compress_block(block, cache, config, timer))
-            bar.block_done()
+        compress_blocks = {"corp": _compress_corp, "vbp": _compress_vbp, "toast": _compress_toast}
+        layers = compress_blocks[config.method](model, cache, config, timer, bar.block_done)
     model = model.cpu().eval()
     report = {
         "calibration": {"images": n_images, "tokens_per_image": cache.tokens,
@@ -134,6 +136,97 @@ def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     finally:
         handle.remove()
     return captured[0]
+
+
+def _compress_corp(model: nn.Module, cache: _BoundaryCache, config: CompressConfig, timer: "_PhaseTimer",
+                   block_done: Callable[[], None]) -> list[dict]:
+    layers = []
+    for block in model.blocks:
+        layers.append(_compress_block(block, cache, config, timer))
+        block_done()
+    return layers
+
+
+def _compress_vbp(model: nn.Module, cache: _BoundaryCache, config: CompressConfig, timer: "_PhaseTimer",
+                  block_done: Callable[[], None]) -> list[dict]:
+    """VBP: hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
+    moments = []
+    with timer("block_statistics"):
+        for block in model.blocks:
+            stats = vbp_ops.ChannelMoments(block.mlp.fc1.out_features, cache.batches[0].device)
+            _dense_pass(block, cache, lambda x, h: stats.update(h))
+            moments.append(stats)
+            block_done()
+    layers = []
+    with timer("mlp_solve"):
+        counts = vbp_ops.global_kept_counts([m.variance for m in moments], config.s_mlp, config.layer_floor,
+                                            config.round_to)
+        for block, stats, kept in zip(model.blocks, moments, counts):
+            S, P = mlp_ops.split_channels(stats.variance, kept)
+            mlp_ops.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
+            total_variance = float(stats.variance.sum())
+            layers.append({"mlp": {"hidden": kept,
+                                   "pruned_variance_fraction": float(stats.variance[P].sum()) / total_variance
+                                   if total_variance else 0.0},
+                           "dims": block_dims(block).to_dict()})
+    return layers
+
+
+def _compress_toast(model: nn.Module, cache: _BoundaryCache, config: CompressConfig, timer: "_PhaseTimer",
+                    block_done: Callable[[], None]) -> list[dict]:
+    """ToaSt: FFN channels by token channel selection on the dense block's activations;
+    query/key and value/proj dims by distance to each head's geometric median (weights only)."""
+    class_token = uses_class_token(model)
+    sampler = torch.Generator().manual_seed(0)  # token samples: reproducible
+    layers = []
+    for block in model.blocks:
+        info: dict = {}
+        if config.prunes_mlp:
+            if class_token and not is_plain_attention(block.attn):
+                raise CorpError("toast's FFN channel selection weights tokens by the class token's attention, "
+                                f"which needs timm's plain Attention; this model has {type(block.attn).__name__}")
+            importance = toast_ops.TokenChannelImportance(block.mlp.fc1.out_features, model.num_prefix_tokens,
+                                                          class_token, config.token_fraction, sampler)
+            attn = block.attn
+            with timer("block_statistics"):
+                _dense_pass(block, cache, lambda x, h: importance.update(
+                    h, toast_ops.class_token_attention(attn, x) if class_token else None))
+            with timer("mlp_solve"):
+                kept = kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to)
+                S, P = mlp_ops.split_channels(importance.scores, kept)
+                mlp_ops.fold_mlp(block.mlp, S, P)
+            info["mlp"] = {"hidden": kept}
+        else:
+            with timer("propagate"):
+                _dense_pass(block, cache)
+        if config.prunes_attn:
+            with timer("attention_solve"):
+                kept = kept_count(block.attn.head_dim, config.s_attn, config.round_to)
+                qk, v = toast_ops.head_dim_importance(block.attn)
+                block.attn = toast_ops.prune_heads(block.attn, toast_ops.top_dims(qk, kept),
+                                                   toast_ops.top_dims(v, kept))
+            info["attention"] = {"qk_head_dim": kept, "v_head_dim": kept}
+        info["dims"] = block_dims(block).to_dict()
+        layers.append(info)
+        block_done()
+    return layers
+
+
+def _dense_pass(block: nn.Module, cache: _BoundaryCache,
+                probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    """Advance ``cache`` through the (still dense) ``block``, showing ``probe`` each batch's
+    normalised attention input ``(B, N, C)`` and MLP hidden activations ``(B, N, H)``."""
+    mlp = block.mlp
+    for i, x in enumerate(cache.batches):
+        xn = block.norm1(x)
+        x = x + block.ls1(block.attn(xn))
+        if probe is None:
+            x = x + block.ls2(mlp(block.norm2(x)))
+        else:
+            h = mlp.act(mlp.fc1(block.norm2(x)))
+            probe(xn, h)
+            x = x + block.ls2(mlp.fc2(h))
+        cache.batches[i] = x
 
 
 def _compress_block(block: nn.Module, cache: _BoundaryCache, config: CompressConfig,
@@ -262,7 +355,7 @@ def _compress_mlp(block: nn.Module, stats: MomentAccumulator, config: CompressCo
     w2 = mlp.fc2.weight.detach()
     S, P = mlp_ops.split_channels(mlp_ops.channel_scores(stats, w2, config.ranker), kept)
     sol = mlp_ops.solve_mlp(stats, w2, S, P, config.ridge, config.compensation)
-    mlp_ops.fold_mlp(mlp, sol)
+    mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
     energy = sol.output_energy
     return {
         "hidden": kept,

@@ -92,17 +92,20 @@ def solve_mlp(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tensor, pr
     return MlpSolution(S, P, B, c, lam, err_unc, err_comp, energy)
 
 
-def fold_mlp(mlp: nn.Module, sol: MlpSolution) -> None:
+def fold_mlp(mlp: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: torch.Tensor | None = None,
+             c: torch.Tensor | None = None) -> None:
     """Replace ``mlp.fc1``/``mlp.fc2`` by the reduced, compensated layers (in place).
 
-    fc1 keeps rows ``S``; ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c``
-    (fc2 gains a bias if it had none and ``c`` is non-zero).
+    fc1 keeps rows ``S = kept``; ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c``
+    for ``P = pruned`` (``B`` ``(|P|, |S|)`` and ``c`` ``(|P|,)``; ``None`` means zero, so
+    ``fold_mlp(mlp, S, P)`` only slices). fc2 gains a bias if it had none and the shift is
+    non-zero.
     """
     fc1, fc2 = mlp.fc1, mlp.fc2
-    S, P = sol.kept, sol.pruned
+    S, P = kept, pruned
     w2 = fc2.weight.detach().double()
-    new_w2 = w2[:, S] + w2[:, P] @ sol.B
-    shift = w2[:, P] @ sol.c
+    new_w2 = w2[:, S] if B is None else w2[:, S] + w2[:, P] @ B.double()
+    shift = w2[:, P] @ c.double() if c is not None else torch.zeros_like(w2[:, 0])
     needs_bias = fc2.bias is not None or bool(torch.any(shift != 0))
     new_fc1 = nn.Linear(fc1.in_features, len(S), bias=fc1.bias is not None,
                         device=fc1.weight.device, dtype=fc1.weight.dtype)

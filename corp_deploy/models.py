@@ -155,3 +155,8 @@ def is_plain_attention(attn: nn.Module) -> bool:
     return (type(attn) is Attention and isinstance(attn.q_norm, nn.Identity)
             and isinstance(attn.k_norm, nn.Identity) and isinstance(attn.norm, nn.Identity)
             and getattr(attn, "gate", None) is None)
+
+
+def uses_class_token(model: VisionTransformer) -> bool:
+    """Whether the model's output is read from a class token (token 0) rather than pooled."""
+    return getattr(model, "cls_token", None) is not None and getattr(model, "global_pool", "") == "token"

@@ -94,7 +94,7 @@ def test_exact_recovery_when_pruned_channels_are_affine_in_kept_ones():
         dense = mlp(x)
         h = mlp.act(mlp.fc1(x))
         sol = mlp_ops.solve_mlp(stats_of(h.double()), mlp.fc2.weight, S, P, alpha=0.0)
-        mlp_ops.fold_mlp(mlp, sol)
+        mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     assert mlp.fc1.out_features == 8 and mlp.fc2.in_features == 8
     assert sol.error_compensated < 1e-8 * sol.error_uncompensated
@@ -113,7 +113,7 @@ def test_fold_applies_the_solution_to_the_module():
         sol = mlp_ops.solve_mlp(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3)
         expected = (h.double()[:, S] @ w2[:, S].T + (h.double()[:, S] @ sol.B.T + sol.c) @ w2[:, P].T
                     + mlp.fc2.bias.double())
-        mlp_ops.fold_mlp(mlp, sol)
+        mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
     assert float(((out - dense) ** 2).sum(1).mean()) == pytest.approx(sol.error_compensated, rel=1e-3)
@@ -128,7 +128,7 @@ def test_no_compensation_is_plain_slicing():
         h = mlp.act(mlp.fc1(x))
         sliced = h[:, S] @ mlp.fc2.weight[:, S].T + mlp.fc2.bias
         sol = mlp_ops.solve_mlp(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3, compensate=False)
-        mlp_ops.fold_mlp(mlp, sol)
+        mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     torch.testing.assert_close(out, sliced)
     assert sol.error_compensated == sol.error_uncompensated

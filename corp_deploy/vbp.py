@@ -1,0 +1,76 @@
+"""VBP, variance-based MLP pruning (METHOD.md 5), one-shot.
+
+Per MLP, the mean and variance of every post-activation hidden channel ``h_j`` (Welford);
+channels are ranked by variance **globally across all MLPs** for one global pruning
+rate, with a per-layer floor; each pruned activation is replaced by its mean, which folds
+into the fc2 bias: ``b2' = b2 + W2[:, P] @ mu_P``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ChannelMoments:
+    """Per-channel mean and population variance of ``d``-dim samples, streamed (Welford).
+
+    Batches are merged with Chan et al.'s parallel update: a batch's own mean and sum of
+    squared deviations (float32 on batch-centred data) are combined with the running
+    float64 totals, so no large sums of raw squares are ever formed.
+    """
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
+        self.n = 0
+        self.mean = torch.zeros(dim, dtype=torch.float64, device=device)
+        self._m2 = torch.zeros(dim, dtype=torch.float64, device=device)
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add samples ``x`` of shape ``(..., d)`` (leading dims are flattened)."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        m = x.shape[0]
+        if m == 0:
+            return
+        batch_mean = x.mean(0)
+        batch_m2 = (x - batch_mean).square().sum(0).double()
+        batch_mean = batch_mean.double()
+        total = self.n + m
+        delta = batch_mean - self.mean
+        self.mean += delta * (m / total)
+        self._m2 += batch_m2 + delta.square() * (self.n * m / total)
+        self.n = total
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Population variance ``E[(h - mu)^2]`` per channel, float64 ``(d,)``."""
+        return self._m2 / max(self.n, 1)
+
+
+def global_kept_counts(variances: list[torch.Tensor], sparsity: float, floor: float,
+                       round_to: int = 1) -> list[int]:
+    """How many channels each layer keeps under one global variance ranking.
+
+    ``round(sparsity * total)`` channels are removed over all layers together (the
+    lowest variances, ties broken by layer order), except that layer ``l`` always keeps at
+    least ``ceil(floor * H_l)`` (and at least one) channel. Counts are then rounded to the
+    nearest multiple of ``round_to`` within ``[round_to, H_l]``, which can move the total a
+    little.
+    """
+    sizes = [len(v) for v in variances]
+    total = sum(sizes)
+    to_remove = math.floor(sparsity * total + 0.5)
+    floors = [max(1, math.ceil(floor * size)) for size in sizes]
+    # Each layer's removable channels are its lowest-variance ones beyond its floor.
+    candidates = []
+    for layer, (var, keep_at_least) in enumerate(zip(variances, floors)):
+        removable = torch.sort(var.double()).values[:len(var) - keep_at_least]
+        candidates += [(float(value), layer) for value in removable]
+    candidates.sort(key=lambda item: item[0])
+    kept = list(sizes)
+    for _, layer in candidates[:to_remove]:
+        kept[layer] -= 1
+    if round_to > 1:
+        kept = [max(round_to, min(size, round_to * math.floor(k / round_to + 0.5)))
+                for k, size in zip(kept, sizes)]
+    return kept
+
