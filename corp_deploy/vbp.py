@@ -16,8 +16,8 @@ class ChannelMoments:
     """Per-channel mean and population variance of ``d``-dim samples, streamed (Welford).
 
     Batches are merged with Chan et al.'s parallel update: a batch's own mean and sum of
-    squared deviations (float32 on batch-centred data) are combined with the running
-    float64 totals, so no large sums of raw squares are ever formed.
+    squared deviations (float64) are combined with the running totals, so no large sums of
+    raw squares are ever formed.
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
@@ -27,13 +27,12 @@ class ChannelMoments:
 
     def update(self, x: torch.Tensor) -> None:
         """Add samples ``x`` of shape ``(..., d)`` (leading dims are flattened)."""
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1]).double()
         m = x.shape[0]
         if m == 0:
             return
         batch_mean = x.mean(0)
-        batch_m2 = (x - batch_mean).square().sum(0).double()
-        batch_mean = batch_mean.double()
+        batch_m2 = (x - batch_mean).square().sum(0)
         total = self.n + m
         delta = batch_mean - self.mean
         self.mean += delta * (m / total)

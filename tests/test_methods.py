@@ -1,0 +1,98 @@
+"""Every compression method through the same artifact, load and export path, on a tiny random
+ViT: shapes, MAC counts against an independent formula, load round trip, ONNX Runtime
+parity; and the method/option combinations the CLI refuses."""
+import pytest
+import torch
+
+from corp_deploy import CompressConfig, compress, count_macs, load_compressed, read_config, save_artifact
+from exporters import ExportOptions, export_artifact
+from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS, image_batches, run_cli
+
+TOKENS, WIDTH, HEADS, HEAD_DIM, HIDDEN = 17, 48, 3, 16, 192
+
+
+def expected_macs(mlp_hidden: list[int], qk_dim: int, v_dim: int) -> int:
+    """MACs of the tiny ViT from its dims, written out independently of ``count_macs``."""
+    patch = 16 * (3 * 8 * 8) * WIDTH
+    head = WIDTH * 1000  # the classifier reads the class token only
+    blocks = 0
+    for hidden in mlp_hidden:
+        qkv = TOKENS * WIDTH * HEADS * (2 * qk_dim + v_dim)
+        logits_and_values = HEADS * TOKENS * TOKENS * (qk_dim + v_dim)
+        proj = TOKENS * HEADS * v_dim * WIDTH
+        blocks += qkv + logits_and_values + proj + 2 * TOKENS * WIDTH * hidden
+    return patch + blocks + head
+
+
+CASES = {  # method config -> (MLP hidden per block or None for "from the report", q/k dim, v dim)
+    "corp": (dict(s_mlp=0.5, s_attn=0.25), [96, 96], 12, 16),
+    "vbp": (dict(method="vbp", s_mlp=0.5), None, 16, 16),
+    "toast": (dict(method="toast", s_mlp=0.5, s_attn=0.25), [96, 96], 12, 12),
+    "toast-attn": (dict(method="toast", target="attn", s_attn=0.5), [192, 192], 8, 8),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, case):
+    kwargs, hidden, qk_dim, v_dim = CASES[case]
+    config = CompressConfig(**kwargs)
+    model, report = compress(vit, batches, config)
+    dims = [layer["dims"] for layer in report["layers"]]
+    if hidden is None:  # VBP: a global allocation; the total is fixed, the split is data-dependent
+        hidden = [d["mlp_hidden"] for d in dims]
+        assert sum(hidden) == 192 and all(h >= 20 for h in hidden)  # 10% floor
+    assert [d["mlp_hidden"] for d in dims] == hidden
+    assert all((d["qk_head_dim"], d["v_head_dim"]) == (qk_dim, v_dim) for d in dims)
+    assert report["macs"]["compressed"] == count_macs(model, (3, 32, 32)) == expected_macs(hidden, qk_dim, v_dim)
+    assert report["macs"]["dense"] == expected_macs([HIDDEN] * 2, HEAD_DIM, HEAD_DIM)
+
+    artifact = save_artifact(model, tmp_path / "art", report=report, settings=config.to_dict(),
+                             base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS})
+    assert read_config(artifact)["settings"]["method"] == config.method
+    x = image_batches(1, 3, seed=5)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(load_compressed(artifact)(x), model(x), rtol=0, atol=0)
+    result = export_artifact(artifact, tmp_path / "export", ExportOptions())
+    for numbers in result.manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"].values():
+        assert numbers["max_abs"] < 1e-4 and numbers["top1_agreement"] == 1.0, numbers
+
+
+@pytest.mark.parametrize("method", ["vbp", "toast"])
+def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method):
+    x = image_batches(1, 4, seed=7)[0]
+    model, _ = compress(vit, batches, CompressConfig(method=method, s_mlp=0.0, s_attn=0.0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "vbp", "--s-attn", "0.3"], "--s-attn has no meaning"),
+    (["--method", "vbp", "--target", "both"], "prunes MLP hidden channels only"),
+    (["--method", "vbp", "--ranker", "energy"], "--ranker applies to --method corp only"),
+    (["--method", "vbp", "--calibration", "sequential"], "--calibration applies to --method corp only"),
+    (["--method", "toast", "--no-compensation"], "toast has no compensation step"),
+    (["--method", "toast", "--ridge", "0.1"], "--ridge applies to --method corp only"),
+    (["--method", "corp", "--layer-floor", "0.2"], "--layer-floor applies to --method vbp only"),
+    (["--method", "vbp", "--token-fraction", "0.05"], "--token-fraction applies to --method toast only"),
+    (["--method", "toast", "--token-fraction", "0"], "token_fraction must be in (0, 1]"),
+])
+def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, message):
+    out = tmp_path / "out"
+    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", out],
+                           tmp_path / "state")
+    assert result.exit_code == 1 and message in text and "Traceback" not in text, text
+    assert not out.exists()
+
+
+def test_unknown_method_is_a_usage_error(tmp_path):
+    result, text = run_cli(["compress", "deit_tiny", "--method", "magic"], tmp_path / "state")
+    assert result.exit_code == 2 and "'magic' is not one of 'corp', 'vbp', 'toast'" in text
+
+
+def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--method", "vbp",
+                            "--s", "0.3", "--calib-samples", 6], tmp_path / "state")
+    assert result.exit_code == 0, text
+    settings = read_config(tmp_path / "corp-deploy" / "deit_tiny-vbp-mlp-s0.3")["settings"]
+    assert (settings["method"], settings["target"], settings["s_mlp"]) == ("vbp", "mlp", 0.3)
