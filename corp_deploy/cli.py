@@ -451,8 +451,9 @@ def _parse_sparsities(text: str) -> tuple[float, ...]:
 @_model_source_options
 @click.option("--s", "sparsities", default="0.1,0.3,0.5,0.7", show_default=True,
               help="Comma-separated sparsities (applied to the parts chosen by --target).")
-@click.option("--compare-uncompensated", is_flag=True,
-              help="Also measure the fidelity of the same channels without compensation (sliced).")
+@click.option("--methods", default="corp", show_default=True,
+              help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
+                   "first is the reference for the matched-MACs table.")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Held-out evaluation images (see `bench --help`). [default: bundled photos kept out "
                    "of calibration]")
@@ -463,36 +464,40 @@ def _parse_sparsities(text: str) -> tuple[float, ...]:
 @click.option("--min-time", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="As for bench.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Sweep directory. [default: ./corp-deploy/sweep-<model>-<target>]")
+              help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
 @_user_errors
 def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities,
-          compare_uncompensated, data, data_samples, backends, batches, threads, min_time, output):
-    """Compress at several sparsities, export, benchmark, and tabulate against the dense model.
+          methods, data, data_samples, backends, batches, threads, min_time, output):
+    """Compress with each method at several sparsities, export, benchmark, and compare.
 
-    Writes one artifact (with its ONNX export) per sparsity, sweep.json (every number),
-    sweep.md (the table) and sweep.png (fidelity, size and speedup vs sparsity).
+    Writes one artifact (with its ONNX export) per method and sparsity, sweep.json (every
+    number), sweep.md (every run, then fidelity at matched sparsity and at matched MACs) and
+    sweep.png (fidelity vs sparsity, fidelity vs MACs, speedup vs sparsity). Without
+    --target each method prunes what it prunes by default (vbp: the MLP only).
 
     \b
     Examples:
-      corp-deploy sweep deit_small --s 0.3,0.5,0.7 --compare-uncompensated --calib train/ --data val/
+      corp-deploy sweep deit_small --s 0.3,0.5,0.7 --methods corp,uncompensated --calib train/ --data val/
       corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
+      corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
     """
     from benchmarks.backends import parse_families
     from benchmarks.harness import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(sparsities=_parse_sparsities(sparsities), target=target,
-                     compare_uncompensated=compare_uncompensated, calib=calib, calib_samples=calib_samples,
+                     methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+                     calib=calib, calib_samples=calib_samples,
                      data=data, data_samples=data_samples, seed=seed,
                      bench=BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
                                          threads=threads, min_time=min_time))
-    out_dir = output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}-{target}"
+    out_dir = output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}"
     dense, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
     if calib is None:
         _warn_builtin_calibration()
     run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
     click.echo((out_dir / "sweep.md").read_text())
-    click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per sparsity)", err=True)
+    click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
 
 
 def main() -> None:

@@ -1,42 +1,67 @@
-"""`corp-deploy sweep` on a tiny random model: one artifact and export per sparsity, the table,
-the plot, and fidelity with and without compensation."""
+"""`corp-deploy sweep` on a tiny random model: one artifact and export per method and sparsity,
+the tables at matched sparsity and matched MACs, the plot, and bad requests."""
 import json
 
+import pytest
+
+from benchmarks.sweep import at_macs
 from corp_deploy import read_config
 from exporters.manifest import read_manifest
 from tests.conftest import SMALL_VIT_CLI_ARGS, run_cli
 
 
-def test_sweep_writes_artifacts_table_plot_and_both_fidelities(tmp_path):
+def test_sweep_compares_methods_in_one_table_and_plot(tmp_path):
     out = tmp_path / "sweep"
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
-                            "--calib-samples", 8, "--data-samples", 6, "--compare-uncompensated", "--backends",
-                            "ort", "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path / "state")
+                            "--methods", "corp,vbp,toast,uncompensated", "--calib-samples", 8, "--data-samples", 6,
+                            "--backends", "ort", "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
-    assert sorted(p.name for p in out.iterdir()) == ["s0.25", "s0.5", "sweep.json", "sweep.md", "sweep.png"]
+    runs = [f"{m}-s{s}" for m in ("corp", "vbp", "toast", "uncompensated") for s in ("0.25", "0.5")]
+    assert sorted(p.name for p in out.iterdir()) == sorted(runs + ["sweep.json", "sweep.md", "sweep.png"])
     sweep = json.loads((out / "sweep.json").read_text())
-    assert [row["sparsity"] for row in sweep["rows"]] == [0.25, 0.5]
+    assert [(row["method"], row["sparsity"]) for row in sweep["rows"]] == [
+        (m, s) for m in ("corp", "vbp", "toast", "uncompensated") for s in (0.25, 0.5)]
     assert sweep["base_model"]["weights"] == {"source": "random", "seed": 0}
-    for row, hidden in zip(sweep["rows"], (144, 96)):
-        assert read_config(out / f"s{row['sparsity']:g}")["blocks"][0]["mlp_hidden"] == hidden
+    for row in sweep["rows"]:
+        config = read_config(out / f"{row['method']}-s{row['sparsity']:g}")
+        assert config["settings"]["method"] == ("corp" if row["method"] == "uncompensated" else row["method"])
+        assert config["settings"]["compensation"] == (row["method"] != "uncompensated")
+        assert row["target"] == ("mlp" if row["method"] == "vbp" else "both")
         assert [(r["backend"], r["batch"]) for r in row["latency"]] == [("ort-cpu", 1), ("ort-cpu", 2)]
         assert row["ideal_speedup"] == row["macs"]["dense"] / row["macs"]["compressed"] > 1
-        for key in ("fidelity", "fidelity_uncompensated"):
-            assert row[key]["images"] == 6 and 0 <= row[key]["top1_agreement"] <= 1
+        assert row["fidelity"]["images"] == 6 and 0 <= row["fidelity"]["top1_agreement"] <= 1
         assert row["fidelity"]["held_out"] is True
-    assert sweep["rows"][0]["ideal_speedup"] < sweep["rows"][1]["ideal_speedup"]
-    # the dense model is exported once, with the first sparsity, and benchmarked from there
-    assert sorted(read_manifest(out / "s0.25" / "export-fp32")["models"]) == ["dense", "model"]
-    assert sorted(read_manifest(out / "s0.5" / "export-fp32")["models"]) == ["model"]
-    assert sweep["rows"][1]["bench"]["models"]["dense"]["onnx"].endswith("s0.25/export-fp32/dense.onnx")
+    rows = {(row["method"], row["sparsity"]): row for row in sweep["rows"]}
+    # same channels, same shapes: CORP and its uncompensated ablation cost the same
+    assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]
+    # VBP prunes only the MLP, ToaSt also value dims: at equal s, MACs order toast < corp < vbp
+    assert rows["toast", 0.5]["macs"]["compressed"] < rows["corp", 0.5]["macs"]["compressed"] \
+        < rows["vbp", 0.5]["macs"]["compressed"]
+    # the dense model is exported once, with the first run, and benchmarked from there
+    assert sorted(read_manifest(out / "corp-s0.25" / "export-fp32")["models"]) == ["dense", "model"]
+    assert sorted(read_manifest(out / "vbp-s0.5" / "export-fp32")["models"]) == ["model"]
     table = (out / "sweep.md").read_text()
-    assert "| 0.5 | " in table and "top-1 agreement with dense uncompensated" in table
+    assert "| s | corp | vbp | toast | uncompensated |" in table
+    assert "| GMACs | corp | vbp | toast | uncompensated |" in table
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bad_sparsities_are_refused_before_any_work(tmp_path):
-    for value, message in (("0.3,1.2", "s_mlp must be in [0, 1)"), ("a,b", "--s takes comma-separated")):
-        result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", value,
-                                "-o", tmp_path / "sweep"], tmp_path / "state")
-        assert result.exit_code == 1 and message in text and "Traceback" not in text, text
-        assert not (tmp_path / "sweep").exists()
+def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
+    rows = [{"macs": {"compressed": m}, "fidelity": {"top1_agreement": f}} for m, f in ((100, 0.5), (200, 0.9))]
+    assert at_macs(rows, 150) == pytest.approx(0.7)
+    assert at_macs(rows, 200) == 0.9
+    assert at_macs(rows, 99) is None and at_macs(rows, 201) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--s", "0.3,1.2"], "s_mlp must be in [0, 1)"),
+    (["--s", "a,b"], "--s takes comma-separated"),
+    (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
+    (["--methods", "corp,corp"], "methods must be distinct"),
+    (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
+])
+def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message):
+    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args,
+                            "-o", tmp_path / "sweep"], tmp_path / "state")
+    assert result.exit_code == 1 and message in text and "Traceback" not in text, text
+    assert not (tmp_path / "sweep").exists()
