@@ -222,7 +222,7 @@ def _print_compress_summary(report: dict, path: Path) -> None:
     from rich.table import Table
 
     layers = report["layers"]
-    table = Table(title=f"corp-deploy compress -> {path}")
+    table = Table(title=f"corp-deploy compress ({report['method']}) -> {path}")
     table.add_column("")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")

@@ -52,7 +52,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         progress: show a progress bar on stderr.
     Returns:
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
-        per-layer diagnostics, parameter/MAC counts, timings and peak memory.
+        the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
     check_prunable(model, config.prunes_mlp, config.prunes_attn)
@@ -73,6 +73,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         layers = compress_blocks[config.method](model, cache, config, timer, bar.block_done)
     model = model.cpu().eval()
     report = {
+        "method": config.method,
         "calibration": {"images": n_images, "tokens_per_image": cache.tokens,
                         "input_size": list(input_size)},
         "params": {"dense": dense_params, "compressed": count_params(model)},
