@@ -1,4 +1,5 @@
-"""Held-out feature fidelity of CORP on the real DINOv2 ViT-S/14, per calibration mode.
+"""Held-out feature fidelity of CORP on the real DINOv2 ViT-S/14, per calibration mode, and of
+the peer methods per part (VBP on the MLP; ToaSt on the attention and on the FFN separately).
 
     python -m benchmarks.dinov2_fidelity --calib 128 --held-out 64 --out benchmarks/results/dinov2_fidelity.json
 
@@ -33,6 +34,9 @@ SETTINGS = [
       for name, cfg in (("sliced", dict(compensation=False, calibration="independent")),
                         ("CORP independent", dict(calibration="independent")),
                         ("CORP sequential", dict(calibration="sequential")))],
+    *[(f"{part} s={s} {method}", dict(method=method, target=part, s_mlp=s, s_attn=s))
+      for s in (0.1, 0.3, 0.5)
+      for part, method in (("attn", "toast"), ("mlp", "toast"), ("mlp", "vbp"))],
 ]
 
 
@@ -41,7 +45,7 @@ def main() -> None:
     parser.add_argument("--calib", type=int, default=128)
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--ridge", type=float, default=1e-3)
-    parser.add_argument("--only", default="", help="run only settings whose label contains this text")
+    parser.add_argument("--only", default="", help="run only settings whose label contains one of these comma-separated texts")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -50,7 +54,7 @@ def main() -> None:
     calib, held = split_builtin_images(transform, args.calib, args.held_out)
     calib, held = list(calib), list(held)
     rows = []
-    for label, cfg in [(label, cfg) for label, cfg in SETTINGS if args.only in label]:
+    for label, cfg in [(label, cfg) for label, cfg in SETTINGS if any(part in label for part in args.only.split(","))]:
         start = time.perf_counter()
         model, report = compress(dense, calib, CompressConfig(ridge=args.ridge, **cfg))
         seconds = time.perf_counter() - start
