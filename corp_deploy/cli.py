@@ -152,7 +152,7 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
               help="toast: fraction of patch tokens per image sampled for FFN channel importance.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Artifact directory. [default: ./corp-deploy/<model>-s<S>]")
+              help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]")
 @_user_errors
 def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
              s_mlp, s_attn, batch_size, ranker, ridge, calibration, round_to, no_compensation, layer_floor,
