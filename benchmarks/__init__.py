@@ -6,5 +6,6 @@ models), ``data`` (held-out images, labelled ImageFolder), ``backends`` (which b
 ``gate`` (regression gate), ``report`` (Markdown, plot, terminal), ``sweep`` (methods x sparsities).
 
 Scripts (``python -m benchmarks.<name>``, results in RESULTS.md): ``compress_cost``,
-``dinov2_fidelity``, ``export_choice``, ``toast_selection``; ``real_weights`` provides the real DINOv2 ViT-S/14.
+``dinov2_fidelity``, ``export_choice``, ``toast_selection``; ``real_weights`` provides the
+real DINOv2 ViT-S/14.
 """
