@@ -197,9 +197,7 @@ def _compress_toast(model: nn.Module, cache: _BoundaryCache, config: CompressCon
                 S, P = mlp_ops.split_channels(importance.scores, kept)
                 mlp_ops.fold_mlp(block.mlp, S, P)
             info["mlp"] = {"hidden": kept}
-        else:
-            with timer("propagate"):
-                _dense_pass(block, cache)
+        # (attention only: the ranking reads weights, so the calibration tokens need not move on)
         if config.prunes_attn:
             with timer("attention_solve"):
                 kept = kept_count(block.attn.head_dim, config.s_attn, config.round_to)
