@@ -134,10 +134,13 @@ def at_macs(rows: list[dict], macs: int) -> float | None:
     """A method's fidelity at ``macs``: exact at a measured point, else linear in MACs between
     the two measured points around it; None outside the measured range."""
     points = sorted((row["macs"]["compressed"], headline(row)) for row in rows)
+    exact = [f for m, f in points if m == macs]
+    if exact:
+        return exact[0]
     for (m0, f0), (m1, f1) in zip(points, points[1:]):
-        if m0 <= macs <= m1:
-            return f0 if m1 == m0 else f0 + (f1 - f0) * (macs - m0) / (m1 - m0)
-    return points[0][1] if len(points) == 1 and points[0][0] == macs else None
+        if m0 < macs < m1:
+            return f0 + (f1 - f0) * (macs - m0) / (m1 - m0)
+    return None
 
 
 def to_markdown(result: dict) -> str:
