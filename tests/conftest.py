@@ -1,6 +1,10 @@
-"""Shared fixtures: small random-weight timm ViTs and calibration batches."""
+"""Shared fixtures: small random-weight timm ViTs and calibration batches, and a fixed seed
+for every test."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import timm
 import torch
@@ -39,6 +43,20 @@ def run_cli(args, state_dir):
 def image_batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]
+
+
+#: Tolerances for values computed in float32 and compared in float64 (float32's resolution,
+#: with headroom for sums of a few hundred terms).
+FLOAT32 = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _seed_every_random_draw():
+    """Every test starts from the same torch, NumPy and ``random`` state, whatever ran before it
+    (so a test that draws without its own generator is still reproducible in any order)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
 
 
 @pytest.fixture
