@@ -7,7 +7,7 @@ from typing import Any
 import timm
 import torch
 from torch import nn
-from timm.layers import Mlp
+from timm.layers import Mlp, PatchEmbed
 from timm.layers.attention import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 
@@ -25,19 +25,30 @@ ALIASES = {
     "dinov2_small": "vit_small_patch14_dinov2",
     "dinov2_base": "vit_base_patch14_dinov2",
 }
-SUPPORTED_FAMILIES = "timm VisionTransformer models: deit_*, deit3_*, vit_*, *_dinov2 (incl. distilled DeiT)"
-_VIT_MODULES = ("vision_transformer", "deit")
+SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Block (Attention + Mlp) on a "
+                      "plain PatchEmbed: deit_*, deit3_*, most vit_*, *_dinov2 (incl. distilled DeiT)")
 
 
 def resolve_model_name(name: str) -> str:
-    """Full timm name for ``name`` (an alias or a timm name); CorpError if unknown or not a ViT."""
+    """Full timm name for ``name`` (an alias or a timm name).
+
+    CorpError if timm does not know it, or if the model it builds (checked on the meta device:
+    no weights, no memory) has a structure corp-deploy cannot compress; the message names the
+    class that is not supported.
+    """
     full = ALIASES.get(name, name)
     base = full.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
     if not timm.is_model(base):
         raise CorpError(f"unknown model {name!r}; supported: {SUPPORTED_FAMILIES} "
                         f"(aliases: {', '.join(sorted(ALIASES))})")
-    if base not in timm.list_models(module=list(_VIT_MODULES)):
-        raise CorpError(f"model {name!r} is not a Vision Transformer; supported: {SUPPORTED_FAMILIES}")
+    try:
+        with torch.device("meta"):
+            skeleton = timm.create_model(base, pretrained=False)
+    except Exception:  # noqa: BLE001 - some models need creation arguments; checked after creation
+        return full
+    problem = structure_problem(skeleton)
+    if problem is not None:
+        raise CorpError(f"{name} cannot be compressed: {problem}. Supported: {SUPPORTED_FAMILIES}")
     return full
 
 
@@ -124,14 +135,37 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
                         "Check the model name and --model-arg values (e.g. num_classes, img_size).")
 
 
-def check_vit(model: nn.Module) -> None:
-    """CorpError unless ``model`` is a timm VisionTransformer made of standard pre-norm blocks."""
+def structure_problem(model: nn.Module) -> str | None:
+    """Why corp-deploy cannot compress ``model``, naming the first class it does not support;
+    None for a timm ``VisionTransformer`` of standard pre-norm blocks on a plain ``PatchEmbed``."""
     if not isinstance(model, VisionTransformer):
-        raise CorpError(f"{type(model).__name__} is not supported; supported: {SUPPORTED_FAMILIES}")
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+            return f"it builds a timm {type(model).__name__}, which has no sequence of transformer blocks"
+        block = blocks[0]
+        parts = ", ".join(f"{_class_path(getattr(block, part))} {label}"
+                          for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(block, part))
+        return (f"it builds a timm {type(model).__name__} whose blocks are {_class_path(block)}"
+                + (f" ({parts})" if parts else ""))
+    if not isinstance(model.patch_embed, PatchEmbed):
+        return (f"its patch embedding is a {type(model.patch_embed).__name__}, not timm's PatchEmbed "
+                "(convolutional stems before the transformer are not supported)")
     for i, block in enumerate(model.blocks):
         if type(block) is not Block:
-            raise CorpError(f"block {i} is a {type(block).__name__}; only timm's standard pre-norm "
-                            "Block is supported")
+            return f"block {i} is a {type(block).__name__}, not timm's standard pre-norm Block"
+    return None
+
+
+def _class_path(obj: object) -> str:
+    """``module.Class`` of ``obj`` (timm reuses class names such as ``Block`` across families)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def check_vit(model: nn.Module) -> None:
+    """CorpError unless ``model`` has a structure corp-deploy can compress (see :func:`structure_problem`)."""
+    problem = structure_problem(model)
+    if problem is not None:
+        raise CorpError(f"this model cannot be compressed: {problem}. Supported: {SUPPORTED_FAMILIES}")
 
 
 def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
