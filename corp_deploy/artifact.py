@@ -67,14 +67,15 @@ def build_skeleton(config: dict) -> nn.Module:
 
 def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any] | None = None,
                   settings: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
-                  report: dict[str, Any] | None = None, method: str = "corp") -> Path:
+                  report: dict[str, Any] | None = None) -> Path:
     """Write the artifact directory atomically and return its path.
 
     Args:
         model: the compressed timm ViT.
         base_model: ``{"name", "model_kwargs", "weights"}``; by default inferred with
             :func:`base_model_spec` (and checked to rebuild the model).
-        settings: every setting of the run (CompressConfig plus calibration options).
+        settings: every setting of the run (CompressConfig plus calibration options); the
+            method is recorded there (``settings["method"]``) and nowhere else.
         calibration: summary of the calibration data.
         report: diagnostics (from :func:`corp_deploy.compress`).
     An existing artifact at ``out_dir`` is replaced; any other non-empty directory is refused.
@@ -89,7 +90,6 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "method": method,
         "base_model": base_model,
         "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
         "blocks": [block_dims(b).to_dict() for b in model.blocks],

@@ -213,7 +213,7 @@ def _manifest(artifact: Path, config: dict, graph: dict, models: dict, options: 
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "artifact": {"path": str(artifact.resolve()), "base_model": config["base_model"]["name"],
-                     "method": config.get("method"), "config_sha256": sha256_file(artifact / CONFIG_FILE),
+                     "method": config["settings"].get("method"), "config_sha256": sha256_file(artifact / CONFIG_FILE),
                      "weights_sha256": sha256_file(artifact / WEIGHTS_FILE)},
         "precision": options.precision, "exporter": graph["exporter"], "opset": graph["opset"],
         "inputs": graph["inputs"], "outputs": graph["outputs"], "dynamic_axes": graph["dynamic_axes"],

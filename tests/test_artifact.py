@@ -39,7 +39,8 @@ def test_config_describes_the_model(compressed, tmp_path):
     path = save(model, report, tmp_path / "art")
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "report.json"]
     cfg = read_config(path)
-    assert cfg["format_version"] == 1 and cfg["method"] == "corp"
+    assert cfg["format_version"] == 1 and cfg["settings"]["method"] == "corp"
+    assert "method" not in cfg  # recorded once, in the settings
     assert cfg["base_model"]["name"] == "deit_tiny_patch16_224"
     assert cfg["blocks"][0] == {"mlp_hidden": 96, "num_heads": 3, "qk_head_dim": 8, "v_head_dim": 16,
                                 "attention": "pruned", "scale": 0.25}
