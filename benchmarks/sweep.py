@@ -3,8 +3,8 @@ and compare the methods at matched sparsity and at matched MACs.
 
 Like the paper's accuracy-vs-sparsity figure and efficiency table: for each method and
 sparsity the parameters, MACs, MAC-ideal and measured speedups, and the fidelity to the dense
-model. Methods: ``corp``, ``vbp``, ``toast`` (see ``CompressConfig``) and ``uncompensated``
-(CORP's channels, only sliced).
+model. Methods: those of :data:`corp_deploy.METHODS` and ``uncompensated`` (CORP's channels,
+only sliced).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import Callable
 
 from torch import nn
 
-from corp_deploy import CalibrationImages, CompressConfig, CorpError, compress, model_transform, save_artifact
+from corp_deploy import (METHODS, CalibrationImages, CompressConfig, CorpError, compress, model_transform,
+                         save_artifact)
 from corp_deploy.files import staged_directory, write_json
 from exporters import ExportOptions, export_artifact
 
@@ -26,7 +27,8 @@ from .report import fidelity_summary
 
 FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 2
 SWEEP_FILE = "sweep.json"
-SWEEP_METHODS = ("corp", "vbp", "toast", "uncompensated")
+#: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
+SWEEP_METHODS = (*METHODS, "uncompensated")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,9 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
                 dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
                 bench = run_bench(ModelFiles(model, export.out_dir / "model.onnx"), ModelFiles(dense, dense_onnx),
                                   evaluation, spec.bench, held_out=held_out, log=log)
-                rows.append({"method": method, "sparsity": s, "target": config.target, "params": report["params"],
+                _paths_relative_to(bench["models"], tmp)
+                rows.append({"method": method, "sparsity": s, "artifact": name, "target": config.target,
+                             "params": report["params"],
                              "macs": report["macs"], "ideal_speedup": bench["ideal_speedup"],
                              "latency": bench["latency"], "fidelity": bench["fidelity"], "bench": bench})
                 log(f"{name}: " + fidelity_summary(bench))
@@ -107,6 +111,15 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
         (tmp / "sweep.md").write_text(to_markdown(result))
         plot(result, tmp / "sweep.png")
     return result
+
+
+def _paths_relative_to(models: dict, root: Path) -> None:
+    """Rewrite a bench report's model file paths (inside the sweep's staging directory, which is
+    renamed when the sweep completes) relative to the sweep directory, in place."""
+    for files in models.values():
+        for key in ("onnx", "engine"):
+            if files[key] is not None:
+                files[key] = str(Path(files[key]).relative_to(root))
 
 
 def headline(row: dict) -> float:

@@ -33,7 +33,8 @@ from benchmarks.latency import interleaved, speedup, summarize
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, kept_count, model_transform
 from corp_deploy.artifact import library_versions
-from corp_deploy.toast import TokenChannelImportance, class_token_attention
+from corp_deploy.blocks import project_qk
+from corp_deploy.methods.toast import TokenChannelImportance, class_token_attention
 from exporters.onnx_export import export_onnx
 from exporters.runners import OnnxRuntimeRunner
 
@@ -56,7 +57,7 @@ class PerInputFFNBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, mlp = self.block, self.block.mlp
         xn = b.norm1(x)
-        weights = class_token_attention(b.attn, xn)[:, self.sample]  # (B, m)
+        weights = class_token_attention(*project_qk(b.attn, xn), b.attn.scale)[:, self.sample]  # (B, m)
         x = x + b.ls1(b.attn(xn))
         y = b.norm2(x)
         probe = mlp.act(mlp.fc1(y[:, self.probe_tokens]))  # class token + sample

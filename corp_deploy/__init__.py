@@ -11,15 +11,17 @@ __version__ = "0.1.0"
 
 from .artifact import latest_artifact, load_base_model, load_compressed, read_config, save_artifact
 from .calibration import CalibrationImages, model_transform
-from .config import CompressConfig, kept_count
+from .config import CompressConfig
 from .cost import count_macs, count_params
+from .dims import kept_count
 from .engine import compress
 from .errors import CorpError
 from .layers import BlockDims, PrunedAttention
+from .methods import METHODS, Method
 from .models import create_base_model, is_plain_attention, resolve_model_name
 
 __all__ = [
-    "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "PrunedAttention",
+    "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "METHODS", "Method", "PrunedAttention",
     "compress", "count_macs", "count_params", "create_base_model", "is_plain_attention",
     "kept_count", "latest_artifact", "load_base_model", "load_compressed", "model_transform",
     "read_config", "resolve_model_name", "save_artifact",

@@ -12,8 +12,9 @@ from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from exporters.precision import PRECISIONS
 from exporters.tensorrt import BatchProfile
 
-from .config import CALIBRATION_MODES, METHODS, RANKERS, CompressConfig
+from .config import CALIBRATION_MODES, RANKERS, TARGETS, CompressConfig
 from .errors import CorpError
+from .methods import METHODS, option_owners
 
 DEFAULTS = CompressConfig()
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
@@ -86,8 +87,9 @@ def _options(*options):
 #: Which dense model to start from and what to calibrate on (shared by compress and sweep).
 _model_source_options = _options(
     click.argument("model"),
-    click.option("--target", type=click.Choice(["mlp", "attn", "both"]), default=None,
-                 help="Which parts to prune. [default: mlp for vbp, both otherwise]"),
+    click.option("--target", type=click.Choice(TARGETS), default=None,
+                 help="Which parts to prune. [default: the method's: "
+                      + ", ".join(f"{m.default_target} for {m.name}" for m in METHODS.values()) + "]"),
     click.option("--calib", type=click.Path(path_type=Path), default=None,
                  help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
                       "Default: built-in photos from scikit-image."),
@@ -122,10 +124,8 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 
 @cli.command()
 @_model_source_options
-@click.option("--method", type=click.Choice(METHODS), default=DEFAULTS.method, show_default=True,
-              help="corp: ranking plus closed-form compensation. vbp: variance-based MLP pruning, global "
-                   "ranking, mean folded into the bias. toast: geometric-median head-dim pruning and token "
-                   "channel selection for the FFN. All one-shot.")
+@click.option("--method", type=click.Choice(tuple(METHODS)), default=DEFAULTS.method, show_default=True,
+              help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.")
 @click.option("--s", "sparsity", type=float, default=DEFAULTS.s_mlp, show_default=True,
               help="Sparsity in [0, 1) of both MLP hidden channels and attention head dims (vbp: global "
                    "MLP rate).")
@@ -172,7 +172,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
 
-    _check_method_options(method, s_attn)
+    _check_method_options(METHODS[method], s_attn)
     config = CompressConfig(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
         target=target, ranker=ranker, ridge=ridge, calibration=calibration, round_to=round_to,
@@ -197,19 +197,17 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     _print_compress_summary(report, path)
 
 
-#: Options that only one method reads: giving them to another method is refused, not ignored.
-_METHOD_ONLY_OPTIONS = {"ranker": "corp", "ridge": "corp", "calibration": "corp", "layer_floor": "vbp",
-                        "token_fraction": "toast"}
-
-
-def _check_method_options(method: str, s_attn: float | None) -> None:
+def _check_method_options(method, s_attn: float | None) -> None:
+    """Refuse options given on the command line that ``method`` would not read (even at their
+    default value: a script that names them expects them to matter)."""
     ctx = click.get_current_context()
-    for name, owner in _METHOD_ONLY_OPTIONS.items():
-        if owner != method and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-            raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method}")
-    if method == "vbp" and s_attn is not None:
-        raise CorpError("--method vbp prunes MLP hidden channels only; --s-attn has no meaning for it "
-                        "(use --method corp or toast for attention)")
+    for name, owner in option_owners().items():
+        if owner != method.name and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method.name}")
+    if s_attn is not None and "attn" not in method.targets:
+        others = [m.name for m in METHODS.values() if "attn" in m.targets]
+        raise CorpError(f"--method {method.name} prunes {method.prunes} only; --s-attn has no meaning for it "
+                        f"(use --method {' or '.join(others)} for attention)")
 
 
 def _warn_builtin_calibration() -> None:
@@ -242,7 +240,6 @@ def _print_compress_summary(report: dict, path: Path) -> None:
 
 @cli.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
-@click.option("--onnx", is_flag=True, help="Export ONNX (always done; accepted for explicit scripts).")
 @click.option("--trt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a CUDA GPU; "
                                            "build_engine.sh is written either way).")
 @click.option("--dense", is_flag=True, help="Also export the unpruned base model (dense.onnx) the same way.")
@@ -265,7 +262,7 @@ def _print_compress_summary(report: dict, path: Path) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
 @_user_errors
-def export(artifact, onnx, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
+def export(artifact, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
            atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
@@ -290,7 +287,6 @@ def export(artifact, onnx, trt, dense, opset, exporter, batch, precision, worksp
 
     from .artifact import latest_artifact
 
-    del onnx  # ONNX is always exported
     if artifact is None:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)

@@ -1,4 +1,4 @@
-"""Compression settings and the arithmetic of kept dimensions."""
+"""Compression settings, validated against the chosen method."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,12 +6,9 @@ import math
 from dataclasses import dataclass
 
 from .errors import CorpError
+from .methods import METHODS, option_owners
 
-METHODS = ("corp", "vbp", "toast")
 TARGETS = ("mlp", "attn", "both")
-#: The parts each method can prune, and its default target.
-METHOD_TARGETS = {"corp": ("mlp", "attn", "both"), "vbp": ("mlp",), "toast": ("mlp", "attn", "both")}
-METHOD_DEFAULT_TARGET = {"corp": "both", "vbp": "mlp", "toast": "both"}
 RANKERS = ("combined", "energy", "magnitude", "active", "variance")
 CALIBRATION_MODES = ("independent", "sequential")
 
@@ -20,11 +17,15 @@ CALIBRATION_MODES = ("independent", "sequential")
 class CompressConfig:
     """What to prune and how (METHOD.md sections 1-3, and 5 for the peer methods).
 
+    Settings that only one method reads (its ``Method.options``) must keep their defaults
+    for the other methods: they are refused rather than silently ignored.
+
     Attributes:
-        method: ``corp`` (ranking plus closed-form ridge compensation, the default),
-            ``vbp`` (variance-based MLP pruning, global ranking, mean folded into the fc2
-            bias) or ``toast`` (geometric-median coupled attention-head pruning and token
-            channel selection for the FFN; no compensation step). All one-shot.
+        method: a name in :data:`corp_deploy.methods.METHODS`: ``corp`` (ranking plus
+            closed-form ridge compensation, the default), ``vbp`` (variance-based MLP pruning,
+            global ranking, mean folded into the fc2 bias) or ``toast`` (geometric-median
+            coupled attention-head pruning and token channel selection for the FFN; no
+            compensation step). All one-shot.
         s_mlp: fraction of MLP hidden channels removed in every block, in [0, 1).
         s_attn: fraction of query/key dims removed in every attention head, in [0, 1).
         s_attn: for ``toast``, the fraction of query/key and of value dims removed per head.
@@ -65,9 +66,9 @@ class CompressConfig:
     token_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        _check_choice("method", self.method, METHODS)
+        _check_choice("method", self.method, tuple(METHODS))
         if self.target is None:
-            object.__setattr__(self, "target", METHOD_DEFAULT_TARGET[self.method])
+            object.__setattr__(self, "target", METHODS[self.method].default_target)
         for name in ("s_mlp", "s_attn"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
@@ -88,17 +89,20 @@ class CompressConfig:
         self._check_method_combination()
 
     def _check_method_combination(self) -> None:
-        if self.target not in METHOD_TARGETS[self.method]:
-            raise CorpError(f"method {self.method} prunes MLP hidden channels only; attention sparsity "
-                            f"(target {self.target}) is not part of it. Use target mlp, or method corp/toast.")
-        if self.method == "corp":
-            return
-        if self.calibration != "independent":
-            raise CorpError(f"method {self.method} takes its statistics from the dense model; "
-                            "sequential calibration is CORP's only")
-        if self.method == "toast" and not self.compensation:
-            raise CorpError("method toast has no compensation step to switch off; "
-                            "--no-compensation applies to corp and vbp")
+        method = METHODS[self.method]
+        if self.target not in method.targets:
+            others = [m.name for m in METHODS.values() if self.target in m.targets]
+            raise CorpError(f"method {self.method} prunes {method.prunes} only; target {self.target} is not "
+                            f"part of it. Use target {'/'.join(method.targets)}, or method {'/'.join(others)}.")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for option, owner in option_owners().items():
+            if owner != self.method and getattr(self, option) != defaults[option]:
+                raise CorpError(f"{option} applies to method {owner} only, not {self.method} "
+                                f"(got {option}={getattr(self, option)!r})")
+        if not self.compensation and not method.has_compensation:
+            others = [m.name for m in METHODS.values() if m.has_compensation]
+            raise CorpError(f"method {self.method} has no compensation step to switch off; "
+                            f"--no-compensation applies to {' and '.join(others)}")
 
     @property
     def prunes_mlp(self) -> bool:
@@ -115,16 +119,3 @@ class CompressConfig:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise CorpError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def kept_count(total: int, sparsity: float, round_to: int = 1) -> int:
-    """Number of dims kept out of ``total`` at ``sparsity``.
-
-    ``total - round(sparsity * total)`` (halves round up), then rounded to the nearest
-    multiple of ``round_to`` (at least ``round_to``, at most ``total``).
-    """
-    kept = total - math.floor(sparsity * total + 0.5)
-    if round_to > 1:
-        kept = round_to * math.floor(kept / round_to + 0.5)
-        kept = max(round_to, kept)
-    return max(1, min(total, kept))

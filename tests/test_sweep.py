@@ -1,6 +1,7 @@
 """`corp-deploy sweep` on a tiny random model: one artifact and export per method and sparsity,
 the tables at matched sparsity and matched MACs, the plot, and bad requests."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,10 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path):
         assert row["ideal_speedup"] == row["macs"]["dense"] / row["macs"]["compressed"] > 1
         assert row["fidelity"]["images"] == 6 and 0 <= row["fidelity"]["top1_agreement"] <= 1
         assert row["fidelity"]["held_out"] is True
+        # file paths are relative to the sweep directory (never the staging directory it was built in)
+        assert row["artifact"] == f"{row['method']}-s{row['sparsity']:g}"
+        for files in row["bench"]["models"].values():
+            assert not Path(files["onnx"]).is_absolute() and (out / files["onnx"]).is_file()
     rows = {(row["method"], row["sparsity"]): row for row in sweep["rows"]}
     # same channels, same shapes: CORP and its uncompensated ablation cost the same
     assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from corp_deploy import CompressConfig, compress
-from corp_deploy.vbp import ChannelMoments, global_kept_counts
+from corp_deploy.methods.vbp import ChannelMoments, global_kept_counts
 from tests.conftest import image_batches
 
 

@@ -12,10 +12,84 @@ replaceable and are removed; every head keeps the same ``d'`` of each.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from .layers import PrunedAttention
+from .. import mlp as mlp_ops
+from ..blocks import block_forward
+from ..dims import kept_count
+from ..errors import CorpError
+from ..layers import PrunedAttention, block_dims
+from ..models import is_plain_attention, uses_class_token
+from .base import BlockRun, Method
+
+if TYPE_CHECKING:
+    from ..config import CompressConfig
+
+
+class Toast(Method):
+    name = "toast"
+    summary = "geometric-median head-dim pruning and token channel selection for the FFN."
+    prunes = "MLP hidden channels and attention query/key and value dims"
+    targets = ("mlp", "attn", "both")
+    default_target = "both"
+    options = ("token_fraction",)
+    has_compensation = False
+
+    def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
+        if config.prunes_mlp and uses_class_token(model):
+            for block in model.blocks:
+                if not is_plain_attention(block.attn):
+                    raise CorpError("toast's FFN channel selection weights tokens by the class token's attention, "
+                                    f"which needs timm's plain Attention; this model has {type(block.attn).__name__}")
+
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+        """FFN channels by token channel selection on the dense block's activations; query/key and
+        value/proj dims by distance to each head's geometric median (weights only)."""
+        class_token = uses_class_token(model)
+        sampler = torch.Generator().manual_seed(0)  # token samples: reproducible
+        layers = []
+        for block in model.blocks:
+            info: dict = {}
+            if config.prunes_mlp:
+                importance = TokenChannelImportance(block.mlp.fc1.out_features, model.num_prefix_tokens,
+                                                    class_token, config.token_fraction, sampler)
+                with run.timer("block_statistics"):
+                    _advance_with_importance(block, run, importance)
+                with run.timer("mlp_solve"):
+                    kept = kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to)
+                    S, P = mlp_ops.split_channels(importance.scores, kept)
+                    mlp_ops.fold_mlp(block.mlp, S, P)
+                info["mlp"] = {"hidden": kept}
+            # (attention only: the ranking reads weights, so the calibration tokens need not move on)
+            if config.prunes_attn:
+                with run.timer("attention_solve"):
+                    kept = kept_count(block.attn.head_dim, config.s_attn, config.round_to)
+                    qk, v = head_dim_importance(block.attn)
+                    block.attn = prune_heads(block.attn, top_dims(qk, kept), top_dims(v, kept))
+                info["attention"] = {"qk_head_dim": kept, "v_head_dim": kept}
+            info["dims"] = block_dims(block).to_dict()
+            layers.append(info)
+            run.block_done()
+        return layers
+
+
+def _advance_with_importance(block: nn.Module, run: BlockRun, importance: "TokenChannelImportance") -> None:
+    """Move ``run.cache`` through the dense ``block``, adding each batch to ``importance`` (with the
+    class token's attention row, taken from the block's own queries and keys, when it uses one)."""
+    scale = block.attn.scale if importance.class_token else None
+    attention_rows: list[torch.Tensor] = []
+
+    def on_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+        attention_rows.append(class_token_attention(q, k, scale))
+
+    def on_hidden(h: torch.Tensor) -> None:
+        importance.update(h, attention_rows.pop() if importance.class_token else None)
+
+    run.cache.advance(lambda x: block_forward(block, x, on_qk=on_qk if importance.class_token else None,
+                                              on_hidden=on_hidden))
 
 
 def geometric_median(points: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12) -> torch.Tensor:
@@ -99,15 +173,11 @@ def prune_heads(attn: nn.Module, qk_kept: torch.Tensor, v_kept: torch.Tensor) ->
     return new
 
 
-def class_token_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """How much the class token (token 0) attends to each token in timm ``Attention`` on
-    normalised tokens ``x`` ``(B, N, dim)``: its softmax row averaged over heads, ``(B, N)``."""
-    B, N, _ = x.shape
-    H, d = attn.num_heads, attn.head_dim
-    rows = 2 * H * d
-    bias = attn.qkv.bias[:rows] if attn.qkv.bias is not None else None
-    q, k = nn.functional.linear(x, attn.qkv.weight[:rows], bias).reshape(B, N, 2, H, d).unbind(2)
-    logits = torch.einsum("bhd,bnhd->bhn", q[:, 0], k) * attn.scale
+def class_token_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """How much the class token (token 0) attends to each token, given an attention layer's
+    queries and keys ``(B, H, N, d)`` and its softmax scale: its softmax row averaged over
+    heads, ``(B, N)``."""
+    logits = torch.einsum("bhd,bhnd->bhn", q[:, :, 0], k) * scale
     return logits.softmax(-1).mean(1)
 
 

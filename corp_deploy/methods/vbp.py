@@ -8,8 +8,50 @@ into the fc2 bias: ``b2' = b2 + W2[:, P] @ mu_P``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+from .. import mlp as mlp_ops
+from ..blocks import block_forward
+from ..layers import block_dims
+from .base import BlockRun, Method
+
+if TYPE_CHECKING:
+    from ..config import CompressConfig
+
+
+class Vbp(Method):
+    name = "vbp"
+    summary = "variance-based MLP pruning, global ranking, mean folded into the bias."
+    prunes = "MLP hidden channels"
+    targets = ("mlp",)
+    default_target = "mlp"
+    options = ("layer_floor",)
+
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+        """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
+        moments = []
+        with run.timer("block_statistics"):
+            for block in model.blocks:
+                stats = ChannelMoments(block.mlp.fc1.out_features, run.cache.device)
+                run.cache.advance(lambda x: block_forward(block, x, on_hidden=stats.update))
+                moments.append(stats)
+                run.block_done()
+        layers = []
+        with run.timer("mlp_solve"):
+            counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.layer_floor,
+                                        config.round_to)
+            for block, stats, kept in zip(model.blocks, moments, counts):
+                S, P = mlp_ops.split_channels(stats.variance, kept)
+                mlp_ops.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
+                total_variance = float(stats.variance.sum())
+                layers.append({"mlp": {"hidden": kept,
+                                       "pruned_variance_fraction": float(stats.variance[P].sum()) / total_variance
+                                       if total_variance else 0.0},
+                               "dims": block_dims(block).to_dict()})
+        return layers
 
 
 class ChannelMoments:
