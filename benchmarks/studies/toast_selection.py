@@ -1,6 +1,6 @@
 """ToaSt's FFN token channel selection: one static selection per model, or one per input?
 
-    python -m benchmarks.toast_selection --out benchmarks/results/toast_selection.json
+    python -m benchmarks.studies.toast_selection --out benchmarks/results/toast_selection.json
 
 METHOD.md 5 scores FFN hidden channels from a 2-20% sample of tokens, weighted toward the
 class token. That can be read two ways, and this script measures both on the real DINOv2
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.fidelity import feature_cosine, split_builtin_images
+from benchmarks.studies.held_out import feature_cosine, split_builtin_images
 from benchmarks.latency import interleaved, speedup, summarize
-from benchmarks.real_weights import build_dinov2
+from benchmarks.studies.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, kept_count, model_transform
 from corp_deploy.artifact import library_versions
 from corp_deploy.blocks import project_qk
@@ -129,7 +129,7 @@ def main() -> None:
     print(json.dumps(timing), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.toast_selection --calib {args.calib} --held-out {args.held_out} "
+        "command": f"python -m benchmarks.studies.toast_selection --calib {args.calib} --held-out {args.held_out} "
                    f"--sparsities {args.sparsities} --fraction {args.fraction} --time-sparsity "
                    f"{args.time_sparsity} --batch {args.batch} --threads {args.threads} --min-time "
                    f"{args.min_time} --out {args.out}",

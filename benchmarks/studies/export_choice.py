@@ -6,7 +6,7 @@ ONNX Runtime parity against PyTorch at two batch sizes other than the traced one
 ONNX Runtime CPU latency, with all variants of one model timed **interleaved** in the
 same process (round-robin, median of the rounds) so that ratios survive a noisy machine.
 
-    python -m benchmarks.export_choice --models deit_small deit_base --batch 8 --rounds 7 \
+    python -m benchmarks.studies.export_choice --models deit_small deit_base --batch 8 --rounds 7 \
         --json benchmarks/results/export_choice.json
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    results = {"command": "python -m benchmarks.export_choice " + " ".join(
+    results = {"command": "python -m benchmarks.studies.export_choice " + " ".join(
                    f"--models {' '.join(args.models)} --s {args.s} --batch {args.batch} "
                    f"--rounds {args.rounds} --threads {args.threads}".split()),
                "machine": {"platform": platform.platform(), "processor": platform.processor(),

@@ -1,6 +1,6 @@
 """Cost of `compress` relative to one plain forward pass over the same calibration images.
 
-    python -m benchmarks.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
+    python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
 
 Images are preprocessed once up front (decoding is not timed); random weights (timing does
 not depend on them). Forward passes and compress runs of both calibration modes are
@@ -64,7 +64,7 @@ def main() -> None:
                      "peak_memory_mb": report["peak_memory_mb"]})
         print(json.dumps(runs[-1]), flush=True)
     result = {
-        "command": f"python -m benchmarks.compress_cost --model {args.model} --images {args.images} "
+        "command": f"python -m benchmarks.studies.compress_cost --model {args.model} --images {args.images} "
                    f"--batch-size {args.batch_size} --s {args.s} --rounds {args.rounds}"
                    f"{' --full-warmup' if args.full_warmup else ''} --out {args.out}",
         "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["calibration"] == mode)

