@@ -1,4 +1,4 @@
-"""Attention query/key head-dim pruning with the exact Kronecker compensation (METHOD.md 3).
+"""Attention query/key head-dim pruning with the exact Kronecker compensation (docs/method.md §3).
 
 Per head and calibration image ``i``: ``Q^i = X^i Wq^T + bq`` and ``K^i`` (tokens x d).
 Everything here works on per-image Gram matrices ``A^i = Q^i^T Q^i`` and

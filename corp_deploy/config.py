@@ -15,7 +15,7 @@ CALIBRATION_MODES = ("independent", "sequential")
 
 @dataclass(frozen=True)
 class CompressConfig:
-    """What to prune and how (METHOD.md sections 1-3, and 5 for the peer methods).
+    """What to prune and how (docs/method.md §1-3, and §5 for the peer methods).
 
     Settings that only one method reads (its ``Method.options``) must keep their defaults
     for the other methods: they are refused rather than silently ignored.

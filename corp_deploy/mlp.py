@@ -1,4 +1,4 @@
-"""MLP hidden-channel pruning with centred ridge compensation (METHOD.md 2).
+"""MLP hidden-channel pruning with centred ridge compensation (docs/method.md §2).
 
 Conventions: ``h = act(fc1(x))`` has ``H`` channels; ``fc2(h) = h @ W2.T + b2`` with
 ``W2`` of shape ``(out, H)``. ``S`` are the kept channels (ascending), ``P`` the pruned.

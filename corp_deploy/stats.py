@@ -1,7 +1,7 @@
 """Streaming calibration statistics.
 
 All accumulators take float32 activations, do the large products in float32 on
-per-batch centred data, and keep their running sums in float64 (METHOD.md 1).
+per-batch centred data, and keep their running sums in float64 (docs/method.md §1).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Query/key compensation against raw per-image activations (METHOD.md 3)."""
+"""Query/key compensation against raw per-image activations (docs/method.md §3)."""
 import pytest
 import torch
 from timm.layers.attention import Attention

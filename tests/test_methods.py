@@ -1,12 +1,15 @@
 """Every compression method through the same artifact, load and export path, on a tiny random
 ViT: shapes, MAC counts against an independent formula, load round trip, ONNX Runtime
 parity; and the method/option combinations the CLI refuses."""
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
-from corp_deploy import CompressConfig, compress, count_macs, load_compressed, read_config, save_artifact
+from corp_deploy import (METHODS, CompressConfig, CorpError, compress, count_macs, load_compressed, read_config,
+                         save_artifact)
 from exporters import ExportOptions, export_artifact
 from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS, image_batches, run_cli
 
@@ -104,3 +107,29 @@ def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch)
     result, text = run_cli(["export", artifact], tmp_path / "state")
     assert result.exit_code == 0, text
     assert json.loads((artifact / "export-fp32" / "export.json").read_text())["artifact"]["method"] == "vbp"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="vbp", ranker="energy"), "ranker applies to method corp only, not vbp"),
+    (dict(method="vbp", calibration="sequential"), "calibration applies to method corp only"),
+    (dict(method="toast", layer_floor=0.3), "layer_floor applies to method vbp only"),
+    (dict(method="corp", token_fraction=0.2), "token_fraction applies to method toast only"),
+    (dict(method="toast", compensation=False), "toast has no compensation step"),
+    (dict(method="vbp", target="attn"), "vbp prunes MLP hidden channels only"),
+])
+def test_the_library_refuses_settings_the_method_would_not_read(kwargs, message):
+    with pytest.raises(CorpError, match=re.escape(message)):
+        CompressConfig(**kwargs)
+
+
+def test_config_cli_and_sweep_read_the_method_registry():
+    from benchmarks.sweep import SWEEP_METHODS
+    from corp_deploy.cli import compress as compress_command
+
+    fields = {f.name for f in dataclasses.fields(CompressConfig)}
+    for name, method in METHODS.items():
+        assert method.name == name and method.default_target in method.targets
+        assert set(method.options) <= fields
+        assert CompressConfig(method=name).target == method.default_target
+    choices = next(p for p in compress_command.params if p.name == "method").type.choices
+    assert list(choices) == list(METHODS) and SWEEP_METHODS == (*METHODS, "uncompensated")

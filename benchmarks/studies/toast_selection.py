@@ -2,7 +2,7 @@
 
     python -m benchmarks.studies.toast_selection --out benchmarks/results/toast_selection.json
 
-METHOD.md 5 scores FFN hidden channels from a 2-20% sample of tokens, weighted toward the
+docs/method.md §5 scores FFN hidden channels from a 2-20% sample of tokens, weighted toward the
 class token. That can be read two ways, and this script measures both on the real DINOv2
 ViT-S/14 (FFN pruned only, attention dense):
 

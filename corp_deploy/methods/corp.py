@@ -1,4 +1,4 @@
-"""CORP (METHOD.md 2-3): per-layer ranking and closed-form ridge compensation of MLP hidden
+"""CORP (docs/method.md §2-3): per-layer ranking and closed-form ridge compensation of MLP hidden
 channels and attention query/key head dims, block by block.
 
 Independent calibration (the paper): one pass of the dense block collects the query/key Grams

@@ -1,4 +1,4 @@
-"""ToaSt, one-shot (METHOD.md 5): coupled per-head attention pruning ranked by distance to
+"""ToaSt, one-shot (docs/method.md §5): coupled per-head attention pruning ranked by distance to
 the geometric median, and token channel selection for the FFN. No fine-tuning and no
 compensation: kept weights are copied unchanged.
 

@@ -1,4 +1,4 @@
-"""VBP, variance-based MLP pruning (METHOD.md 5), one-shot.
+"""VBP, variance-based MLP pruning (docs/method.md §5), one-shot.
 
 Per MLP, the mean and variance of every post-activation hidden channel ``h_j`` (Welford);
 channels are ranked by variance **globally across all MLPs** for one global pruning
