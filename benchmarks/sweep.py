@@ -25,7 +25,7 @@ from .data import EvalImages, eval_images
 from .harness import BenchSettings, run_bench
 from .report import fidelity_summary
 
-FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 2
+FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 3
 SWEEP_FILE = "sweep.json"
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
@@ -35,11 +35,13 @@ SWEEP_METHODS = (*METHODS, "uncompensated")
 class SweepSpec:
     """What to sweep and how to measure it (the dense model itself is given to ``run_sweep``).
 
-    ``target`` None lets each method prune what it prunes by default (vbp: the MLP only;
-    the others: MLP and attention).
+    The points are either ``sparsities`` or MAC ``budgets`` (fractions of the dense MACs, CORP
+    and its uncompensated ablation only), not both. ``target`` None lets each method prune what
+    it prunes by default (vbp: the MLP only; CORP with a budget: everything it can).
     """
 
-    sparsities: tuple[float, ...]
+    sparsities: tuple[float, ...] = ()
+    budgets: tuple[float, ...] = ()
     methods: tuple[str, ...] = ("corp",)
     target: str | None = None
     calib: Path | None = None
@@ -54,14 +56,30 @@ class SweepSpec:
         if unknown or not self.methods or len(set(self.methods)) != len(self.methods):
             raise CorpError(f"methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
                             f"got {', '.join(self.methods) or 'none'}")
+        if bool(self.sparsities) == bool(self.budgets):
+            raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
         for method in self.methods:
-            for sparsity in self.sparsities:
-                self.config(method, sparsity)  # CorpError for a sparsity out of range or a bad combination
+            for point in self.points:
+                self.config(method, point)  # CorpError for a value out of range or a bad combination
 
-    def config(self, method: str, sparsity: float) -> CompressConfig:
+    @property
+    def points(self) -> tuple[float, ...]:
+        """The sparsities, or the budgets."""
+        return self.sparsities or self.budgets
+
+    @property
+    def point_key(self) -> str:
+        """The row key that holds a run's point: ``sparsity`` or ``budget``."""
+        return "sparsity" if self.sparsities else "budget"
+
+    def run_name(self, method: str, point: float) -> str:
+        return f"{method}-{'s' if self.sparsities else 'macs'}{point:g}"
+
+    def config(self, method: str, point: float) -> CompressConfig:
+        sizes = dict(s_mlp=point, s_attn=point, s_vo=point) if self.sparsities else dict(macs=point)
         if method == "uncompensated":
-            return CompressConfig(s_mlp=sparsity, s_attn=sparsity, target=self.target, compensation=False)
-        return CompressConfig(s_mlp=sparsity, s_attn=sparsity, target=self.target, method=method)
+            return CompressConfig(**sizes, target=self.target, compensation=False)
+        return CompressConfig(**sizes, target=self.target, method=method)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -72,7 +90,8 @@ class SweepSpec:
 def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str | Path,
               log: Callable[[str], None] = lambda message: None) -> dict:
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
-    method and sparsity under ``<method>-s<S>/``, plus ``sweep.json``, ``sweep.md`` and ``sweep.png``."""
+    method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
+    ``sweep.md`` and ``sweep.png``."""
     transform, _ = model_transform(dense)
     calibration = CalibrationImages.from_source(spec.calib, transform, limit=spec.calib_samples, seed=spec.seed)
     calib_batches = list(calibration)
@@ -83,9 +102,9 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
     rows, dense_onnx = [], None
     with staged_directory(out_dir, SWEEP_FILE) as tmp:
         for method in spec.methods:
-            for s in spec.sparsities:
-                name = f"{method}-s{s:g}"
-                config = spec.config(method, s)
+            for point in spec.points:
+                name = spec.run_name(method, point)
+                config = spec.config(method, point)
                 log(f"{name}: compressing ...")
                 model, report = compress(dense, calib_batches, config)
                 settings = {**config.to_dict(), "calib_samples": spec.calib_samples, "seed": spec.seed}
@@ -98,7 +117,8 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
                 bench = run_bench(ModelFiles(model, export.out_dir / "model.onnx"), ModelFiles(dense, dense_onnx),
                                   evaluation, spec.bench, held_out=held_out, log=log)
                 _paths_relative_to(bench["models"], tmp)
-                rows.append({"method": method, "sparsity": s, "artifact": name, "target": config.target,
+                rows.append({"method": method, "sparsity": point if spec.sparsities else None,
+                             "budget": point if spec.budgets else None, "artifact": name, "target": config.target,
                              "params": report["params"],
                              "macs": report["macs"], "ideal_speedup": bench["ideal_speedup"],
                              "latency": bench["latency"], "fidelity": bench["fidelity"], "bench": bench})
@@ -138,6 +158,11 @@ def headline_name(result: dict) -> str:
     return "top-1 agreement with dense" if result["classifier"] else "feature cosine to dense"
 
 
+def point_axis(result: dict) -> tuple[str, str]:
+    """The row key of a sweep's points and their label: sparsity ``s`` or MAC ``budget``."""
+    return ("sparsity", "s") if result["spec"]["sparsities"] else ("budget", "MAC budget")
+
+
 def by_method(result: dict) -> dict[str, list[dict]]:
     """Rows grouped by method, in the sweep's order."""
     return {m: [row for row in result["rows"] if row["method"] == m] for m in result["spec"]["methods"]}
@@ -162,7 +187,8 @@ def to_markdown(result: dict) -> str:
     methods = list(groups)
     batches = result["spec"]["bench"]["batches"]
     backends = sorted({r["backend"] for row in result["rows"] for r in row["latency"]})
-    header = ["method", "target", "s", "params (M)", "GMACs", "MAC-ideal speedup",
+    key, label = point_axis(result)
+    header = ["method", "target", label, "params (M)", "GMACs", "MAC-ideal speedup",
               *[f"{b} speedup b{n} (of ideal)" for b in backends for n in batches], name]
     f = result["rows"][0]["fidelity"]
     lines = [f"# corp-deploy sweep: {result['base_model']['name']}", "",
@@ -171,7 +197,7 @@ def to_markdown(result: dict) -> str:
              f"{'held out' if f['held_out'] else 'NOT held out'} from calibration).", "", "## Every run", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["rows"]:
-        cells = [row["method"], row["target"], f"{row['sparsity']:g}", f"{row['params']['compressed'] / 1e6:.2f}",
+        cells = [row["method"], row["target"], f"{row[key]:g}", f"{row['params']['compressed'] / 1e6:.2f}",
                  f"{row['macs']['compressed'] / 1e9:.4g}", f"{row['ideal_speedup']:.3f}"]
         by_key = {(r["backend"], r["batch"]): r for r in row["latency"]}
         for b in backends:
@@ -180,11 +206,11 @@ def to_markdown(result: dict) -> str:
                 cells.append(f"{r['speedup']['median']:.3f} ({r['efficiency'] * 100:.0f}%)" if r else "-")
         cells.append(f"{headline(row):.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"## {name} at matched sparsity", "",
-              "| s | " + " | ".join(methods) + " |", "|" + "---|" * (len(methods) + 1)]
-    for s in result["spec"]["sparsities"]:
-        cells = [f"{headline(next(r for r in groups[m] if r['sparsity'] == s)):.4f}" for m in methods]
-        lines.append(f"| {s:g} | " + " | ".join(cells) + " |")
+    lines += ["", f"## {name} at matched {label}", "",
+              f"| {label} | " + " | ".join(methods) + " |", "|" + "---|" * (len(methods) + 1)]
+    for point in result["spec"]["sparsities"] or result["spec"]["budgets"]:
+        cells = [f"{headline(next(r for r in groups[m] if r[key] == point)):.4f}" for m in methods]
+        lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
     reference = methods[0]
     lines += ["", f"## {name} at matched MACs", "",
               f"At the MACs of each {reference} run; other methods linearly interpolated in MACs between their "
@@ -202,7 +228,7 @@ def to_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str | Path) -> None:
-    """Per method: fidelity vs sparsity, fidelity vs MACs, measured speedup vs sparsity."""
+    """Per method: fidelity vs sparsity (or budget), fidelity vs MACs, measured speedup vs sparsity."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -210,8 +236,9 @@ def plot(result: dict, path: str | Path) -> None:
     fig, (fid, cost, speed) = plt.subplots(1, 3, figsize=(15, 4.2))
     backend = next((r["backend"] for r in result["rows"][0]["latency"]), None)
     batch = max((r["batch"] for r in result["rows"][0]["latency"] if r["backend"] == backend), default=None)
+    key, label = point_axis(result)
     for method, rows in by_method(result).items():
-        s = [row["sparsity"] for row in rows]
+        s = [row[key] for row in rows]
         fid.plot(s, [headline(row) for row in rows], "-o", label=method)
         cost.plot([row["macs"]["compressed"] / 1e9 for row in rows], [headline(row) for row in rows], "-o",
                   label=method)
@@ -221,10 +248,10 @@ def plot(result: dict, path: str | Path) -> None:
                                "-o", label=f"{method}, measured")
             speed.plot(s, [row["ideal_speedup"] for row in rows], ":", color=line.get_color(),
                        label=f"{method}, MAC-ideal")
-    fid.set(xlabel="sparsity", ylabel=headline_name(result), title="Fidelity at matched sparsity")
+    fid.set(xlabel=label, ylabel=headline_name(result), title=f"Fidelity at matched {label}")
     cost.set(xlabel="GMACs per image", ylabel=headline_name(result), title="Fidelity at matched MACs")
     cost.invert_xaxis()
-    speed.set(xlabel="sparsity", ylabel="speedup over dense",
+    speed.set(xlabel=label, ylabel="speedup over dense",
               title=f"Speedup ({backend}, batch {batch})" if backend else "Speedup (no backend ran)")
     for ax in (fid, cost, speed):
         ax.grid(alpha=0.3)

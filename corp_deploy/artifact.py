@@ -24,6 +24,7 @@ from .models import create_base_model
 FORMAT = "corp-deploy-artifact"
 FORMAT_VERSION = 1
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
+ALLOCATION_PLOT = "allocation.png"
 
 
 def library_versions() -> dict[str, str]:
@@ -59,15 +60,16 @@ def build_skeleton(config: dict) -> nn.Module:
     """The compressed model's structure with random weights, from a ``config.json`` dict."""
     base = config["base_model"]
     model = create_base_model(base["name"], base["model_kwargs"], pretrained=False)
-    fc2_bias = config.get("fc2_bias")
+    fc2_bias, proj_bias = config.get("fc2_bias"), config.get("proj_bias")
     for i, (block, dims) in enumerate(zip(model.blocks, config["blocks"])):
-        reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i])
+        reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i],
+                      proj_bias=None if proj_bias is None else proj_bias[i])
     return model.eval()
 
 
 def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any] | None = None,
                   settings: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
-                  report: dict[str, Any] | None = None) -> Path:
+                  report: dict[str, Any] | None = None, plots: bool = True) -> Path:
     """Write the artifact directory atomically and return its path.
 
     Args:
@@ -77,7 +79,9 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         settings: every setting of the run (CompressConfig plus calibration options); the
             method is recorded there (``settings["method"]``) and nowhere else.
         calibration: summary of the calibration data.
-        report: diagnostics (from :func:`corp_deploy.compress`).
+        report: diagnostics (from :func:`corp_deploy.compress`); a budget's allocation (its
+            ``"budget"`` entry) is also recorded in ``config.json`` and, with ``plots``, drawn
+            into ``allocation.png``.
     An existing artifact at ``out_dir`` is replaced; any other non-empty directory is refused.
     """
     from safetensors.torch import save_file
@@ -93,7 +97,9 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         "base_model": base_model,
         "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
         "blocks": [block_dims(b).to_dict() for b in model.blocks],
+        "allocation": (report or {}).get("budget"),
         "fc2_bias": [b.mlp.fc2.bias is not None for b in model.blocks],
+        "proj_bias": [b.attn.proj.bias is not None for b in model.blocks],
         "settings": settings or {},
         "calibration": calibration or {},
         "versions": library_versions(),
@@ -106,6 +112,9 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, report or {})
+        if plots and config["allocation"]:
+            from .plots import plot_allocation
+            plot_allocation(config["allocation"], tmp / ALLOCATION_PLOT, title=base_model["name"])
     return out_dir
 
 

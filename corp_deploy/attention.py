@@ -4,6 +4,9 @@ Per head and calibration image ``i``: ``Q^i = X^i Wq^T + bq`` and ``K^i`` (token
 Everything here works on per-image Gram matrices ``A^i = Q^i^T Q^i`` and
 ``G^i = K^i^T K^i`` of the full head dim, shape ``(N_images, H, d, d)`` float64, from
 which ranking scores, the normal equations and the logit errors all follow exactly.
+
+The ridge is ``lambda = alpha * tr(sum_i A_i ⊗ G_i) / d^2`` over the full head dim, the same
+whichever dims are kept, so that the systems of nested kept sets are nested (:func:`head_curve`).
 """
 from __future__ import annotations
 
@@ -45,6 +48,14 @@ def kronecker_sum(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return z.reshape(k, k, k, k).permute(0, 2, 1, 3).reshape(k * k, k * k)
 
 
+def head_ridge_lambda(a_full: torch.Tensor, g_full: torch.Tensor, alpha: float) -> float:
+    """``alpha * tr(sum_i A_i ⊗ G_i) / d^2`` (``tr(A ⊗ G) = tr(A) tr(G)``) for one head's
+    ``(N, d, d)`` Grams: the scale-free ridge, independent of the kept set."""
+    d = a_full.shape[-1]
+    traces = torch.diagonal(a_full, dim1=-2, dim2=-1).sum(-1) * torch.diagonal(g_full, dim1=-2, dim2=-1).sum(-1)
+    return alpha * float(traces.sum()) / (d * d)
+
+
 @dataclass
 class HeadSolution:
     """Compensation ``M`` (``d' x d'``, float64) of one head and its logit errors.
@@ -67,7 +78,7 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
     Args:
         a_full, g_full: ``(N, d, d)`` per-image query and key Grams of this head.
         kept, pruned: index tensors ``S`` and ``P`` into the head dim.
-        alpha: scale-free ridge; ``lambda = alpha * tr(K) / d'^2``.
+        alpha: scale-free ridge (:func:`head_ridge_lambda`).
         compensate: False gives ``M = 0`` (plain slicing), errors still reported.
     """
     n = a_full.shape[0]
@@ -83,7 +94,7 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
         return HeadSolution(zero, 0.0, err_unc / n, err_unc / n, energy / n)
     rhs = (a[:, :k, k:] @ g[:, k:, :k]).sum(0).reshape(-1, 1)
     lhs = kronecker_sum(a_ss, g_ss)
-    lam = alpha * float(torch.trace(lhs)) / (k * k)
+    lam = head_ridge_lambda(a_full, g_full, alpha)
     lhs.diagonal().add_(lam)
     chol, info = torch.linalg.cholesky_ex(lhs)
     if int(info) == 0:
@@ -94,6 +105,50 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
     quad = float(m_vec.T @ lhs @ m_vec) - lam * float(m_vec.square().sum())
     err_comp = err_unc - 2.0 * float((m_vec * rhs).sum()) + quad
     return HeadSolution(m_vec.reshape(k, k), lam, err_unc / n, max(err_comp, 0.0) / n, energy / n)
+
+
+def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d:
+
+    ``J(k) = min_M sum_i ||Q_P K_P^T - Q_S M K_S^T||^2 + lambda ||M||^2`` divided by the number
+    of images (unscaled logit units), ``(d + 1,)`` float64; the compensated logit error is
+    ``J(k) - lambda ||M_k||^2 / N`` (exactly ``J`` when ``alpha = 0``).
+
+    With the pairs ``(a, b)`` of ranked dims listed by ``max(a, b)``, the system of prefix ``k``
+    is the leading ``k^2`` block of ``Zr = sum_i A_i ⊗ G_i + lambda I``, so one Cholesky
+    factor ``L`` of ``Zr`` serves every ``k``. Its right-hand side is
+    ``r_k = vec(sum_i A_i G_i)|_k - Zr_k e_k + lambda e_k`` (``e_k``: the identity of ``S_k``),
+    hence ``L_k^-1 r_k = y_k - L_k^T e_k + lambda L_k^-1 e_k`` with ``y = L^-1 vec(sum_i A_i G_i)``;
+    and ``J(k) = err_sliced(k) - ||L_k^-1 r_k||^2`` (docs/method.md §8).
+    Cost: a ``d^2 x d^2`` factorisation (``d^6 / 3`` multiply-adds).
+    """
+    n, d = a_full.shape[0], a_full.shape[-1]
+    a = a_full[:, order][:, :, order]
+    g = g_full[:, order][:, :, order]
+    lam = head_ridge_lambda(a_full, g_full, alpha)
+    # pair (a, b) -> position in "max order": shell m = max(a, b) lists (m, 0..m), then (0..m-1, m)
+    pairs = [p for m in range(d) for p in [(m, b) for b in range(m + 1)] + [(a_, m) for a_ in range(m)]]
+    perm = torch.tensor([p * d + q for p, q in pairs], device=a.device)
+    zr = kronecker_sum(a, g)[perm][:, perm]
+    zr.diagonal().add_(lam)
+    chol = torch.linalg.cholesky(zr)
+    del zr
+    diag_pos = torch.tensor([m * m + m for m in range(d)], device=a.device)
+    r = (a @ g).sum(0).reshape(-1)[perm]
+    y = torch.linalg.solve_triangular(chol, r[:, None], upper=False)[:, 0]
+    unit = torch.zeros(d * d, d, dtype=a.dtype, device=a.device)
+    unit[diag_pos, torch.arange(d, device=a.device)] = 1.0
+    inv_e = torch.linalg.solve_triangular(chol, unit, upper=False).cumsum(1)  # column k-1: L^-1 e_k
+    lt_e = chol[diag_pos].cumsum(0)  # row k-1: (L^T e_k)^T
+    products = (a * g).sum(0)  # sum_i A_i ∘ G_i: err_sliced(k) sums its trailing block [k:, k:]
+    sliced = products.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
+    curve = torch.zeros(d + 1, dtype=a.dtype, device=a.device)
+    curve[0] = products.sum()
+    for k in range(1, d):
+        size = k * k
+        v = y[:size] - lt_e[k - 1, :size] + lam * inv_e[:size, k - 1]
+        curve[k] = sliced[k] - v.square().sum()
+    return curve.clamp_min(0.0) / n
 
 
 def factor_identity_plus(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

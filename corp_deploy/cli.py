@@ -12,7 +12,8 @@ from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from exporters.precision import PRECISIONS
 from exporters.tensorrt import BatchProfile
 
-from .config import CALIBRATION_MODES, RANKERS, TARGETS, CompressConfig
+from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
+                     CompressConfig)
 from .errors import CorpError
 from .methods import METHODS, option_owners
 
@@ -48,16 +49,20 @@ def _parse_model_args(pairs: tuple[str, ...]) -> dict:
 
 
 def default_output_dir(model: str, config: CompressConfig) -> Path:
-    """``./corp-deploy/<model>[-<method>]-s<S>`` (with the target / split sparsities when they differ)."""
-    s_mlp, s_attn, target = config.s_mlp, config.s_attn, config.target
-    if target == "mlp":
-        tag = f"mlp-s{s_mlp:g}"
-    elif target == "attn":
-        tag = f"attn-s{s_attn:g}"
-    elif s_mlp == s_attn:
-        tag = f"s{s_mlp:g}"
+    """``./corp-deploy/<model>[-<method>]-<tag>``: the tag is ``macs<F>`` or ``x<speedup>`` for a
+    budget, else ``s<S>`` (prefixed by the target unless it is ``both``), or the sparsity of each
+    part when they differ (``mlp0.5-attn0.3``)."""
+    if config.has_budget:
+        tag = f"macs{config.macs:g}" if config.macs is not None else f"x{config.speedup:g}"
+        if config.target != "all":
+            tag = f"{config.target}-{tag}"
     else:
-        tag = f"mlp{s_mlp:g}-attn{s_attn:g}"
+        sparsity = {"mlp": config.s_mlp, "qk": config.s_attn, "vo": config.s_vo}
+        values = [sparsity[part] for part in config.parts]
+        if len(set(values)) == 1:
+            tag = f"s{values[0]:g}" if config.target == "both" else f"{config.target}-s{values[0]:g}"
+        else:
+            tag = "-".join(f"{ {'qk': 'attn'}.get(part, part)}{sparsity[part]:g}" for part in config.parts)
     method = "" if config.method == "corp" else f"-{config.method}"
     suffix = "" if config.compensation else "-nocomp"
     return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
@@ -126,18 +131,32 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 @_model_source_options
 @click.option("--method", type=click.Choice(tuple(METHODS)), default=DEFAULTS.method, show_default=True,
               help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.")
-@click.option("--s", "sparsity", type=float, default=DEFAULTS.s_mlp, show_default=True,
-              help="Sparsity in [0, 1) of both MLP hidden channels and attention head dims (vbp: global "
-                   "MLP rate).")
-@click.option("--s-mlp", type=float, default=None, help="MLP sparsity (overrides --s).")
+@click.option("--s", "sparsity", type=float, default=None,
+              help=f"Sparsity in [0, 1) of every pruned part in every block (vbp: global MLP rate). "
+                   f"[default: {DEFAULT_SPARSITY} without a budget]")
+@click.option("--s-mlp", type=float, default=None, help="MLP hidden-channel sparsity (overrides --s).")
 @click.option("--s-attn", type=float, default=None,
               help="Attention sparsity (overrides --s): query/key dims (corp), query/key and value dims "
                    "(toast); vbp has none.")
+@click.option("--s-vo", type=float, default=None,
+              help="corp: value/output dim sparsity (overrides --s; needs --target vo or all).")
+@click.option("--macs", type=float, default=None, metavar="F",
+              help="corp: MAC budget, keep at most the fraction F of the dense MACs; every block's parts "
+                   "get the sizes that CORP's closed-form errors say hurt least. Excludes --s*.")
+@click.option("--speedup", type=float, default=None, metavar="X",
+              help="corp: MAC budget as a MAC-ideal speedup (the same as --macs 1/X).")
+@click.option("--unit-floor", type=float, default=DEFAULTS.unit_floor, show_default=True,
+              help="corp, budget: every MLP and every block's query/key or value dims keep at least this "
+                   "fraction.")
+@click.option("--equal-head-dims", is_flag=True,
+              help="corp: as many value as query/key dims in every head (fused attention kernels need "
+                   "equal head dims); needs --target all.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
-@click.option("--ranker", type=click.Choice(RANKERS), default=DEFAULTS.ranker, show_default=True,
-              help="corp: MLP channel ranking.")
+@click.option("--ranker", type=click.Choice(RANKERS), default=None,
+              help=f"corp: MLP hidden and value channel selection. [default: {UNIFORM_RANKER} with --s, "
+                   f"{BUDGET_RANKER} with a budget]")
 @click.option("--ridge", type=float, default=DEFAULTS.ridge, show_default=True,
-              help="corp: scale-free ridge alpha (lambda = alpha * tr(Sigma_SS)/|S|).")
+              help="corp: scale-free ridge alpha (lambda = alpha times the layer's mean channel variance).")
 @click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS.calibration,
               show_default=True, help="Statistics all from the dense model (independent, as in the "
                                       "paper) or from the partly compressed model (sequential).")
@@ -155,13 +174,16 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
               help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]")
 @_user_errors
 def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
-             s_mlp, s_attn, batch_size, ranker, ridge, calibration, round_to, no_compensation, layer_floor,
-             token_fraction, device, output):
+             s_mlp, s_attn, s_vo, macs, speedup, unit_floor, equal_head_dims, batch_size, ranker, ridge, calibration,
+             round_to, no_compensation, layer_floor, token_fraction, device, output):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     \b
     Examples:
       corp-deploy compress deit_base --s 0.5
+      corp-deploy compress deit_base --macs 0.6                 # best model within 60% of the MACs
+      corp-deploy compress deit_base --speedup 2 --round-to 8 --equal-head-dims
+      corp-deploy compress deit_base --target all --s 0.3       # MLP, query/key and value dims
       corp-deploy compress deit_base --method vbp --s 0.3
       corp-deploy compress deit_base --method toast --s-mlp 0.5 --s-attn 0.25
       corp-deploy compress deit_tiny --target mlp --s 0.3 --calib ./val_images -o out/tiny
@@ -172,12 +194,16 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
 
-    _check_method_options(METHODS[method], s_attn)
+    _check_method_options(METHODS[method], s_attn, s_vo)
+    if (macs is not None or speedup is not None) and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
+        raise click.UsageError("a budget (--macs / --speedup) and sparsities (--s, --s-mlp, --s-attn, --s-vo) "
+                               "exclude each other: the budget decides every part's size")
     config = CompressConfig(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
-        target=target, ranker=ranker, ridge=ridge, calibration=calibration, round_to=round_to,
-        compensation=not no_compensation, device=device, method=method, layer_floor=layer_floor,
-        token_fraction=token_fraction)
+        s_vo=sparsity if s_vo is None else s_vo, macs=macs, speedup=speedup, unit_floor=unit_floor,
+        equal_head_dims=equal_head_dims, target=target, ranker=ranker, ridge=ridge, calibration=calibration,
+        round_to=round_to, compensation=not no_compensation, device=device, method=method,
+        layer_floor=layer_floor, token_fraction=token_fraction)
     out_dir = output or default_output_dir(model, config)
     base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
     transform, _ = model_transform(base)
@@ -197,17 +223,18 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     _print_compress_summary(report, path)
 
 
-def _check_method_options(method, s_attn: float | None) -> None:
+def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
     """Refuse options given on the command line that ``method`` would not read (even at their
     default value: a script that names them expects them to matter)."""
     ctx = click.get_current_context()
     for name, owner in option_owners().items():
         if owner != method.name and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method.name}")
-    if s_attn is not None and "attn" not in method.targets:
-        others = [m.name for m in METHODS.values() if "attn" in m.targets]
-        raise CorpError(f"--method {method.name} prunes {method.prunes} only; --s-attn has no meaning for it "
-                        f"(use --method {' or '.join(others)} for attention)")
+    for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
+        if value is not None and target not in method.targets:
+            others = [m.name for m in METHODS.values() if target in m.targets]
+            raise CorpError(f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
+                            f"(use --method {' or '.join(others)})")
 
 
 def _warn_builtin_calibration() -> None:
@@ -227,14 +254,37 @@ def _print_compress_summary(report: dict, path: Path) -> None:
     p, m = report["params"], report["macs"]
     table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
     table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
-    for part, label in (("mlp", "MLP output"), ("attention", "attention logits")):
+    for part, label in (("mlp", "MLP output"), ("attention", "attention logits"), ("values", "value/output")):
         rows = [layer[part] for layer in layers if "relative_error_compensated" in layer.get(part, {})]
         if rows:
             unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
             comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
             table.add_row(f"{label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
     table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if "budget" in report:
+        console.print(_allocation_table(report["budget"]))
+
+
+def _allocation_table(budget: dict):
+    """Per block: the kept dims of every unit (of its full size) and its distortion."""
+    from rich.table import Table
+
+    from .plots import PART_LABELS
+
+    parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
+    table = Table(title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
+                        f"{budget['planned_macs'] / 1e9:.3f} of {budget['dense_macs'] / 1e9:.3f} GMACs",
+                  caption=f"kept / full (distortion, {budget['distortion']})")
+    table.add_column("block", justify="right")
+    for part in parts:
+        table.add_column(PART_LABELS[part], justify="right")
+    by_key = {(u["block"], u["part"]): u for u in budget["units"]}
+    for block in sorted({u["block"] for u in budget["units"]}):
+        table.add_row(str(block), *[f"{u['kept']}/{u['total']} ({u['distortion']:.2g})"
+                                    for u in (by_key[block, part] for part in parts)])
+    return table
 
 
 
@@ -433,20 +483,24 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
         sys.exit(4)
 
 
-def _parse_sparsities(text: str) -> tuple[float, ...]:
+def _parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
         values = ()
     if not values:
-        raise CorpError(f"--s takes comma-separated sparsities in [0, 1) (e.g. 0.1,0.3,0.5); got {text!r}")
+        raise CorpError(f"{option} takes comma-separated numbers (e.g. {example}); got {text!r}")
     return values
 
 
 @cli.command()
 @_model_source_options
-@click.option("--s", "sparsities", default="0.1,0.3,0.5,0.7", show_default=True,
-              help="Comma-separated sparsities (applied to the parts chosen by --target).")
+@click.option("--s", "sparsities", default=None,
+              help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
+                   "0.1,0.3,0.5,0.7 without --macs]")
+@click.option("--macs", "budgets", default=None,
+              help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
+                   "sparsities; methods corp and uncompensated.")
 @click.option("--methods", default="corp", show_default=True,
               help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
                    "first is the reference for the matched-MACs table.")
@@ -462,26 +516,31 @@ def _parse_sparsities(text: str) -> tuple[float, ...]:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
 @_user_errors
-def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities,
+def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities, budgets,
           methods, data, data_samples, backends, batches, threads, min_time, output):
-    """Compress with each method at several sparsities, export, benchmark, and compare.
+    """Compress with each method at several sparsities (or MAC budgets), export, benchmark, and compare.
 
-    Writes one artifact (with its ONNX export) per method and sparsity, sweep.json (every
-    number), sweep.md (every run, then fidelity at matched sparsity and at matched MACs) and
-    sweep.png (fidelity vs sparsity, fidelity vs MACs, speedup vs sparsity). Without
-    --target each method prunes what it prunes by default (vbp: the MLP only).
+    Writes one artifact (with its ONNX export) per method and point, sweep.json (every
+    number), sweep.md (every run, then fidelity at matched sparsity or budget and at matched
+    MACs) and sweep.png (fidelity vs sparsity or budget, fidelity vs MACs, speedup). Without
+    --target each method prunes what it prunes by default (vbp: the MLP only; corp with
+    budgets: MLP, query/key and value dims).
 
     \b
     Examples:
       corp-deploy sweep deit_small --s 0.3,0.5,0.7 --methods corp,uncompensated --calib train/ --data val/
       corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
       corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
+      corp-deploy sweep deit_small --macs 0.8,0.6,0.4 --backends ort --batch 1,32
     """
     from benchmarks.backends import parse_families
     from benchmarks.harness import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(sparsities=_parse_sparsities(sparsities), target=target,
+    if sparsities is not None and budgets is not None:
+        raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
+    spec = SweepSpec(sparsities=() if budgets else _parse_values(sparsities or "0.1,0.3,0.5,0.7", "--s", "0.1,0.3,0.5"),
+                     budgets=_parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets else (), target=target,
                      methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                      calib=calib, calib_samples=calib_samples,
                      data=data, data_samples=data_samples, seed=seed,

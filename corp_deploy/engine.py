@@ -47,7 +47,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
-    check_prunable(model, config.prunes_mlp, config.prunes_attn)
+    check_prunable(model, config.prunes_mlp, config.prunes_attn or config.prunes_vo)
     method = METHODS[config.method]
     method.check_model(model, config)
     device = _resolve_device(config.device)
@@ -62,8 +62,9 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
             raise CorpError("the calibration set is empty")
         input_size = cache.input_size
         dense_macs = count_macs(model, input_size)
-        bar.start_blocks(len(model.blocks))
-        layers = method.compress_blocks(model, BlockRun(cache, timer, bar.block_done), config)
+        bar.start_blocks(method.block_steps(model, config))
+        run = BlockRun(cache, timer, bar.block_done)
+        layers = method.compress_blocks(model, run, config)
     model = model.cpu().eval()
     report = {
         "method": config.method,
@@ -72,6 +73,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         "params": {"dense": dense_params, "compressed": count_params(model)},
         "macs": {"dense": dense_macs, "compressed": count_macs(model, input_size)},
         "layers": layers,
+        **run.report,
         "time_s": timer.totals(),
         "peak_memory_mb": peak_memory_mb(device),
     }

@@ -79,11 +79,12 @@ def block_dims(block: nn.Module) -> BlockDims:
     return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.head_dim, attn.head_dim)
 
 
-def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None) -> None:
+def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None,
+                  proj_bias: bool | None = None) -> None:
     """Replace a block's layers by empty ones of the sizes in ``dims`` (weights to be loaded).
 
-    ``fc2_bias`` forces whether the new fc2 has a bias (compensation may add one);
-    by default it follows the current fc2.
+    ``fc2_bias`` / ``proj_bias`` force whether the new fc2 / attention output projection has a
+    bias (compensation may add one); by default they follow the current layers.
     """
     mlp = block.mlp
     dim = mlp.fc1.in_features
@@ -95,4 +96,4 @@ def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = 
         old = block.attn
         block.attn = PrunedAttention(dim, dims.num_heads, dims.qk_head_dim, dims.v_head_dim,
                                      dims.scale, qkv_bias=old.qkv.bias is not None,
-                                     proj_bias=old.proj.bias is not None)
+                                     proj_bias=old.proj.bias is not None if proj_bias is None else proj_bias)

@@ -179,7 +179,7 @@ def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
                                 "MLPs are not); use --target attn")
         if attn and not is_plain_attention(block.attn):
             raise CorpError(f"block {i}: attention of type {type(block.attn).__name__} (or with qk-norm, "
-                            "scale-norm or gating) is not supported for query/key pruning; "
+                            "scale-norm or gating) is not supported for query/key or value pruning; "
                             "use --target mlp")
 
 

@@ -82,6 +82,13 @@ class MomentAccumulator:
         if self._pending >= self._flush_samples:
             self._flush()
 
+    def freeze(self) -> "MomentAccumulator":
+        """Compute the covariance and free the accumulation buffers (``2.5 d^2`` floats become
+        ``d^2``), for statistics kept until every block is calibrated; no more updates. Returns self."""
+        self.covariance  # noqa: B018 - computes and caches it
+        self._gram32 = self._gram64 = None
+        return self
+
     def _flush(self) -> None:
         self._gram64 += self._gram32
         self._gram32.zero_()
@@ -97,7 +104,7 @@ class MomentAccumulator:
     def covariance(self) -> torch.Tensor:
         """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (cached)."""
         if self._covariance is None:
-            self._flush()
+            self._flush()  # (a frozen accumulator always has its covariance cached)
             n = max(self.n, 1)
             delta = self._sum / n
             self._covariance = torch.addr(symmetrize_lower_(self._gram64), delta, delta,
@@ -127,3 +134,21 @@ def per_image_head_grams(t: torch.Tensor) -> torch.Tensor:
     """
     t = t.contiguous()  # batched matmul on a strided view is several times slower
     return (t.transpose(-1, -2) @ t).double()
+
+
+class HeadGrams:
+    """Per-image query and key Grams of one attention layer, collected batch by batch."""
+
+    def __init__(self) -> None:
+        self.query: list[torch.Tensor] = []
+        self.key: list[torch.Tensor] = []
+
+    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """``q``, ``k``: ``(B, H, N, d)`` (``v`` is not used: the signature of a heads probe)."""
+        self.query.append(per_image_head_grams(q))
+        self.key.append(per_image_head_grams(k))
+
+    def head_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H, N_images, d, d)`` float64 each, every head contiguous."""
+        return (torch.cat(self.query).transpose(0, 1).contiguous(),
+                torch.cat(self.key).transpose(0, 1).contiguous())

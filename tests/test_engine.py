@@ -126,6 +126,6 @@ def test_config_validation(kwargs):
 
 def test_unsupported_structures_are_refused(batches):
     gated = small_vit(qk_norm=True)
-    with pytest.raises(CorpError, match="query/key pruning"):
+    with pytest.raises(CorpError, match="query/key or value pruning"):
         compress(gated, batches, CompressConfig(target="both"))
     compress(gated, batches, CompressConfig(target="mlp"))  # MLP-only still works

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from torch import nn
@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 class BlockRun:
     """What the engine hands a method: the hidden states entering the first block (a method
     advances them block by block), a timer (``with timer("phase"): ...`` adds the wall time to
-    that phase of the report) and a callback to call after each block."""
+    that phase of the report), a callback to call after each block step (``block_steps`` of
+    them), and ``report``, entries the method adds to the compress report."""
 
     cache: BoundaryCache
     timer: Callable[[str], AbstractContextManager]
     block_done: Callable[[], None]
+    report: dict = field(default_factory=dict)
 
 
 class Method(ABC):
@@ -53,6 +55,10 @@ class Method(ABC):
         """Compress every block of ``model`` in place and return one report dict per block
         (with at least ``"dims"``, the block's :class:`~corp_deploy.layers.BlockDims` as a dict).
         Called inside ``torch.no_grad()`` with ``model`` on the calibration device."""
+
+    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
+        """How many times ``compress_blocks`` calls ``run.block_done`` (for the progress bar)."""
+        return len(model.blocks)
 
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
         """CorpError if ``model`` cannot be compressed this way (beyond the common structure checks)."""

@@ -1,80 +1,124 @@
-"""CORP (docs/method.md §2-3): per-layer ranking and closed-form ridge compensation of MLP hidden
-channels and attention query/key head dims, block by block.
+"""CORP (docs/method.md §2-4, §8): per-layer selection and closed-form ridge compensation of
+MLP hidden channels, attention query/key head dims and value/output head dims, block by block,
+at uniform sparsities or at the per-block sizes a MAC budget allocates.
 
-Independent calibration (the paper): one pass of the dense block collects the query/key Grams
-and the MLP hidden moments and produces the (dense) next boundary; then both parts are
-compressed. Sequential: (1) query/key Grams of the dense attention, compress the attention;
-(2) the compressed attention's output gives the MLP moments; compress the MLP; (3) the
-compressed MLP gives the next boundary.
+Independent calibration (the paper): one pass of the dense block collects the statistics of
+every pruned part and produces the (dense) next boundary; then the parts are compressed.
+Sequential: each part is calibrated on the output of the parts compressed before it (query/key,
+then values after the compressed query/key, then the MLP after the compressed attention), and
+the compressed block gives the next boundary.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .. import attention as attn_ops
-from .. import mlp as mlp_ops
-from ..blocks import attention_residual, block_forward, mlp_hidden, mlp_residual, project_qk
+from .. import channels, values
+from ..blocks import (attention_forward, attention_residual, block_forward, mlp_hidden, mlp_residual, project_qk,
+                      residual_weight)
 from ..dims import kept_count
 from ..layers import block_dims
-from ..stats import MomentAccumulator, per_image_head_grams
+from ..stats import HeadGrams, MomentAccumulator
 from .base import BlockRun, Method
 
 if TYPE_CHECKING:
     from ..config import CompressConfig
 
 
+@dataclass(frozen=True)
+class BlockSizes:
+    """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head."""
+
+    mlp: int | None = None
+    qk: int | None = None
+    v: int | None = None
+
+
 class Corp(Method):
     name = "corp"
-    summary = "ranking plus closed-form compensation."
-    prunes = "MLP hidden channels and attention query/key dims"
-    targets = ("mlp", "attn", "both")
+    summary = "ranking plus closed-form compensation; sparsities or a MAC budget."
+    prunes = "MLP hidden channels, attention query/key dims and value/output dims"
+    targets = ("mlp", "attn", "vo", "both", "all")
     default_target = "both"
-    options = ("ranker", "ridge", "calibration")
+    options = ("ranker", "ridge", "calibration", "macs", "speedup", "unit_floor", "distortion", "equal_head_dims")
+
+    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
+        return len(model.blocks) * (2 if config.has_budget else 1)  # a budget first measures every block
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+        if config.has_budget:
+            from ..budget import plan_budget
+            sizes, run.report["budget"] = plan_budget(model, run, config)
+        else:
+            sizes = [uniform_sizes(block, config) for block in model.blocks]
         compress_block = _compress_block_sequential if config.calibration == "sequential" else _compress_block
         layers = []
-        for block in model.blocks:
-            layers.append(compress_block(block, run, config))
+        for block, size in zip(model.blocks, sizes):
+            layers.append(compress_block(block, run, config, size))
             run.block_done()
         return layers
 
 
-def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig") -> dict:
+def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
+    """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
+    head_dim = block.attn.head_dim
+    return BlockSizes(
+        mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
+        qk=kept_count(head_dim, config.s_attn, config.round_to) if config.prunes_attn else None,
+        v=kept_count(head_dim, config.s_vo, config.round_to) if config.prunes_vo else None)
+
+
+def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
     advances through the dense block."""
-    grams = HeadGrams() if config.prunes_attn else None
-    moments = _mlp_moments(block, config) if config.prunes_mlp else None
+    grams = HeadGrams() if sizes.qk is not None else None
+    proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False) \
+        if sizes.v is not None else None
+    moments = _mlp_moments(block, run, config) if sizes.mlp is not None else None
     with run.timer("block_statistics"):
-        run.cache.advance(lambda x: block_forward(block, x, on_qk=grams.add if grams is not None else None,
-                                                  on_hidden=moments.update if moments is not None else None))
+        run.cache.advance(lambda x: block_forward(
+            block, x, on_heads=grams.add if grams is not None else None,
+            on_proj_input=proj_inputs.update if proj_inputs is not None else None,
+            on_hidden=moments.update if moments is not None else None))
     info: dict = {}
     if grams is not None:
         with run.timer("attention_solve"):
-            info["attention"] = compress_attention(block, grams, config)
+            info["attention"] = compress_attention(block, grams, config, sizes.qk)
+    if proj_inputs is not None:
+        with run.timer("values_solve"):
+            info["values"] = compress_values(block, proj_inputs, config, sizes.v)
     if moments is not None:
         with run.timer("mlp_solve"):
-            info["mlp"] = compress_mlp(block, moments, config)
+            info["mlp"] = compress_mlp(block, moments, config, sizes.mlp)
     info["dims"] = block_dims(block).to_dict()
     return info
 
 
-def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "CompressConfig") -> dict:
+def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes
+                               ) -> dict:
     """Sequential calibration: each part is calibrated on the output of the parts compressed
     before it; ``run.cache`` advances through the compressed block."""
     info: dict = {}
-    if config.prunes_attn:
+    if sizes.qk is not None:
         grams = HeadGrams()
         with run.timer("attention_statistics"):
             for x in run.cache.batches:
                 grams.add(*project_qk(block.attn, block.norm1(x)))
         with run.timer("attention_solve"):
-            info["attention"] = compress_attention(block, grams, config)
-    if config.prunes_mlp:
-        moments = _mlp_moments(block, config)
+            info["attention"] = compress_attention(block, grams, config, sizes.qk)
+    if sizes.v is not None:
+        proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False)
+        with run.timer("values_statistics"):
+            for x in run.cache.batches:
+                attention_forward(block.attn, block.norm1(x), on_proj_input=proj_inputs.update)
+        with run.timer("values_solve"):
+            info["values"] = compress_values(block, proj_inputs, config, sizes.v)
+    if sizes.mlp is not None:
+        moments = _mlp_moments(block, run, config)
 
         def through_attention(x: torch.Tensor) -> torch.Tensor:
             x = attention_residual(block, x)
@@ -83,7 +127,7 @@ def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compres
         with run.timer("block_statistics"):
             run.cache.advance(through_attention)
         with run.timer("mlp_solve"):
-            info["mlp"] = compress_mlp(block, moments, config)
+            info["mlp"] = compress_mlp(block, moments, config, sizes.mlp)
         with run.timer("propagate"):
             run.cache.advance(lambda x: mlp_residual(block, x))
     else:
@@ -93,36 +137,16 @@ def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compres
     return info
 
 
-def _mlp_moments(block: nn.Module, config: "CompressConfig") -> MomentAccumulator:
-    return MomentAccumulator(block.mlp.fc1.out_features, block.mlp.fc1.weight.device,
-                             track_positive=config.ranker == "active")
+def _mlp_moments(block: nn.Module, run: BlockRun, config: "CompressConfig") -> MomentAccumulator:
+    return MomentAccumulator(block.mlp.fc1.out_features, run.cache.device, track_positive=config.ranker == "active")
 
 
-class HeadGrams:
-    """Per-image query and key Grams of one attention layer, collected batch by batch."""
-
-    def __init__(self) -> None:
-        self.query: list[torch.Tensor] = []
-        self.key: list[torch.Tensor] = []
-
-    def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """``q``, ``k``: ``(B, H, N, d)``."""
-        self.query.append(per_image_head_grams(q))
-        self.key.append(per_image_head_grams(k))
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(N_images, H, d, d)`` float64 each."""
-        return torch.cat(self.query), torch.cat(self.key)
-
-
-def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConfig") -> dict:
-    """Rank, solve and fold the query/key dims of ``block.attn`` (replaced by a
-    :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
+def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConfig", kept: int) -> dict:
+    """Rank, solve and fold the query/key dims of ``block.attn`` to ``kept`` per head (replaced
+    by a :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
     attn = block.attn
-    a_full, g_full = grams.stacked()  # head-major below: a_full[h] is contiguous (N, d, d)
-    a_full, g_full = a_full.transpose(0, 1).contiguous(), g_full.transpose(0, 1).contiguous()
-    H, d = attn.num_heads, attn.head_dim
-    kept = kept_count(d, config.s_attn, config.round_to)
+    a_full, g_full = grams.head_major()
+    H = attn.num_heads
     scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
     S, P = attn_ops.split_head_dims(scores, kept)
     heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.ridge,
@@ -144,18 +168,35 @@ def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConf
     }
 
 
-def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "CompressConfig") -> dict:
-    """Rank, solve and fold the hidden channels of ``block.mlp`` (in place); returns its report."""
-    mlp = block.mlp
-    hidden = mlp.fc1.out_features
-    kept = kept_count(hidden, config.s_mlp, config.round_to)
-    w2 = mlp.fc2.weight.detach()
-    S, P = mlp_ops.split_channels(mlp_ops.channel_scores(moments, w2, config.ranker), kept)
-    sol = mlp_ops.solve_mlp(moments, w2, S, P, config.ridge, config.compensation)
-    mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
+def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "CompressConfig", kept: int) -> dict:
+    """Select, solve and fold the value dims of ``block.attn`` to ``kept`` per head, compensated
+    in the output projection (docs/method.md §4); returns its report."""
+    attn = block.attn
+    H = attn.num_heads
+    w = residual_weight(attn.proj, block.ls1)
+    order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=H, kept=kept * H)
+    S, P = channels.split_order(order, kept * H)
+    sol = channels.solve_channels(proj_inputs, w, S, P, config.ridge, config.compensation)
+    block.attn = values.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
+    return {"v_head_dim": kept, **_channel_errors(sol)}
+
+
+def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "CompressConfig", kept: int) -> dict:
+    """Select, solve and fold the hidden channels of ``block.mlp`` to ``kept`` (in place);
+    returns its report."""
+    w = residual_weight(block.mlp.fc2, block.ls2)
+    order = channels.keep_order(moments, w, config.ranker, config.ridge, kept=kept)
+    S, P = channels.split_order(order, kept)
+    sol = channels.solve_channels(moments, w, S, P, config.ridge, config.compensation)
+    channels.fold_mlp(block.mlp, sol.kept, sol.pruned, sol.B, sol.c)
+    return {"hidden": kept, **_channel_errors(sol)}
+
+
+def _channel_errors(sol: channels.ChannelSolution) -> dict:
+    """Errors of a channel solution in residual-stream units per token, absolute and relative
+    to the part's output energy."""
     energy = sol.output_energy
     return {
-        "hidden": kept,
         "error_uncompensated": sol.error_uncompensated,
         "error_compensated": sol.error_compensated,
         "relative_error_uncompensated": sol.error_uncompensated / energy if energy else 0.0,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import mlp as mlp_ops
+from .. import channels
 from ..blocks import block_forward
 from ..dims import kept_count
 from ..errors import CorpError
@@ -60,8 +60,8 @@ class Toast(Method):
                     _advance_with_importance(block, run, importance)
                 with run.timer("mlp_solve"):
                     kept = kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to)
-                    S, P = mlp_ops.split_channels(importance.scores, kept)
-                    mlp_ops.fold_mlp(block.mlp, S, P)
+                    S, P = channels.split_channels(importance.scores, kept)
+                    channels.fold_mlp(block.mlp, S, P)
                 info["mlp"] = {"hidden": kept}
             # (attention only: the ranking reads weights, so the calibration tokens need not move on)
             if config.prunes_attn:
@@ -82,13 +82,13 @@ def _advance_with_importance(block: nn.Module, run: BlockRun, importance: "Token
     scale = block.attn.scale if importance.class_token else None
     attention_rows: list[torch.Tensor] = []
 
-    def on_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    def on_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         attention_rows.append(class_token_attention(q, k, scale))
 
     def on_hidden(h: torch.Tensor) -> None:
         importance.update(h, attention_rows.pop() if importance.class_token else None)
 
-    run.cache.advance(lambda x: block_forward(block, x, on_qk=on_qk if importance.class_token else None,
+    run.cache.advance(lambda x: block_forward(block, x, on_heads=on_heads if importance.class_token else None,
                                               on_hidden=on_hidden))
 
 

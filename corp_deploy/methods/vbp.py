@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import mlp as mlp_ops
+from .. import channels
 from ..blocks import block_forward
 from ..layers import block_dims
 from .base import BlockRun, Method
@@ -44,8 +44,8 @@ class Vbp(Method):
             counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.layer_floor,
                                         config.round_to)
             for block, stats, kept in zip(model.blocks, moments, counts):
-                S, P = mlp_ops.split_channels(stats.variance, kept)
-                mlp_ops.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
+                S, P = channels.split_channels(stats.variance, kept)
+                channels.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
                 total_variance = float(stats.variance.sum())
                 layers.append({"mlp": {"hidden": kept,
                                        "pruned_variance_fraction": float(stats.variance[P].sum()) / total_variance

@@ -3,7 +3,7 @@ import pytest
 import torch
 from timm.layers import Mlp
 
-from corp_deploy import mlp as mlp_ops
+from corp_deploy import channels as mlp_ops
 from corp_deploy.stats import MomentAccumulator
 from tests.conftest import FLOAT32
 
@@ -31,7 +31,7 @@ def split(hidden=24, kept=14, seed=0):
 def test_compensation_equals_least_squares_on_raw_activations():
     h = correlated_activations().float().double()  # what the accumulator sees
     S, P = split()
-    sol = mlp_ops.solve_mlp(stats_of(h), torch.randn(10, 24), S, P, alpha=0.0)
+    sol = mlp_ops.solve_channels(stats_of(h), torch.randn(10, 24), S, P, alpha=0.0)
     design = torch.cat([h[:, S], torch.ones(len(h), 1, dtype=h.dtype)], 1)
     coef = torch.linalg.lstsq(design, h[:, P]).solution  # (|S|+1, |P|)
     # statistics are accumulated in float32 (docs/method.md §1): coefficients agree to ~1e-5,
@@ -45,10 +45,10 @@ def test_ridge_equals_augmented_least_squares():
     h = correlated_activations().float().double()
     S, P = split()
     alpha = 0.05
-    sol = mlp_ops.solve_mlp(stats_of(h), torch.randn(10, 24), S, P, alpha=alpha)
+    sol = mlp_ops.solve_channels(stats_of(h), torch.randn(10, 24), S, P, alpha=alpha)
     hc = h - h.mean(0)
     n = len(h)
-    lam = alpha * float(torch.trace(hc[:, S].T @ hc[:, S] / n)) / len(S)
+    lam = alpha * float(torch.trace(hc.T @ hc / n)) / h.shape[1]  # mean variance of all channels
     assert sol.ridge_lambda == pytest.approx(lam, rel=1e-6)
     design = torch.cat([hc[:, S], (n * lam) ** 0.5 * torch.eye(len(S), dtype=h.dtype)])
     target = torch.cat([hc[:, P], torch.zeros(len(S), len(P), dtype=h.dtype)])
@@ -60,7 +60,7 @@ def test_layer_errors_match_closed_form_and_actual_outputs():
     h = correlated_activations().float().double()
     S, P = split()
     w2 = torch.randn(10, 24, dtype=torch.float64)
-    sol = mlp_ops.solve_mlp(stats_of(h), w2, S, P, alpha=0.0)
+    sol = mlp_ops.solve_channels(stats_of(h), w2, S, P, alpha=0.0)
     # actual errors of the fc2 output on the calibration samples
     sliced = h[:, P] @ w2[:, P].T
     compensated = (h[:, P] - h[:, S] @ sol.B.T - sol.c) @ w2[:, P].T
@@ -78,7 +78,7 @@ def test_layer_errors_match_closed_form_and_actual_outputs():
 def test_compensated_error_never_above_uncompensated(seed, alpha):
     h = correlated_activations(n=500, seed=seed)
     S, P = split(seed=seed)
-    sol = mlp_ops.solve_mlp(stats_of(h), torch.randn(6, 24), S, P, alpha=alpha)
+    sol = mlp_ops.solve_channels(stats_of(h), torch.randn(6, 24), S, P, alpha=alpha)
     assert sol.error_compensated <= sol.error_uncompensated + 1e-9
 
 
@@ -94,7 +94,7 @@ def test_exact_recovery_when_pruned_channels_are_affine_in_kept_ones():
     with torch.no_grad():
         dense = mlp(x)
         h = mlp.act(mlp.fc1(x))
-        sol = mlp_ops.solve_mlp(stats_of(h.double()), mlp.fc2.weight, S, P, alpha=0.0)
+        sol = mlp_ops.solve_channels(stats_of(h.double()), mlp.fc2.weight, S, P, alpha=0.0)
         mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     assert mlp.fc1.out_features == 8 and mlp.fc2.in_features == 8
@@ -111,7 +111,7 @@ def test_fold_applies_the_solution_to_the_module():
         dense = mlp(x)
         w2 = mlp.fc2.weight.double()
         S, P = split()
-        sol = mlp_ops.solve_mlp(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3)
+        sol = mlp_ops.solve_channels(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3)
         expected = (h.double()[:, S] @ w2[:, S].T + (h.double()[:, S] @ sol.B.T + sol.c) @ w2[:, P].T
                     + mlp.fc2.bias.double())
         mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
@@ -128,7 +128,7 @@ def test_no_compensation_is_plain_slicing():
     with torch.no_grad():
         h = mlp.act(mlp.fc1(x))
         sliced = h[:, S] @ mlp.fc2.weight[:, S].T + mlp.fc2.bias
-        sol = mlp_ops.solve_mlp(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3, compensate=False)
+        sol = mlp_ops.solve_channels(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3, compensate=False)
         mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     torch.testing.assert_close(out, sliced)

@@ -1,0 +1,48 @@
+"""Budget mode: measure every unit's error curve on the dense model, allocate the MAC budget,
+and hand CORP the per-block sizes (docs/method.md §8)."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .allocation import Unit, allocate
+from .cost import count_macs
+from .curves import measure_curves
+
+if TYPE_CHECKING:
+    from .config import CompressConfig
+    from .methods.base import BlockRun
+    from .methods.corp import BlockSizes
+
+#: Which ``BlockSizes`` fields a unit's kept size sets.
+_SIZE_FIELDS = {"mlp": ("mlp",), "qk": ("qk",), "vo": ("v",), "qkvo": ("qk", "v")}
+
+
+def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> tuple[list["BlockSizes"], dict]:
+    """The kept sizes of every block under ``config``'s MAC budget, and the budget's report
+    (every unit's kept size, error and distortion). ``run.cache`` is left where it was."""
+    from .methods.corp import BlockSizes
+
+    dense_macs = count_macs(model, run.cache.input_size)
+    with run.timer("budget_curves"):
+        curves = measure_curves(model, run.cache.clone(), config, run.block_done)
+    budget_macs = math.floor(config.macs_fraction * dense_macs)
+    prunable = sum(c.total * c.macs_per_dim for c in curves)
+    kept = allocate([Unit(c.total, c.macs_per_dim, c.distortion) for c in curves], dense_macs - prunable,
+                    budget_macs, config.round_to, config.unit_floor)
+    per_block: list[dict] = [{} for _ in model.blocks]
+    for curve, size in zip(curves, kept):
+        for field in _SIZE_FIELDS[curve.part]:
+            per_block[curve.block][field] = size
+    sizes = [BlockSizes(**parts) for parts in per_block]
+    planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
+    report = {
+        "macs_fraction": config.macs_fraction, "dense_macs": dense_macs, "budget_macs": budget_macs,
+        "planned_macs": planned, "distortion": config.distortion,
+        "units": [{"block": c.block, "part": c.part, "total": c.total, "kept": k,
+                   "error": float(c.error[k]), "distortion": float(c.distortion[k])}
+                  for c, k in zip(curves, kept)],
+    }
+    return sizes, report

@@ -1,0 +1,38 @@
+"""Pictures of a compression: how a MAC budget was spent over the blocks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Display names of the units' parts.
+PART_LABELS = {"mlp": "MLP hidden", "qk": "query/key dims", "vo": "value dims", "qkvo": "query/key = value dims"}
+
+
+def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
+    """PNG of a budget report (``report["budget"]``): per block and part, the fraction of dims
+    kept (left) and the unit's distortion at that size (right, log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
+    blocks = sorted({u["block"] for u in budget["units"]})
+    width = 0.8 / max(len(parts), 1)
+    fig, (kept_ax, dist_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, part in enumerate(parts):
+        units = {u["block"]: u for u in budget["units"] if u["part"] == part}
+        x = [b + (i - (len(parts) - 1) / 2) * width for b in blocks]
+        kept_ax.bar(x, [units[b]["kept"] / units[b]["total"] for b in blocks], width, label=PART_LABELS[part])
+        dist_ax.bar(x, [max(units[b]["distortion"], 1e-12) for b in blocks], width, label=PART_LABELS[part])
+    kept_ax.set(xlabel="block", ylabel="fraction of dims kept", ylim=(0, 1.05), xticks=blocks,
+                title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
+                      f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)")
+    dist_ax.set(xlabel="block", ylabel=f"distortion ({budget['distortion']})", yscale="log", xticks=blocks,
+                title="Distortion at the kept size")
+    for ax in (kept_ax, dist_ax):
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
