@@ -16,40 +16,45 @@ from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS, image_batches, 
 TOKENS, WIDTH, HEADS, HEAD_DIM, HIDDEN = 17, 48, 3, 16, 192
 
 
-def expected_macs(mlp_hidden: list[int], qk_dim: int, v_dim: int) -> int:
-    """MACs of the tiny ViT from its dims, written out independently of ``count_macs``."""
+def expected_macs(blocks: list[tuple[int, int, int]]) -> int:
+    """MACs of the tiny ViT from each block's (MLP hidden, q/k dim, v dim), written out
+    independently of ``count_macs``."""
     patch = 16 * (3 * 8 * 8) * WIDTH
     head = WIDTH * 1000  # the classifier reads the class token only
-    blocks = 0
-    for hidden in mlp_hidden:
+    total = 0
+    for hidden, qk_dim, v_dim in blocks:
         qkv = TOKENS * WIDTH * HEADS * (2 * qk_dim + v_dim)
         logits_and_values = HEADS * TOKENS * TOKENS * (qk_dim + v_dim)
         proj = TOKENS * HEADS * v_dim * WIDTH
-        blocks += qkv + logits_and_values + proj + 2 * TOKENS * WIDTH * hidden
-    return patch + blocks + head
+        total += qkv + logits_and_values + proj + 2 * TOKENS * WIDTH * hidden
+    return patch + total + head
 
 
-CASES = {  # method config -> (MLP hidden per block or None for "from the report", q/k dim, v dim)
-    "corp": (dict(s_mlp=0.5, s_attn=0.25), [96, 96], 12, 16),
-    "vbp": (dict(method="vbp", s_mlp=0.5), None, 16, 16),
-    "toast": (dict(method="toast", s_mlp=0.5, s_attn=0.25), [96, 96], 12, 12),
-    "toast-attn": (dict(method="toast", target="attn", s_attn=0.5), [192, 192], 8, 8),
+CASES = {  # method config -> each block's (MLP hidden, q/k dim, v dim), or None: allocated (checked below)
+    "corp": (dict(s_mlp=0.5, s_attn=0.25), [(96, 12, 16)] * 2),
+    "corp-all": (dict(target="all", s_mlp=0.5, s_attn=0.25, s_vo=0.5), [(96, 12, 8)] * 2),
+    "corp-budget": (dict(macs=0.6, round_to=2), None),
+    "vbp": (dict(method="vbp", s_mlp=0.5), None),
+    "toast": (dict(method="toast", s_mlp=0.5, s_attn=0.25), [(96, 12, 12)] * 2),
+    "toast-attn": (dict(method="toast", target="attn", s_attn=0.5), [(192, 8, 8)] * 2),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, case):
-    kwargs, hidden, qk_dim, v_dim = CASES[case]
+    kwargs, expected = CASES[case]
     config = CompressConfig(**kwargs)
     model, report = compress(vit, batches, config)
-    dims = [layer["dims"] for layer in report["layers"]]
-    if hidden is None:  # VBP: a global allocation; the total is fixed, the split is data-dependent
-        hidden = [d["mlp_hidden"] for d in dims]
-        assert sum(hidden) == 192 and all(h >= 20 for h in hidden)  # 10% floor
-    assert [d["mlp_hidden"] for d in dims] == hidden
-    assert all((d["qk_head_dim"], d["v_head_dim"]) == (qk_dim, v_dim) for d in dims)
-    assert report["macs"]["compressed"] == count_macs(model, (3, 32, 32)) == expected_macs(hidden, qk_dim, v_dim)
-    assert report["macs"]["dense"] == expected_macs([HIDDEN] * 2, HEAD_DIM, HEAD_DIM)
+    dims = [(d["mlp_hidden"], d["qk_head_dim"], d["v_head_dim"]) for d in (layer["dims"] for layer in report["layers"])]
+    if case == "vbp":  # a global allocation; the total is fixed, the split is data-dependent
+        assert sum(h for h, _, _ in dims) == 192 and all(h >= 20 and (qk, v) == (16, 16) for h, qk, v in dims)
+    elif expected is None:  # a budget: every size a multiple of round_to, MACs within it
+        assert all(size % 2 == 0 for block in dims for size in block)
+        assert report["macs"]["compressed"] <= 0.6 * report["macs"]["dense"]
+    else:
+        assert dims == expected
+    assert report["macs"]["compressed"] == count_macs(model, (3, 32, 32)) == expected_macs(dims)
+    assert report["macs"]["dense"] == expected_macs([(HIDDEN, HEAD_DIM, HEAD_DIM)] * 2)
 
     artifact = save_artifact(model, tmp_path / "art", report=report, settings=config.to_dict(),
                              base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS})

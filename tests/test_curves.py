@@ -1,0 +1,142 @@
+"""Error curves (docs/method.md §8) against direct re-solves, the greedy selection against brute
+force, and the logit sensitivity against the softmax Jacobian."""
+import pytest
+import torch
+from timm.layers.attention import Attention
+
+from corp_deploy import CompressConfig, compress
+from corp_deploy import attention as attn_ops
+from corp_deploy import channels
+from corp_deploy.blocks import BoundaryCache
+from corp_deploy.curves import LogitSensitivity, measure_curves
+from corp_deploy.engine import embed_tokens
+from corp_deploy.stats import MomentAccumulator, per_image_head_grams
+from tests.conftest import small_vit
+
+
+def correlated_stats(n=3000, hidden=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randn(n, 8, generator=g, dtype=torch.float64)
+    h = latent @ torch.randn(8, hidden, generator=g, dtype=torch.float64) \
+        + 0.3 * torch.randn(n, hidden, generator=g, dtype=torch.float64) + 1.0
+    stats = MomentAccumulator(hidden)
+    stats.update(h.float())
+    return stats, torch.randn(10, hidden, generator=g, dtype=torch.float64)
+
+
+def direct_objective(stats, w, order, k, alpha):
+    """J(k) by re-solving the kept prefix: compensated error + lambda ||W_P B||^2."""
+    if k == len(order):
+        return 0.0
+    S, P = channels.split_order(order, k)
+    sol = channels.solve_channels(stats, w, S, P, alpha)
+    return sol.error_compensated + sol.ridge_lambda * float((w[:, P] @ sol.B).square().sum())
+
+
+@pytest.mark.parametrize("ranker", ["combined", "greedy"])
+@pytest.mark.parametrize("alpha", [0.0, 1e-2])
+def test_channel_curve_matches_direct_re_solves(ranker, alpha):
+    stats, w = correlated_stats()
+    order = channels.keep_order(stats, w, ranker, alpha)
+    curve = channels.prefix_objective(stats, w, order, alpha)
+    assert curve.shape == (25,) and curve[-1] == 0
+    for k in (0, 1, 5, 12, 23, 24):
+        assert float(curve[k]) == pytest.approx(direct_objective(stats, w, order, k, alpha), rel=1e-7, abs=1e-9)
+    assert torch.all(curve[:-1] >= curve[1:] - 1e-9)  # more kept channels never hurt
+
+
+def test_greedy_takes_the_best_channel_at_every_step():
+    stats, w = correlated_stats(hidden=12, seed=3)
+    alpha = 1e-3
+    order = channels.greedy_order(stats, w, alpha)
+    for step in range(4):
+        def objective_with(i, step=step):
+            if i in order[:step]:
+                return float("inf")
+            kept = order[:step].tolist() + [i]
+            return direct_objective(stats, w, torch.tensor(kept + [j for j in range(12) if j not in kept]),
+                                    step + 1, alpha)
+        objectives = sorted(objective_with(i) for i in range(12))
+        assert objectives[0] < objectives[1]  # a unique best channel
+        assert objective_with(int(order[step])) == objectives[0]
+
+
+def test_grouped_selection_keeps_equal_counts_and_stops_early():
+    stats, w = correlated_stats(hidden=24)
+    for ranker in ("combined", "greedy"):
+        order = channels.keep_order(stats, w, ranker, 1e-3, groups=3)
+        for k in range(1, 9):
+            assert torch.bincount(order[:3 * k] // 8, minlength=3).tolist() == [k] * 3
+        partial = channels.keep_order(stats, w, ranker, 1e-3, groups=3, kept=6)
+        assert torch.equal(partial[:6], order[:6]) and sorted(partial.tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1e-2])
+def test_head_curve_matches_direct_re_solves(alpha):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(20, 1, 15, 8, generator=g)
+    k = torch.randn(20, 1, 15, 8, generator=g) + 0.3 * q
+    a, gk = per_image_head_grams(q)[:, 0], per_image_head_grams(k)[:, 0]
+    order = torch.argsort(attn_ops.qk_dim_scores(a[:, None], gk[:, None])[0], descending=True, stable=True)
+    curve = attn_ops.head_curve(a, gk, order, alpha)
+    assert curve[0] == pytest.approx(float((a * gk).sum()) / 20) and curve[8] == 0
+    for kept in range(1, 8):
+        S, P = order[:kept].sort().values, order[kept:].sort().values
+        sol = attn_ops.solve_head(a, gk, S, P, alpha)
+        assert float(curve[kept]) == pytest.approx(sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20,
+                                                   rel=1e-9)
+
+
+def test_logit_sensitivity_is_the_softmax_jacobian_energy():
+    torch.manual_seed(0)
+    attn = Attention(12, num_heads=2, qkv_bias=True).eval()
+    layer_scale = torch.nn.Module()
+    layer_scale.gamma = torch.nn.Parameter(torch.rand(12) + 0.5)
+    x = torch.randn(3, 7, 12)
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).reshape(3, 7, 3, 2, 6).permute(2, 0, 3, 1, 4)
+        sensitivity = LogitSensitivity(attn, layer_scale)
+        sensitivity.update(q, k, v)
+    w = (layer_scale.gamma[:, None] * attn.proj.weight).double().detach()
+    for h in range(2):
+        total = 0.0
+        for i in range(3):
+            def head_output(logits, i=i, h=h):  # the head's contribution to the residual stream
+                return logits.softmax(-1) @ v[i, h].double() @ w[:, h * 6:(h + 1) * 6].T
+            logits = (attn.scale * q[i, h] @ k[i, h].T).double()
+            jac = torch.autograd.functional.jacobian(head_output, logits)  # (N, C, N, N)
+            total += float(jac.square().sum()) / 7 ** 3  # isotropic unit logit noise, per token / N^2
+        assert float(sensitivity.kappa[h]) == pytest.approx(total / 3, rel=1e-4)
+
+
+def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
+    """At a uniform size, each unit's curve gives the error CORP's compression reports (no ridge,
+    so the objective is the error itself)."""
+    vit = small_vit()
+    config = CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0)
+    _, report = compress(vit, batches, config)
+    cache = BoundaryCache()
+    cache.batches = [embed_tokens(vit, b) for b in batches]
+    with torch.no_grad():
+        curves = measure_curves(vit, cache, config)
+    assert [(c.block, c.part) for c in curves] == [(b, p) for b in range(2) for p in ("mlp", "qk", "vo")]
+    for curve in curves:
+        layer = report["layers"][curve.block]
+        assert curve.error[0] >= curve.error[curve.total // 2] >= curve.error[curve.total] == 0
+        if curve.part == "mlp":
+            assert float(curve.error[96]) == pytest.approx(layer["mlp"]["error_compensated"], rel=1e-6)
+        if curve.part == "vo":
+            assert float(curve.error[8]) == pytest.approx(layer["values"]["error_compensated"], rel=1e-6)
+        assert curve.macs_per_dim == {"mlp": 2 * 17 * 48, "qk": 3 * (2 * 17 * 48 + 17 ** 2),
+                                      "vo": 3 * (2 * 17 * 48 + 17 ** 2)}[curve.part]
+
+
+def test_equal_head_dims_ties_query_key_and_value_units(batches):
+    vit = small_vit()
+    cache = BoundaryCache()
+    cache.batches = [embed_tokens(vit, b) for b in batches]
+    with torch.no_grad():
+        curves = measure_curves(vit, cache, CompressConfig(macs=0.5, equal_head_dims=True))
+    assert [c.part for c in curves] == ["mlp", "qkvo"] * 2
+    assert curves[1].macs_per_dim == 2 * 3 * (2 * 17 * 48 + 17 ** 2)
+
