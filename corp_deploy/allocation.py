@@ -41,10 +41,22 @@ def candidate_sizes(total: int, round_to: int, floor: float) -> list[int]:
     return [total] + list(range(top, lowest - 1, -round_to))
 
 
+def check_feasible(shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_macs: int, round_to: int = 1,
+                   floor: float = 0.0) -> None:
+    """CorpError when even every unit at its smallest size exceeds the budget. ``shapes``: every
+    unit's ``(total, macs_per_dim)``."""
+    lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
+    if lowest > budget_macs:
+        raise CorpError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with every "
+                        f"unit at its floor ({floor:g} of its dims) the model still needs {lowest / 1e9:.4g} "
+                        "GMACs; raise the budget or lower unit_floor")
+
+
 def allocate(units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to: int = 1,
              floor: float = 0.0) -> list[int]:
     """Kept size of every unit (see the module docstring). ``fixed_macs``: the MACs of
     everything that is not pruned. CorpError when even every unit at its floor exceeds the budget."""
+    check_feasible([(u.total, u.macs_per_dim) for u in units], fixed_macs, budget_macs, round_to, floor)
     kept = [u.total for u in units]
     macs = fixed_macs + sum(u.total * u.macs_per_dim for u in units)
     steps = []
@@ -59,10 +71,6 @@ def allocate(units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to:
             break
         kept[index] = size
         macs -= step_macs
-    if macs > budget_macs:
-        raise CorpError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with every "
-                        f"unit at its floor ({floor:g} of its dims) the model still needs {macs / 1e9:.4g} "
-                        "GMACs; raise the budget or lower unit_floor")
     return kept
 
 

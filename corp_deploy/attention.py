@@ -107,8 +107,10 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
     return HeadSolution(m_vec.reshape(k, k), lam, err_unc / n, max(err_comp, 0.0) / n, energy / n)
 
 
-def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d:
+def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, alpha: float,
+               solutions_at: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d, and the
+    compensation ``M_k`` of the prefixes ``k`` in ``solutions_at``.
 
     ``J(k) = min_M sum_i ||Q_P K_P^T - Q_S M K_S^T||^2 + lambda ||M||^2`` divided by the number
     of images (unscaled logit units), ``(d + 1,)`` float64; the compensated logit error is
@@ -118,8 +120,10 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     is the leading ``k^2`` block of ``Zr = sum_i A_i ⊗ G_i + lambda I``, so one Cholesky
     factor ``L`` of ``Zr`` serves every ``k``. Its right-hand side is
     ``r_k = vec(sum_i A_i G_i)|_k - Zr_k e_k + lambda e_k`` (``e_k``: the identity of ``S_k``),
-    hence ``L_k^-1 r_k = y_k - L_k^T e_k + lambda L_k^-1 e_k`` with ``y = L^-1 vec(sum_i A_i G_i)``;
-    and ``J(k) = err_sliced(k) - ||L_k^-1 r_k||^2`` (docs/method.md §8).
+    hence ``L_k^-1 r_k = y_k - L_k^T e_k + lambda L_k^-1 e_k`` with ``y = L^-1 vec(sum_i A_i G_i)``,
+    ``J(k) = err_sliced(k) - ||L_k^-1 r_k||^2`` and ``vec(M_k) = L_k^-T L_k^-1 r_k``
+    (docs/method.md §8). Each ``M_k`` is ``(k, k)`` in the coordinates of ``S_k`` sorted ascending,
+    as :func:`solve_head` and :func:`fold_attention` take it.
     Cost: a ``d^2 x d^2`` factorisation (``d^6 / 3`` multiply-adds).
     """
     n, d = a_full.shape[0], a_full.shape[-1]
@@ -144,11 +148,21 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     sliced = products.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
     curve = torch.zeros(d + 1, dtype=a.dtype, device=a.device)
     curve[0] = products.sum()
+    solutions = {}
     for k in range(1, d):
         size = k * k
         v = y[:size] - lt_e[k - 1, :size] + lam * inv_e[:size, k - 1]
         curve[k] = sliced[k] - v.square().sum()
-    return curve.clamp_min(0.0) / n
+        if k in solutions_at:
+            m_vec = torch.linalg.solve_triangular(chol[:size, :size].T, v[:, None], upper=True)[:, 0]
+            m_ranked = torch.zeros(k, k, dtype=a.dtype, device=a.device)
+            rows, cols = zip(*pairs[:size])
+            m_ranked[list(rows), list(cols)] = m_vec
+            ascending = torch.argsort(order[:k])
+            solutions[k] = m_ranked[ascending][:, ascending]
+    if d in solutions_at:  # nothing pruned
+        solutions[d] = torch.zeros(d, d, dtype=a.dtype, device=a.device)
+    return curve.clamp_min(0.0) / n, solutions
 
 
 def factor_identity_plus(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .allocation import Unit, allocate
+from .allocation import Unit, allocate, check_feasible
 from .cost import count_macs
-from .curves import measure_curves
+from .curves import measure_curves, unit_shapes
 
 if TYPE_CHECKING:
     from .config import CompressConfig
@@ -26,16 +26,19 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
     from .methods.corp import BlockSizes
 
     dense_macs = count_macs(model, run.cache.input_size)
+    budget_macs = math.floor(config.macs_fraction * dense_macs)
+    shapes = unit_shapes(model, run.cache.tokens, config.parts)
+    prunable = sum(total * per_dim for total, per_dim in shapes)
+    check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, config.unit_floor)  # before the work
     with run.timer("budget_curves"):
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
-    budget_macs = math.floor(config.macs_fraction * dense_macs)
-    prunable = sum(c.total * c.macs_per_dim for c in curves)
     kept = allocate([Unit(c.total, c.macs_per_dim, c.distortion) for c in curves], dense_macs - prunable,
                     budget_macs, config.round_to, config.unit_floor)
-    per_block: list[dict] = [{} for _ in model.blocks]
+    per_block: list[dict] = [{"orders": {}} for _ in model.blocks]
     for curve, size in zip(curves, kept):
         for field in _SIZE_FIELDS[curve.part]:
             per_block[curve.block][field] = size
+        per_block[curve.block]["orders"].update(curve.orders)
     sizes = [BlockSizes(**parts) for parts in per_block]
     planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
     report = {

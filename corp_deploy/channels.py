@@ -162,7 +162,9 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
     ``||W m_i||^2 / m_ii - lambda ||W_i||^2``, ``m_i`` column ``i`` of the Schur complement
     ``Mreg_{.|S}``. ``groups`` and ``kept`` as in :func:`keep_order`.
 
-    Cost for ``k`` steps: ``k^2 H / 2 + 2 k out H`` multiply-adds (left-looking columns).
+    Cost for ``k`` steps: ``k^2 H + 2 k out H`` multiply-adds. Left-looking: the factor's columns
+    ``C`` and their images ``U = W C^T`` are kept, and ``W Mreg_{.|S} = W Mreg - U C`` is never
+    formed (only its column norms are updated).
     """
     cov = stats.covariance
     H = cov.shape[0]
@@ -173,9 +175,10 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
     w = weight.double()
     w_norm2 = w.square().sum(0)
     resid_diag = torch.diagonal(reg).clone()
-    g = w @ reg  # W Mreg_{.|S}, (out, H)
-    g_norm2 = g.square().sum(0)
+    g0 = w @ reg  # W Mreg, (out, H)
+    g_norm2 = g0.square().sum(0)  # column norms of W Mreg_{.|S}
     columns = torch.zeros(steps, H, dtype=cov.dtype, device=cov.device)  # row t: t-th factor column
+    images = torch.zeros(steps, w.shape[0], dtype=cov.dtype, device=cov.device)  # row t: W times it
     group = torch.arange(H, device=cov.device) // (H // groups)
     free = torch.ones(H, dtype=torch.bool, device=cov.device)
     open_groups = torch.ones(groups, dtype=torch.bool, device=cov.device)
@@ -186,10 +189,10 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
         i = int(torch.argmax(gain))
         col = reg[:, i] - columns[:t].T @ columns[:t, i]
         col /= col[i].sqrt()
-        columns[t] = col
         u = w @ col
-        g_norm2 += col * (col * u.dot(u) - 2.0 * (g.T @ u))
-        g.addr_(u, col, alpha=-1.0)
+        g_u = g0.T @ u - columns[:t].T @ (images[:t] @ u)  # (W Mreg_{.|S})^T u before this step
+        g_norm2 += col * (col * u.dot(u) - 2.0 * g_u)
+        columns[t], images[t] = col, u
         resid_diag -= col.square()
         free[i] = False
         open_groups[group[i]] = False

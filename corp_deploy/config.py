@@ -16,7 +16,7 @@ TARGET_PARTS = {"mlp": ("mlp",), "attn": ("qk",), "vo": ("vo",), "both": ("mlp",
 TARGETS = tuple(TARGET_PARTS)
 RANKERS = channels.RANKERS
 CALIBRATION_MODES = ("independent", "sequential")
-DISTORTIONS = ("residual", "relative")
+DISTORTIONS = ("residual", "relative", "absolute")
 #: The sparsity of every part when neither a sparsity nor a budget is given.
 DEFAULT_SPARSITY = 0.5
 #: Channel selection without a budget (the paper's ranking) and with one (measured:
@@ -52,9 +52,9 @@ class CompressConfig:
         unit_floor: budget: every pruned unit (an MLP, a block's query/key or value dims)
             keeps at least this fraction of its dims.
         distortion: budget: how the errors of different units are made comparable
-            (``residual``: each unit's output error in the residual stream relative to the
-            stream's energy there; ``relative``: each unit's error relative to its own output
-            energy); see docs/method.md §8.
+            (``residual``, the default: each unit's error in the residual stream relative to the
+            stream's energy there; ``relative``: relative to the unit's error when fully pruned;
+            ``absolute``: as it is); see docs/method.md §8 and benchmarks/RESULTS.md.
         equal_head_dims: prune query/key and value dims to the same count in every head, so
             the exported attention has equal head dims (needs target ``all``).
         ranker: CORP's channel selection for MLP hidden and value channels: a score

@@ -1,26 +1,32 @@
-"""Error curves: for every prunable unit of a model, the compensated output error at every kept
-size, in closed form from dense calibration statistics (docs/method.md §8).
+"""Error curves: for every prunable unit of a model, the compensated error at every kept size,
+from dense calibration statistics (docs/method.md §8).
 
 Units: the MLP of each block (kept hidden channels), the query/key dims of each block and the
 value/output dims of each block (kept dims per head, the same in every head). All errors are in
 one currency, the mean squared error a unit adds to the residual stream per token:
 
-* MLP and values: the ridge objective of the nested kept sets of the selection order
-  (:func:`corp_deploy.channels.prefix_objective`) through the consumer's residual-stream weight
-  (LayerScale included);
-* query/key: the exact logit objective of every head (:func:`corp_deploy.attention.head_curve`)
-  times the head's measured first-order sensitivity of its output to logit errors
-  (:class:`LogitSensitivity`).
+* MLP and values: in closed form, the ridge objective of the nested kept sets of the selection
+  order (:func:`corp_deploy.channels.prefix_objective`) through the consumer's residual-stream
+  weight (LayerScale included);
+* query/key: the exact logit objective of the nested kept sets of every head, in closed form
+  (:func:`corp_deploy.attention.head_curve`), converted into residual-stream error by
+  measurement: at a few sizes (:func:`qk_probe_sizes`) the compensated attention is built from
+  the same factorisation and run on the first :data:`PROBE_IMAGES` calibration images, and the
+  ratio of its measured output error to the logit error is interpolated between those sizes
+  (log-linear in the kept size). The softmax makes this ratio depend on the layer and on the size
+  (measured on DINOv2: 0.1 to 10), so no closed form stands in for it.
 
-``distortion`` is what the allocation compares: ``residual`` divides each error by the energy
-of the residual stream where the unit writes into it (the scale the next LayerNorm removes),
-``relative`` by the unit's own error at full pruning.
+``distortion`` is what the allocation compares (benchmarks/RESULTS.md measures the choices):
+``residual`` divides each error by the energy of the residual stream where the unit writes into
+it (the scale the next LayerNorm removes), ``relative`` by the unit's own error at full pruning,
+``absolute`` leaves it as it is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,7 +47,9 @@ class UnitCurve:
     dims per head in every head), or ``qkvo`` (query/key and value tied to the same count).
     ``macs_per_dim``: MACs one kept dim costs (for head dims: that dim in every head).
     ``error``: ``(total + 1,)`` float64, residual-stream MSE per token; ``distortion`` the same
-    made comparable across units.
+    made comparable across units. ``orders``: the channel selection orders the curve was computed
+    for (``mlp`` hidden channels, ``vo`` proj-input channels; prefixes are the kept sets), so
+    that compression from the same statistics keeps the same sets without selecting again.
     """
 
     block: int
@@ -50,11 +58,13 @@ class UnitCurve:
     macs_per_dim: int
     error: torch.Tensor
     distortion: torch.Tensor
+    orders: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def tied_with(self, other: "UnitCurve") -> "UnitCurve":
         """Query/key and value/output of one block as one unit (``equal_head_dims``)."""
         return UnitCurve(self.block, "qkvo", self.total, self.macs_per_dim + other.macs_per_dim,
-                         self.error + other.error, self.distortion + other.distortion)
+                         self.error + other.error, self.distortion + other.distortion,
+                         {**self.orders, **other.orders})
 
 
 def macs_per_dim(part: str, tokens: int, width: int, heads: int) -> int:
@@ -66,45 +76,6 @@ def macs_per_dim(part: str, tokens: int, width: int, heads: int) -> int:
     """
     per_head = 2 * tokens * width + tokens * tokens
     return {"mlp": 2 * tokens * width, "qk": heads * per_head, "vo": heads * per_head}[part]
-
-
-class LogitSensitivity:
-    """How much a head's output in the residual stream moves per unit of logit error.
-
-    For row ``i`` of a head, ``delta o_i = sum_j p_ij delta_l_ij (u_j - u_bar_i)`` to first
-    order (softmax Jacobian), ``u_j`` value ``j`` mapped into the residual stream (output
-    projection columns of the head, LayerScale included) and ``u_bar_i = sum_j p_ij u_j``. For
-    logit errors spread evenly over the ``N^2`` entries of an image,
-    ``sum_i ||delta o_i||^2 = ||delta L||^2 K / N^2`` with ``K = sum_ij p_ij^2 ||u_j - u_bar_i||^2``.
-    ``kappa`` is the mean of ``K / N^3`` over images: per-token residual MSE per unit of
-    per-image squared (scaled) logit error.
-    """
-
-    def __init__(self, attn: nn.Module, layer_scale: nn.Module) -> None:
-        H, d = attn.num_heads, attn.head_dim
-        w = residual_weight(attn.proj, layer_scale).float().reshape(-1, H, d)  # (C, H, d)
-        self.metric = torch.einsum("chd,che->hde", w, w)  # W_h^T diag(gamma^2) W_h, (H, d, d)
-        self.scale = attn.scale
-        self.total = torch.zeros(H, dtype=torch.float64)
-        self.images = 0
-
-    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One batch of per-head queries, keys and values ``(B, H, N, d)``."""
-        N = q.shape[2]
-        p = (self.scale * q @ k.transpose(-1, -2)).softmax(-1)
-        p2 = p.square()
-        v_bar = p @ v
-        metric = self.metric.to(v.device)
-        norm_u = torch.einsum("bhnd,hde,bhne->bhn", v, metric, v)
-        term = (p2 @ norm_u[..., None])[..., 0] - 2.0 * torch.einsum("bhnd,hde,bhne->bhn", p2 @ v, metric, v_bar) \
-            + torch.einsum("bhnd,hde,bhne->bhn", v_bar, metric, v_bar) * p2.sum(-1)
-        self.total += (term.sum(-1).double() / N ** 3).sum(0).cpu()
-        self.images += q.shape[0]
-
-    @property
-    def kappa(self) -> torch.Tensor:
-        """``(H,)`` float64."""
-        return self.total / max(self.images, 1)
 
 
 class ResidualEnergy:
@@ -122,6 +93,26 @@ class ResidualEnergy:
         return self.total / max(self.tokens, 1)
 
 
+def unit_shapes(model: nn.Module, tokens: int, parts: tuple[str, ...]) -> list[tuple[int, int]]:
+    """``(total, macs_per_dim)`` of every unit of ``parts`` (``mlp``, ``qk``, ``vo``), block by block."""
+    shapes = []
+    for block in model.blocks:
+        width, heads = block.attn.proj.out_features, block.attn.num_heads
+        totals = {"mlp": block.mlp.fc1.out_features, "qk": block.attn.head_dim, "vo": block.attn.head_dim}
+        shapes += [(totals[part], macs_per_dim(part, tokens, width, heads)) for part in ("mlp", "qk", "vo")
+                   if part in parts]
+    return shapes
+
+
+#: Calibration images on which the query/key error is measured (the first ones).
+PROBE_IMAGES = 32
+
+
+def qk_probe_sizes(head_dim: int) -> tuple[int, ...]:
+    """Kept query/key dims at which the attention's output error is measured: ``d/8 .. 7d/8``."""
+    return tuple(sorted({k for k in (round(head_dim * j / 8) for j in range(1, 8)) if 0 < k < head_dim}))
+
+
 def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConfig",
                    block_done=lambda: None) -> list[UnitCurve]:
     """One pass of the dense ``model`` over ``cache`` (advanced to the model's output): the
@@ -132,20 +123,18 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     for index, block in enumerate(model.blocks):
         attn, width, heads = block.attn, block.attn.proj.out_features, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
-        sensitivity = LogitSensitivity(attn, block.ls1) if grams is not None else None
         proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
             if "vo" in config.parts else None
         hidden = MomentAccumulator(block.mlp.fc1.out_features, cache.device, track_positive=config.ranker == "active") \
             if "mlp" in config.parts else None
         attn_energy, mlp_energy = ResidualEnergy(), ResidualEnergy()
-
-        def on_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            grams.add(q, k)
-            sensitivity.update(q, k, v)
+        probe: list[torch.Tensor] = []
 
         def step(x: torch.Tensor) -> torch.Tensor:
+            if grams is not None and sum(len(p) for p in probe) < PROBE_IMAGES:
+                probe.append(x[:PROBE_IMAGES - sum(len(p) for p in probe)].clone())
             attn_energy.update(x)
-            x = x + block.ls1(attention_forward(attn, block.norm1(x), on_heads if grams is not None else None,
+            x = x + block.ls1(attention_forward(attn, block.norm1(x), grams.add if grams is not None else None,
                                                 proj_inputs.update if proj_inputs is not None else None))
             mlp_energy.update(x)
             return mlp_residual(block, x, hidden.update if hidden is not None else None)
@@ -156,20 +145,15 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
             w = residual_weight(block.mlp.fc2, block.ls2)
             order = channels.keep_order(hidden, w, config.ranker, config.ridge)
             error = channels.prefix_objective(hidden, w, order, config.ridge)
-            block_units["mlp"] = _unit(index, "mlp", error, mlp_energy.value, tokens, width, heads, config)
+            block_units["mlp"] = _unit(index, "mlp", error, mlp_energy.value, tokens, width, heads, config, order)
         if grams is not None:
-            a_full, g_full = grams.head_major()
-            scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
-            orders = torch.argsort(scores, dim=1, descending=True, stable=True)
-            logit = torch.stack([attn_ops.head_curve(a_full[h], g_full[h], orders[h], config.ridge)
-                                 for h in range(heads)])  # (H, d + 1), unscaled
-            error = (sensitivity.kappa[:, None] * attn.scale ** 2 * logit).sum(0)
+            error = _qk_curve(block, grams, torch.cat(probe), config.ridge)
             block_units["qk"] = _unit(index, "qk", error, attn_energy.value, tokens, width, heads, config)
         if proj_inputs is not None:
             w = residual_weight(attn.proj, block.ls1)
             order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=heads)
             error = channels.prefix_objective(proj_inputs, w, order, config.ridge)[::heads]
-            block_units["vo"] = _unit(index, "vo", error, attn_energy.value, tokens, width, heads, config)
+            block_units["vo"] = _unit(index, "vo", error, attn_energy.value, tokens, width, heads, config, order)
         if config.equal_head_dims:
             block_units["qk"] = block_units["qk"].tied_with(block_units.pop("vo"))
         units += block_units.values()
@@ -177,9 +161,39 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     return units
 
 
+def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
+    the summed logit curves of the heads, times the measured ratio of output to logit error.
+    ``probe``: block inputs ``(B, N, C)`` of the probe images."""
+    attn = block.attn
+    a_full, g_full = grams.head_major()
+    scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
+    orders = torch.argsort(scores, dim=1, descending=True, stable=True)
+    sizes = qk_probe_sizes(attn.head_dim)
+    logit = torch.zeros(attn.head_dim + 1, dtype=torch.float64)
+    solutions = []
+    for h in range(attn.num_heads):
+        curve, ms = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha, solutions_at=sizes)
+        logit += attn.scale ** 2 * curve.cpu()
+        solutions.append(ms)
+    del a_full, g_full
+    dense_output = block.ls1(attn(block.norm1(probe)))
+    ratios = {}
+    for k in sizes:
+        pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [ms[k] for ms in solutions])
+        measured = float((block.ls1(pruned(block.norm1(probe))) - dense_output).double().square().sum(-1).mean())
+        if measured > 0 and logit[k] > 0:
+            ratios[k] = measured / float(logit[k])
+    if not ratios:  # no logit error at any probe size: nothing to convert
+        return logit
+    log_ratio = np.interp(np.arange(attn.head_dim + 1), list(ratios), np.log(list(ratios.values())))
+    return logit * torch.from_numpy(np.exp(log_ratio))
+
+
 def _unit(block: int, part: str, error: torch.Tensor, residual_energy: float, tokens: int, width: int,
-          heads: int, config: "CompressConfig") -> UnitCurve:
+          heads: int, config: "CompressConfig", order: torch.Tensor | None = None) -> UnitCurve:
     error = error.double().cpu()
-    scale = residual_energy if config.distortion == "residual" else float(error[0])
+    scale = {"residual": residual_energy, "relative": float(error[0]), "absolute": 1.0}[config.distortion]
     return UnitCurve(block, part, len(error) - 1, macs_per_dim(part, tokens, width, heads), error,
-                     error / scale if scale > 0 else torch.zeros_like(error))
+                     error / scale if scale > 0 else torch.zeros_like(error),
+                     {part: order} if order is not None else {})

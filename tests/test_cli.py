@@ -133,3 +133,37 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
                         "--device", "cuda", "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and "no CUDA GPU" in text and "Traceback" not in text
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message, status", [
+    (["--macs", "0"], "MAC budget must be a fraction of the dense MACs in (0, 1]", 1),
+    (["--macs", "1.5"], "MAC budget must be a fraction of the dense MACs in (0, 1]", 1),
+    (["--speedup", "0.5"], "speedup budget must be a finite number >= 1", 1),
+    (["--macs", "0.6", "--speedup", "2"], "as macs or as speedup, not both", 1),
+    (["--macs", "0.6", "--s", "0.5"], "exclude each other", 2),
+    (["--speedup", "2", "--s-vo", "0.5"], "exclude each other", 2),
+    (["--macs", "0.02"], "below what the floors allow", 1),
+    (["--macs", "0.5", "--unit-floor", "1.5"], "unit_floor must be in [0, 1]", 1),
+    (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 1),
+    (["--s", "0.5", "--equal-head-dims"], "needs target all", 1),
+    (["--target", "all", "--s-attn", "0.5", "--s-vo", "0.25", "--equal-head-dims"], "must then be equal", 1),
+])
+def test_bad_budgets_give_one_message_and_leave_nothing(tmp_path, args, message, status):
+    out = tmp_path / "out"
+    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4", *args,
+                        "-o", str(out)])
+    assert result.exit_code == status and message in text and "Traceback" not in text, (args, text)
+    assert not out.exists()
+
+
+def test_budget_compress_prints_the_allocation_and_draws_it(tmp_path):
+    out = tmp_path / "out"
+    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "8", "--macs", "0.6",
+                        "--round-to", "2", "-o", str(out)])
+    assert result.exit_code == 0, text
+    assert "budget 0.6 of the dense MACs" in text and "query/key dims" in text
+    allocation = read_config(out)["allocation"]
+    assert allocation["planned_macs"] <= allocation["budget_macs"] and len(allocation["units"]) == 6
+    assert (out / "allocation.png").stat().st_size > 10_000
+    model = load_compressed(out)
+    assert [b.mlp.fc1.out_features for b in model.blocks] == [u["kept"] for u in allocation["units"][::3]]

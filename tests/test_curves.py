@@ -1,14 +1,13 @@
-"""Error curves (docs/method.md §8) against direct re-solves, the greedy selection against brute
-force, and the logit sensitivity against the softmax Jacobian."""
+"""Error curves (docs/method.md §8) against direct re-solves and actual errors, and the greedy
+selection against brute force."""
 import pytest
 import torch
-from timm.layers.attention import Attention
 
 from corp_deploy import CompressConfig, compress
 from corp_deploy import attention as attn_ops
 from corp_deploy import channels
 from corp_deploy.blocks import BoundaryCache
-from corp_deploy.curves import LogitSensitivity, measure_curves
+from corp_deploy.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
 from corp_deploy.engine import embed_tokens
 from corp_deploy.stats import MomentAccumulator, per_image_head_grams
 from tests.conftest import small_vit
@@ -72,52 +71,41 @@ def test_grouped_selection_keeps_equal_counts_and_stops_early():
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1e-2])
-def test_head_curve_matches_direct_re_solves(alpha):
+def test_head_curve_and_its_solutions_match_direct_re_solves(alpha):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(20, 1, 15, 8, generator=g)
     k = torch.randn(20, 1, 15, 8, generator=g) + 0.3 * q
     a, gk = per_image_head_grams(q)[:, 0], per_image_head_grams(k)[:, 0]
     order = torch.argsort(attn_ops.qk_dim_scores(a[:, None], gk[:, None])[0], descending=True, stable=True)
-    curve = attn_ops.head_curve(a, gk, order, alpha)
+    curve, solutions = attn_ops.head_curve(a, gk, order, alpha, solutions_at=(1, 3, 5, 8))
     assert curve[0] == pytest.approx(float((a * gk).sum()) / 20) and curve[8] == 0
+    assert torch.equal(solutions[8], torch.zeros(8, 8, dtype=torch.float64))
     for kept in range(1, 8):
         S, P = order[:kept].sort().values, order[kept:].sort().values
         sol = attn_ops.solve_head(a, gk, S, P, alpha)
         assert float(curve[kept]) == pytest.approx(sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20,
                                                    rel=1e-9)
+        if kept in solutions:
+            torch.testing.assert_close(solutions[kept], sol.M, rtol=1e-8, atol=1e-10)
 
 
-def test_logit_sensitivity_is_the_softmax_jacobian_energy():
-    torch.manual_seed(0)
-    attn = Attention(12, num_heads=2, qkv_bias=True).eval()
-    layer_scale = torch.nn.Module()
-    layer_scale.gamma = torch.nn.Parameter(torch.rand(12) + 0.5)
-    x = torch.randn(3, 7, 12)
-    with torch.no_grad():
-        q, k, v = attn.qkv(x).reshape(3, 7, 3, 2, 6).permute(2, 0, 3, 1, 4)
-        sensitivity = LogitSensitivity(attn, layer_scale)
-        sensitivity.update(q, k, v)
-    w = (layer_scale.gamma[:, None] * attn.proj.weight).double().detach()
-    for h in range(2):
-        total = 0.0
-        for i in range(3):
-            def head_output(logits, i=i, h=h):  # the head's contribution to the residual stream
-                return logits.softmax(-1) @ v[i, h].double() @ w[:, h * 6:(h + 1) * 6].T
-            logits = (attn.scale * q[i, h] @ k[i, h].T).double()
-            jac = torch.autograd.functional.jacobian(head_output, logits)  # (N, C, N, N)
-            total += float(jac.square().sum()) / 7 ** 3  # isotropic unit logit noise, per token / N^2
-        assert float(sensitivity.kappa[h]) == pytest.approx(total / 3, rel=1e-4)
+def test_qk_probe_sizes():
+    assert qk_probe_sizes(64) == (8, 16, 24, 32, 40, 48, 56)
+    assert qk_probe_sizes(16) == (2, 4, 6, 8, 10, 12, 14)
+    assert qk_probe_sizes(4) == (1, 2, 3)  # rounding duplicates collapse; never 0 or the full dim
 
 
 def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
-    """At a uniform size, each unit's curve gives the error CORP's compression reports (no ridge,
-    so the objective is the error itself)."""
+    """At a uniform size, each unit's curve gives the error of CORP's compression at that size:
+    the reported MLP and value errors (no ridge, so the objective is the error itself), and the
+    query/key unit's attention-output error measured on the probe images (8 is a probe size)."""
     vit = small_vit()
     config = CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0)
     _, report = compress(vit, batches, config)
     cache = BoundaryCache()
     cache.batches = [embed_tokens(vit, b) for b in batches]
     with torch.no_grad():
+        inputs = torch.cat(cache.batches)[:PROBE_IMAGES]
         curves = measure_curves(vit, cache, config)
     assert [(c.block, c.part) for c in curves] == [(b, p) for b in range(2) for p in ("mlp", "qk", "vo")]
     for curve in curves:
@@ -129,6 +117,13 @@ def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
             assert float(curve.error[8]) == pytest.approx(layer["values"]["error_compensated"], rel=1e-6)
         assert curve.macs_per_dim == {"mlp": 2 * 17 * 48, "qk": 3 * (2 * 17 * 48 + 17 ** 2),
                                       "vo": 3 * (2 * 17 * 48 + 17 ** 2)}[curve.part]
+    qk_model, _ = compress(vit, batches, CompressConfig(target="attn", s_attn=0.5, ridge=0.0))
+    with torch.no_grad():
+        for index, (dense_block, qk_block) in enumerate(zip(vit.blocks, qk_model.blocks)):
+            x = dense_block.norm1(inputs)
+            actual = (dense_block.ls1(qk_block.attn(x)) - dense_block.ls1(dense_block.attn(x))).double().square()
+            assert float(curves[3 * index + 1].error[8]) == pytest.approx(float(actual.sum(-1).mean()), rel=1e-4)
+            inputs = dense_block(inputs)
 
 
 def test_equal_head_dims_ties_query_key_and_value_units(batches):

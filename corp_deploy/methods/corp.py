@@ -10,7 +10,7 @@ the compressed block gives the next boundary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +31,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head."""
+    """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head.
+    ``orders``: channel selection orders already computed from the dense statistics of this block
+    (``mlp``, ``vo``; see :class:`~corp_deploy.curves.UnitCurve`), reused by independent calibration,
+    whose statistics are the same."""
 
     mlp: int | None = None
     qk: int | None = None
     v: int | None = None
+    orders: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Corp(Method):
@@ -90,10 +94,10 @@ def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", s
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
     if proj_inputs is not None:
         with run.timer("values_solve"):
-            info["values"] = compress_values(block, proj_inputs, config, sizes.v)
+            info["values"] = compress_values(block, proj_inputs, config, sizes.v, sizes.orders.get("vo"))
     if moments is not None:
         with run.timer("mlp_solve"):
-            info["mlp"] = compress_mlp(block, moments, config, sizes.mlp)
+            info["mlp"] = compress_mlp(block, moments, config, sizes.mlp, sizes.orders.get("mlp"))
     info["dims"] = block_dims(block).to_dict()
     return info
 
@@ -168,24 +172,29 @@ def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConf
     }
 
 
-def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "CompressConfig", kept: int) -> dict:
+def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "CompressConfig", kept: int,
+                    order: torch.Tensor | None = None) -> dict:
     """Select, solve and fold the value dims of ``block.attn`` to ``kept`` per head, compensated
-    in the output projection (docs/method.md §4); returns its report."""
+    in the output projection (docs/method.md §4); returns its report. ``order``: the selection
+    order of the proj-input channels, when already computed from these statistics."""
     attn = block.attn
     H = attn.num_heads
     w = residual_weight(attn.proj, block.ls1)
-    order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=H, kept=kept * H)
+    if order is None:
+        order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=H, kept=kept * H)
     S, P = channels.split_order(order, kept * H)
     sol = channels.solve_channels(proj_inputs, w, S, P, config.ridge, config.compensation)
     block.attn = values.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
     return {"v_head_dim": kept, **_channel_errors(sol)}
 
 
-def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "CompressConfig", kept: int) -> dict:
+def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "CompressConfig", kept: int,
+                 order: torch.Tensor | None = None) -> dict:
     """Select, solve and fold the hidden channels of ``block.mlp`` to ``kept`` (in place);
-    returns its report."""
+    returns its report. ``order``: the selection order, when already computed from these statistics."""
     w = residual_weight(block.mlp.fc2, block.ls2)
-    order = channels.keep_order(moments, w, config.ranker, config.ridge, kept=kept)
+    if order is None:
+        order = channels.keep_order(moments, w, config.ranker, config.ridge, kept=kept)
     S, P = channels.split_order(order, kept)
     sol = channels.solve_channels(moments, w, S, P, config.ridge, config.compensation)
     channels.fold_mlp(block.mlp, sol.kept, sol.pruned, sol.B, sol.c)
