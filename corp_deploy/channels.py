@@ -21,6 +21,8 @@ from .stats import MomentAccumulator
 #: closed-form error reduction instead (:func:`greedy_order`).
 SCORE_RANKERS = ("combined", "energy", "magnitude", "active", "variance")
 RANKERS = (*SCORE_RANKERS, "greedy")
+#: Steps of the greedy selection between two rank-b updates of its Schur complement.
+GREEDY_PANEL = 64
 
 
 def channel_scores(stats: MomentAccumulator, w2: torch.Tensor, ranker: str) -> torch.Tensor:
@@ -162,38 +164,44 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
     ``||W m_i||^2 / m_ii - lambda ||W_i||^2``, ``m_i`` column ``i`` of the Schur complement
     ``Mreg_{.|S}``. ``groups`` and ``kept`` as in :func:`keep_order`.
 
-    Cost for ``k`` steps: ``k^2 H + 2 k out H`` multiply-adds. Left-looking: the factor's columns
-    ``C`` and their images ``U = W C^T`` are kept, and ``W Mreg_{.|S} = W Mreg - U C`` is never
-    formed (only its column norms are updated).
+    Blocked: the Schur complement ``R`` and ``G = W R`` are updated every :data:`GREEDY_PANEL`
+    steps by one rank-``b`` product (BLAS-3); inside a panel, the new columns are taken from
+    ``R`` minus the panel's own columns ``C_p`` and ``(W R)^T u = G^T u - C_p^T (U_p u)`` with
+    ``U_p = W C_p^T``. Per step that is two ``out x H`` products; per panel ``H^2 b``.
     """
     cov = stats.covariance
     H = cov.shape[0]
     steps = H if kept is None else kept
     # a vanishing floor keeps the pivots positive when alpha = 0 and a channel is fully explained
     lam = max(ridge_lambda(stats, alpha), 1e-12 * float(torch.trace(cov)) / H)
-    reg = cov + lam * torch.eye(H, dtype=cov.dtype, device=cov.device)
+    schur = cov + lam * torch.eye(H, dtype=cov.dtype, device=cov.device)  # Mreg_{.|S} at the panel start
     w = weight.double()
     w_norm2 = w.square().sum(0)
-    resid_diag = torch.diagonal(reg).clone()
-    g0 = w @ reg  # W Mreg, (out, H)
-    g_norm2 = g0.square().sum(0)  # column norms of W Mreg_{.|S}
-    columns = torch.zeros(steps, H, dtype=cov.dtype, device=cov.device)  # row t: t-th factor column
-    images = torch.zeros(steps, w.shape[0], dtype=cov.dtype, device=cov.device)  # row t: W times it
+    resid_diag = torch.diagonal(schur).clone()
+    g = w @ schur  # W Mreg_{.|S} at the panel start, (out, H)
+    g_norm2 = g.square().sum(0)  # column norms of W Mreg_{.|S}, kept current every step
+    panel = min(GREEDY_PANEL, steps)
+    columns = torch.zeros(panel, H, dtype=cov.dtype, device=cov.device)  # this panel's factor columns
+    images = torch.zeros(panel, w.shape[0], dtype=cov.dtype, device=cov.device)  # W times each
     group = torch.arange(H, device=cov.device) // (H // groups)
     free = torch.ones(H, dtype=torch.bool, device=cov.device)
     open_groups = torch.ones(groups, dtype=torch.bool, device=cov.device)
     order = []
     for t in range(steps):
+        p = t % panel
         gain = g_norm2 / resid_diag - lam * w_norm2
         gain[~(free & open_groups[group])] = -torch.inf
         i = int(torch.argmax(gain))
-        col = reg[:, i] - columns[:t].T @ columns[:t, i]
+        col = schur[:, i] - columns[:p].T @ columns[:p, i]
         col /= col[i].sqrt()
         u = w @ col
-        g_u = g0.T @ u - columns[:t].T @ (images[:t] @ u)  # (W Mreg_{.|S})^T u before this step
+        g_u = g.T @ u - columns[:p].T @ (images[:p] @ u)  # (W Mreg_{.|S})^T u before this step
         g_norm2 += col * (col * u.dot(u) - 2.0 * g_u)
-        columns[t], images[t] = col, u
+        columns[p], images[p] = col, u
         resid_diag -= col.square()
+        if p == panel - 1 or t == steps - 1:
+            schur.addmm_(columns[:p + 1].T, columns[:p + 1], alpha=-1.0)
+            g.addmm_(images[:p + 1].T, columns[:p + 1], alpha=-1.0)
         free[i] = False
         open_groups[group[i]] = False
         if not open_groups.any():

@@ -13,7 +13,7 @@ query/key, the paper's setting). Settings at that budget:
   smallest one whose MACs fit the budget;
 * ``allocation``: the budget spent over MLP and query/key units only, score ranking;
 * ``budget``: everything (MLP, query/key and value/output units, greedy selection), per
-  distortion measure (--distortions);
+  distortion measure (--distortions), and with the ``combined`` score instead of greedy selection;
 * ``budget equal-head-dims``: the same with query/key and value dims tied per head.
 
 Calibration and held-out images are seeded crops of disjoint bundled photos
@@ -102,6 +102,7 @@ def main() -> None:
         settings.append((f"s={s} allocation", CompressConfig(macs=budget, target="both", ranker="combined")))
         for distortion in args.distortions.split(","):
             settings.append((f"s={s} budget {distortion}", CompressConfig(macs=budget, distortion=distortion)))
+        settings.append((f"s={s} budget combined-ranker", CompressConfig(macs=budget, ranker="combined")))
         settings.append((f"s={s} budget equal-head-dims", CompressConfig(macs=budget, equal_head_dims=True)))
         for label, config in settings:
             if wanted(label):
