@@ -82,13 +82,6 @@ class MomentAccumulator:
         if self._pending >= self._flush_samples:
             self._flush()
 
-    def freeze(self) -> "MomentAccumulator":
-        """Compute the covariance and free the accumulation buffers (``2.5 d^2`` floats become
-        ``d^2``), for statistics kept until every block is calibrated; no more updates. Returns self."""
-        self.covariance  # noqa: B018 - computes and caches it
-        self._gram32 = self._gram64 = None
-        return self
-
     def _flush(self) -> None:
         self._gram64 += self._gram32
         self._gram32.zero_()
@@ -104,7 +97,7 @@ class MomentAccumulator:
     def covariance(self) -> torch.Tensor:
         """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (cached)."""
         if self._covariance is None:
-            self._flush()  # (a frozen accumulator always has its covariance cached)
+            self._flush()
             n = max(self.n, 1)
             delta = self._sum / n
             self._covariance = torch.addr(symmetrize_lower_(self._gram64), delta, delta,

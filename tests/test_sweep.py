@@ -70,3 +70,22 @@ def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message):
                             "-o", tmp_path / "sweep"], tmp_path / "state")
     assert result.exit_code == 1 and message in text and "Traceback" not in text, text
     assert not (tmp_path / "sweep").exists()
+
+
+def test_sweep_over_mac_budgets(tmp_path):
+    out = tmp_path / "sweep"
+    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--macs", "0.8,0.5",
+                            "--methods", "corp,uncompensated", "--calib-samples", 8, "--data-samples", 4,
+                            "--backends", "ort", "--batch", "1", "--min-time", 0.02, "-o", out], tmp_path / "state")
+    assert result.exit_code == 0, text
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [(row["method"], row["budget"]) for row in sweep["rows"]] == [
+        (m, f) for m in ("corp", "uncompensated") for f in (0.8, 0.5)]
+    for row in sweep["rows"]:
+        config = read_config(out / f"{row['method']}-macs{row['budget']:g}")
+        assert config["settings"]["macs"] == row["budget"] and config["allocation"]["budget_macs"] > 0
+        assert row["macs"]["compressed"] <= row["budget"] * row["macs"]["dense"]
+    rows = {(row["method"], row["budget"]): row for row in sweep["rows"]}
+    assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]  # same allocation, only sliced
+    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", "--s", "0.5", "--macs", "0.5"], tmp_path / "state")
+    assert result.exit_code == 2 and "exclude each other" in text

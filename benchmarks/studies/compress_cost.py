@@ -1,12 +1,16 @@
 """Cost of `compress` relative to one plain forward pass over the same calibration images.
 
     python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
+    python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --modes independent,budget \
+        --macs 0.6 --out benchmarks/results/compress_cost_deit_base_budget.json
 
 Images are preprocessed once up front (decoding is not timed); random weights (timing does
-not depend on them). Forward passes and compress runs of both calibration modes are
-interleaved in one process (F I F S F I F S F for two rounds), so that the ratios are
-robust on a shared, noisy machine: each compress time is divided by the mean of the
-forward passes just before and after it; the summary gives the median ratio per mode.
+not depend on them). Forward passes and compress runs of the chosen modes are interleaved in
+one process (F I F S F I F S F for two rounds of ``independent,sequential``), so that the
+ratios are robust on a shared, noisy machine: each compress time is divided by the mean of
+the forward passes just before and after it; the summary gives the median ratio per mode.
+Modes: ``independent`` and ``sequential`` compress at joint sparsity --s (MLP and query/key);
+``budget`` compresses to --macs with the defaults of budget mode.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--s", type=float, default=0.5)
+    parser.add_argument("--macs", type=float, default=0.6, help="the budget of mode 'budget'")
+    parser.add_argument("--modes", default="independent,sequential")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--full-warmup", action="store_true", help="untimed forward pass over all images first")
     parser.add_argument("--out", type=Path, required=True)
@@ -51,24 +57,27 @@ def main() -> None:
     else:
         timed_forward(model, batches[:1])
 
+    modes = args.modes.split(",")
+    configs = {"independent": CompressConfig(s_mlp=args.s, s_attn=args.s),
+               "sequential": CompressConfig(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
+               "budget": CompressConfig(macs=args.macs)}
     forwards = [timed_forward(model, batches)]
     runs = []
-    for mode in ("independent", "sequential") * args.rounds:
+    for mode in modes * args.rounds:
         start = time.perf_counter()
-        _, report = compress(model, batches, CompressConfig(s_mlp=args.s, s_attn=args.s, calibration=mode))
+        _, report = compress(model, batches, configs[mode])
         total = time.perf_counter() - start
         forwards.append(timed_forward(model, batches))
         forward = (forwards[-2] + forwards[-1]) / 2
-        runs.append({"calibration": mode, "compress_s": round(total, 2), "forward_s": round(forward, 2),
+        runs.append({"mode": mode, "compress_s": round(total, 2), "forward_s": round(forward, 2),
                      "ratio": round(total / forward, 3), "phases_s": report["time_s"],
                      "peak_memory_mb": report["peak_memory_mb"]})
         print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"python -m benchmarks.studies.compress_cost --model {args.model} --images {args.images} "
-                   f"--batch-size {args.batch_size} --s {args.s} --rounds {args.rounds}"
-                   f"{' --full-warmup' if args.full_warmup else ''} --out {args.out}",
-        "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["calibration"] == mode)
-                         for mode in ("independent", "sequential")},
+                   f"--batch-size {args.batch_size} --s {args.s} --macs {args.macs} --modes {args.modes} "
+                   f"--rounds {args.rounds}{' --full-warmup' if args.full_warmup else ''} --out {args.out}",
+        "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["mode"] == mode) for mode in modes},
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "versions": library_versions(),
         "forward_passes_s": [round(f, 2) for f in forwards],
