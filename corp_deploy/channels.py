@@ -157,7 +157,7 @@ def prefix_objective(stats: MomentAccumulator, weight: torch.Tensor, order: torc
 
 def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, groups: int = 1,
                  kept: int | None = None) -> torch.Tensor:
-    """Channels in the order a greedy selection keeps them: each step adds the channel whose
+    """Channels in the order a greedy selection keeps them (docs/method.md §7): each step adds the channel whose
     inclusion lowers the ridge objective ``J`` (:func:`prefix_objective`) most. This is a
     pivoted Cholesky of ``Mreg = Sigma + lambda I`` with the consumer's output error as the
     pivot criterion, as OBS-style selection does: adding channel ``i`` to ``S`` lowers ``J`` by

@@ -22,17 +22,20 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
         units = {u["block"]: u for u in budget["units"] if u["part"] == part}
         x = [b + (i - (len(parts) - 1) / 2) * width for b in blocks]
         kept_ax.bar(x, [units[b]["kept"] / units[b]["total"] for b in blocks], width, label=PART_LABELS[part])
-        dist_ax.bar(x, [max(units[b]["distortion"], 1e-12) for b in blocks], width, label=PART_LABELS[part])
+        dist_ax.bar(x, [units[b]["distortion"] for b in blocks], width, label=PART_LABELS[part])
     kept_ax.set(xlabel="block", ylabel="fraction of dims kept", ylim=(0, 1.05), xticks=blocks,
                 title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
                       f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)")
     dist_ax.set(xlabel="block", ylabel=f"distortion ({budget['distortion']})", yscale="log", xticks=blocks,
-                title="Distortion at the kept size")
+                title="Distortion at the kept size (none: unit kept whole)")
+    positive = [u["distortion"] for u in budget["units"] if u["distortion"] > 0]
+    if positive:  # log scale over the pruned units only
+        dist_ax.set_ylim(min(positive) / 3, max(positive) * 3)
     for ax in (kept_ax, dist_ax):
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+    fig.legend(*kept_ax.get_legend_handles_labels(), loc="lower center", ncol=len(parts), fontsize=9)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
