@@ -7,7 +7,7 @@ from typing import Any
 import timm
 import torch
 from torch import nn
-from timm.layers import Mlp, PatchEmbed
+from timm.layers import HybridEmbed, Mlp, PatchEmbed
 from timm.layers.attention import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 
@@ -26,7 +26,8 @@ ALIASES = {
     "dinov2_base": "vit_base_patch14_dinov2",
 }
 SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Block (Attention + Mlp) on a "
-                      "plain PatchEmbed: deit_*, deit3_*, most vit_*, *_dinov2 (incl. distilled DeiT)")
+                      "PatchEmbed or a CNN stem (HybridEmbed): deit_*, deit3_*, most vit_*, *_dinov2 (incl. "
+                      "distilled DeiT), vit_*_r_* hybrids")
 
 
 def resolve_model_name(name: str) -> str:
@@ -137,7 +138,8 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
 
 def structure_problem(model: nn.Module) -> str | None:
     """Why corp-deploy cannot compress ``model``, naming the first class it does not support;
-    None for a timm ``VisionTransformer`` of standard pre-norm blocks on a plain ``PatchEmbed``."""
+    None for a timm ``VisionTransformer`` of standard pre-norm blocks on a ``PatchEmbed`` or a
+    ``HybridEmbed`` (a CNN stem whose feature map becomes the tokens; the stem is kept dense)."""
     if not isinstance(model, VisionTransformer):
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
@@ -147,9 +149,9 @@ def structure_problem(model: nn.Module) -> str | None:
                           for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(block, part))
         return (f"it builds a timm {type(model).__name__} whose blocks are {_class_path(block)}"
                 + (f" ({parts})" if parts else ""))
-    if not isinstance(model.patch_embed, PatchEmbed):
-        return (f"its patch embedding is a {type(model.patch_embed).__name__}, not timm's PatchEmbed "
-                "(convolutional stems before the transformer are not supported)")
+    if not isinstance(model.patch_embed, (PatchEmbed, HybridEmbed)):
+        return (f"its patch embedding is a {_class_path(model.patch_embed)}, neither timm's PatchEmbed nor "
+                "its HybridEmbed")
     for i, block in enumerate(model.blocks):
         if type(block) is not Block:
             return f"block {i} is a {type(block).__name__}, not timm's standard pre-norm Block"

@@ -95,7 +95,6 @@ def bad_inputs(tmp_path):
         (["compress", "vit_relpos_small_patch16_224", "--no-pretrained"],
          "VisionTransformerRelPos whose blocks are timm.models.vision_transformer_relpos.RelPosBlock "
          "(timm.models.vision_transformer_relpos.RelPosAttention attention"),
-        (["compress", "vit_tiny_r_s16_p8_224", "--no-pretrained"], "patch embedding is a HybridEmbed"),
         ([*base, "--s", "1.0"], "must be in [0, 1)"),
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
         ([*base, "--ridge", "-1"], "ridge"),
