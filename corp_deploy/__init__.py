@@ -18,11 +18,11 @@ from .engine import compress
 from .errors import CorpError
 from .layers import BlockDims, PrunedAttention
 from .methods import METHODS, Method
-from .models import create_base_model, is_plain_attention, resolve_model_name
+from .models import create_base_model, is_plain_attention, is_prunable_attention, resolve_model_name
 
 __all__ = [
     "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "METHODS", "Method", "PrunedAttention",
-    "compress", "count_macs", "count_params", "create_base_model", "is_plain_attention",
+    "compress", "count_macs", "count_params", "create_base_model", "is_plain_attention", "is_prunable_attention",
     "kept_count", "latest_artifact", "load_base_model", "load_compressed", "model_transform",
     "read_config", "resolve_model_name", "save_artifact",
 ]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import PrunedAttention
+from .layers import PrunedAttention, relative_position_bias
 
 #: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
 #: their own head dim).
@@ -50,15 +50,16 @@ def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
 def attention_forward(attn: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
                       on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
     """``attn(x)`` on normalised tokens ``x``; with probes it is computed from explicit queries,
-    keys and values (timm ``Attention`` without qk-norm, or ``PrunedAttention``) so that they
-    see them."""
+    keys and values (timm ``Attention`` or ``RelPosAttention`` without qk-norm, or
+    ``PrunedAttention``; a relative position bias is added to the logits) so that they see them."""
     if on_heads is None and on_proj_input is None:
         return attn(x)
     B, N, _ = x.shape
     q, k, v = attention_heads(attn, x)
     if on_heads is not None:
         on_heads(q, k, v)
-    z = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(B, N, -1)
+    z = F.scaled_dot_product_attention(q, k, v, attn_mask=relative_position_bias(attn), scale=attn.scale)
+    z = z.transpose(1, 2).reshape(B, N, -1)
     if on_proj_input is not None:
         on_proj_input(z)
     return attn.proj(z)

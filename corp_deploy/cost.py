@@ -7,6 +7,7 @@ import sys
 import torch
 from torch import nn
 from timm.layers.attention import Attention
+from timm.models.vision_transformer_relpos import RelPosAttention
 
 from .layers import PrunedAttention
 
@@ -50,7 +51,7 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
             hooks.append(mod.register_forward_hook(linear))
         elif isinstance(mod, nn.Conv2d):
             hooks.append(mod.register_forward_hook(conv))
-        elif isinstance(mod, (Attention, PrunedAttention)):
+        elif isinstance(mod, (Attention, RelPosAttention, PrunedAttention)):
             hooks.append(mod.register_forward_hook(attention))
     param = next(model.parameters())
     try:

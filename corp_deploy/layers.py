@@ -16,11 +16,14 @@ class PrunedAttention(nn.Module):
     ``h * head_dim : (h + 1) * head_dim`` of its part). Logits are
     ``scale * q @ k^T`` with a fixed ``scale`` (the original model's
     ``head_dim ** -0.5``, kept after pruning), so it is passed to SDPA explicitly.
-    Input and output: ``(B, N, dim)``. The call signature matches timm's ``Attention``.
+    ``rel_pos``: the relative position module of a timm ``RelPosAttention`` (kept from the dense
+    model), whose ``get_bias()`` ``(1, H, N, N)`` is added to the logits.
+    Input and output: ``(B, N, dim)``. The call signature matches timm's ``Attention`` and
+    ``RelPosAttention``.
     """
 
     def __init__(self, dim: int, num_heads: int, qk_head_dim: int, v_head_dim: int, scale: float,
-                 qkv_bias: bool = True, proj_bias: bool = True) -> None:
+                 qkv_bias: bool = True, proj_bias: bool = True, rel_pos: nn.Module | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.qk_head_dim = qk_head_dim
@@ -28,6 +31,7 @@ class PrunedAttention(nn.Module):
         self.scale = float(scale)
         self.qkv = nn.Linear(dim, num_heads * (2 * qk_head_dim + v_head_dim), bias=qkv_bias)
         self.proj = nn.Linear(num_heads * v_head_dim, dim, bias=proj_bias)
+        self.rel_pos = rel_pos
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` and v ``(B, H, N, v_head_dim)``."""
@@ -37,17 +41,34 @@ class PrunedAttention(nn.Module):
         return (q.reshape(B, N, H, dqk).transpose(1, 2), k.reshape(B, N, H, dqk).transpose(1, 2),
                 v.reshape(B, N, H, dv).transpose(1, 2))
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``attn_mask`` as in timm ``Attention``; ``shared_rel_pos`` as in ``RelPosAttention``
+        (used when this module has no ``rel_pos`` of its own)."""
         B, N, _ = x.shape
         q, k, v = self.project_heads(x)
+        bias = self.logit_bias(shared_rel_pos)
+        if bias is not None:
+            attn_mask = bias if attn_mask is None else attn_mask + bias
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                            scale=self.scale)
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
+    def logit_bias(self, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The additive logit bias ``(1, H, N, N)``: this module's relative position bias, else
+        ``shared_rel_pos`` (None: no bias)."""
+        return relative_position_bias(self) if self.rel_pos is not None else shared_rel_pos
+
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
                 f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}")
+
+
+def relative_position_bias(attn: nn.Module) -> torch.Tensor | None:
+    """The additive logit bias ``(1, H, N, N)`` of an attention with a relative position module
+    (timm ``RelPosAttention``, :class:`PrunedAttention` made from one), else None."""
+    rel_pos = getattr(attn, "rel_pos", None)
+    return rel_pos.get_bias() if rel_pos is not None else None
 
 
 @dataclass(frozen=True)
@@ -96,4 +117,5 @@ def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = 
         old = block.attn
         block.attn = PrunedAttention(dim, dims.num_heads, dims.qk_head_dim, dims.v_head_dim,
                                      dims.scale, qkv_bias=old.qkv.bias is not None,
-                                     proj_bias=old.proj.bias is not None if proj_bias is None else proj_bias)
+                                     proj_bias=old.proj.bias is not None if proj_bias is None else proj_bias,
+                                     rel_pos=getattr(old, "rel_pos", None))

@@ -10,6 +10,7 @@ from torch import nn
 from timm.layers import HybridEmbed, Mlp, PatchEmbed
 from timm.layers.attention import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
 from .errors import CorpError
 
@@ -27,7 +28,8 @@ ALIASES = {
 }
 SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Block (Attention + Mlp) on a "
                       "PatchEmbed or a CNN stem (HybridEmbed): deit_*, deit3_*, most vit_*, *_dinov2 (incl. "
-                      "distilled DeiT), vit_*_r_* hybrids")
+                      "distilled DeiT), vit_*_r_* hybrids; VisionTransformerRelPos with per-block relative "
+                      "position bias (vit_relpos_*)")
 
 
 def resolve_model_name(name: str) -> str:
@@ -139,7 +141,11 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
 def structure_problem(model: nn.Module) -> str | None:
     """Why corp-deploy cannot compress ``model``, naming the first class it does not support;
     None for a timm ``VisionTransformer`` of standard pre-norm blocks on a ``PatchEmbed`` or a
-    ``HybridEmbed`` (a CNN stem whose feature map becomes the tokens; the stem is kept dense)."""
+    ``HybridEmbed`` (a CNN stem whose feature map becomes the tokens; the stem is kept dense),
+    and for a ``VisionTransformerRelPos`` of pre-norm ``RelPosBlock``s whose relative position
+    bias belongs to each block (the bias is additive in the logits, docs/method.md §9)."""
+    if isinstance(model, VisionTransformerRelPos):
+        return _relpos_problem(model)
     if not isinstance(model, VisionTransformer):
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
@@ -155,6 +161,16 @@ def structure_problem(model: nn.Module) -> str | None:
     for i, block in enumerate(model.blocks):
         if type(block) is not Block:
             return f"block {i} is a {type(block).__name__}, not timm's standard pre-norm Block"
+    return None
+
+
+def _relpos_problem(model: VisionTransformerRelPos) -> str | None:
+    if model.shared_rel_pos is not None:
+        return ("it shares one relative position bias across blocks (VisionTransformerRelPos with "
+                "use_shared_rel_pos=True), which is passed to every block and is not supported")
+    for i, block in enumerate(model.blocks):
+        if type(block) is not RelPosBlock:
+            return f"block {i} is a {_class_path(block)}, not timm's pre-norm RelPosBlock"
     return None
 
 
@@ -179,10 +195,19 @@ def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
                 raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP "
                                 "pruning (needs timm Mlp: fc1 -> elementwise act -> fc2; gated/SwiGLU "
                                 "MLPs are not); use --target attn")
-        if attn and not is_plain_attention(block.attn):
+        if attn and not is_prunable_attention(block.attn):
             raise CorpError(f"block {i}: attention of type {type(block.attn).__name__} (or with qk-norm, "
                             "scale-norm or gating) is not supported for query/key or value pruning; "
                             "use --target mlp")
+
+
+def is_prunable_attention(attn: nn.Module) -> bool:
+    """Whether CORP can prune ``attn``'s query/key and value dims: timm's plain ``Attention``
+    (:func:`is_plain_attention`), or a ``RelPosAttention`` without qk-norm (its relative position
+    bias is added to the logits and kept)."""
+    if type(attn) is RelPosAttention:
+        return isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
+    return is_plain_attention(attn)
 
 
 def is_plain_attention(attn: nn.Module) -> bool:

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from corp_deploy import CorpError, PrunedAttention, is_plain_attention
+from corp_deploy import CorpError, PrunedAttention, is_prunable_attention
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -43,27 +43,30 @@ class Float32SoftmaxAttention(PrunedAttention):
 
     @classmethod
     def from_module(cls, attn: nn.Module) -> "Float32SoftmaxAttention":
-        """Sharing the ``qkv`` and ``proj`` layers of a :class:`PrunedAttention` or a plain timm
-        ``Attention``."""
+        """Sharing the ``qkv``, ``proj`` and relative position layers of a :class:`PrunedAttention`,
+        a plain timm ``Attention`` or a ``RelPosAttention`` without qk-norm."""
         if isinstance(attn, PrunedAttention):
             dims = (attn.num_heads, attn.qk_head_dim, attn.v_head_dim, attn.scale)
-        elif is_plain_attention(attn):
+        elif is_prunable_attention(attn):
             dims = (attn.num_heads, attn.head_dim, attn.head_dim, attn.scale)
         else:
             raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, "
                             "scale-norm or gating) in reduced precision; use --precision fp32")
-        new = cls(attn.qkv.in_features, *dims)
+        new = cls(attn.qkv.in_features, *dims, rel_pos=getattr(attn, "rel_pos", None))
         new.qkv, new.proj = attn.qkv, attn.proj
         return new
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise CorpError("masked attention is not supported in reduced-precision export")
         B, N, _ = x.shape
         q, k, v = self.project_heads(x)
-        logits = (q * self.scale) @ k.transpose(-2, -1)
-        weights = logits.float().softmax(dim=-1).to(v.dtype)
+        logits = ((q * self.scale) @ k.transpose(-2, -1)).float()
+        bias = self.logit_bias(shared_rel_pos)
+        if bias is not None:
+            logits = logits + bias.float()
+        weights = logits.softmax(dim=-1).to(v.dtype)
         return self.proj((weights @ v).transpose(1, 2).reshape(B, N, -1))
 
 

@@ -92,9 +92,11 @@ def bad_inputs(tmp_path):
         (["compress", "resnet_nonexistent"], "unknown model"),
         (["compress", "resnet18", "--no-pretrained"], "timm ResNet, which has no sequence of transformer blocks"),
         # refusals name the class that is not supported, not the model's name pattern
-        (["compress", "vit_relpos_small_patch16_224", "--no-pretrained"],
-         "VisionTransformerRelPos whose blocks are timm.models.vision_transformer_relpos.RelPosBlock "
-         "(timm.models.vision_transformer_relpos.RelPosAttention attention"),
+        (["compress", "beit_base_patch16_224", "--no-pretrained"],
+         "timm Beit whose blocks are timm.models.beit.Block (timm.models.beit.Attention attention"),
+        (["compress", "vit_relpos_medium_patch16_rpn_224", "--no-pretrained"],
+         "ResPostRelPosBlock, not timm's pre-norm RelPosBlock"),
+        (["compress", "vit_srelpos_small_patch16_224", "--no-pretrained"], "shares one relative position bias"),
         ([*base, "--s", "1.0"], "must be in [0, 1)"),
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
         ([*base, "--ridge", "-1"], "ridge"),

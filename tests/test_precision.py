@@ -1,5 +1,6 @@
 """The reduced-precision export policy: the same computation, with the fragile parts in float32."""
 import pytest
+import timm
 import torch
 from torch import nn
 
@@ -24,6 +25,22 @@ def test_explicit_attention_equals_the_module_it_replaces_in_float32(pruned, com
         expected = attn(x)
         got = Float32SoftmaxAttention.from_module(attn)(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_explicit_attention_keeps_the_relative_position_bias(compressed):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_relpos_small_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=1,
+                              num_heads=3, num_classes=10).eval()
+    if compressed:
+        model, _ = compress(model, image_batches(2, 4), CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+    attn = model.blocks[0].attn
+    x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = attn(x)
+        got = Float32SoftmaxAttention.from_module(attn)(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert attn.rel_pos is not None and torch.any(attn.rel_pos.get_bias() != 0)
 
 
 @pytest.mark.parametrize("precision,min_cosine", [("fp16", 0.999), ("bf16", 0.99)])

@@ -162,7 +162,8 @@ def prune_heads(attn: nn.Module, qk_kept: torch.Tensor, v_kept: torch.Tensor) ->
     rows = torch.cat([q_rows, H * d + q_rows, 2 * H * d + v_rows])
     qkv, proj = attn.qkv, attn.proj
     new = PrunedAttention(dim, H, qk_kept.shape[1], v_kept.shape[1], attn.scale, qkv_bias=qkv.bias is not None,
-                          proj_bias=proj.bias is not None).to(qkv.weight.device, qkv.weight.dtype)
+                          proj_bias=proj.bias is not None, rel_pos=getattr(attn, "rel_pos", None)
+                          ).to(qkv.weight.device, qkv.weight.dtype)
     with torch.no_grad():
         new.qkv.weight.copy_(qkv.weight[rows])
         if qkv.bias is not None:
