@@ -147,14 +147,17 @@ def structure_problem(model: nn.Module) -> str | None:
     if isinstance(model, VisionTransformerRelPos):
         return _relpos_problem(model)
     if not isinstance(model, VisionTransformer):
+        found = f"it builds a timm {type(model).__name__}"
         blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
-            return f"it builds a timm {type(model).__name__}, which has no sequence of transformer blocks"
-        block = blocks[0]
-        parts = ", ".join(f"{_class_path(getattr(block, part))} {label}"
-                          for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(block, part))
-        return (f"it builds a timm {type(model).__name__} whose blocks are {_class_path(block)}"
-                + (f" ({parts})" if parts else ""))
+        has_blocks = isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks) > 0
+        if has_blocks:
+            parts = ", ".join(f"{_class_path(getattr(blocks[0], part))} {label}"
+                              for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(blocks[0], part))
+            found += f" whose blocks are {_class_path(blocks[0])}" + (f" ({parts})" if parts else "")
+        reason = _FAMILY_REASONS.get(type(model).__name__)
+        if reason is not None:
+            return f"{found}: {reason}"
+        return found if has_blocks else f"{found}, which has no sequence of transformer blocks"
     if not isinstance(model.patch_embed, (PatchEmbed, HybridEmbed)):
         return (f"its patch embedding is a {_class_path(model.patch_embed)}, neither timm's PatchEmbed nor "
                 "its HybridEmbed")
@@ -162,6 +165,19 @@ def structure_problem(model: nn.Module) -> str | None:
         if type(block) is not Block:
             return f"block {i} is a {type(block).__name__}, not timm's standard pre-norm Block"
     return None
+
+
+#: Why the timm families that are refused as a whole cannot be compressed (by model class name).
+_FAMILY_REASONS = {
+    "Eva": ("rotary position embedding sits between the query/key projections and the logits and mixes "
+            "query/key dims in rotation pairs, and EVA-02's MLPs are gated (SwiGLU); neither is supported yet"),
+    "Beit": ("BEiT blocks scale their residuals by gamma parameters and carry separate query/value biases and "
+             "a relative position table in the attention; not supported yet"),
+    "SwinTransformer": "windowed attention in stages joined by patch merging is not supported yet",
+    "Cait": ("talking-heads attention mixes the heads' logits before and after the softmax, so the per-head "
+             "query/key compensation (docs/method.md §3) does not apply, and the class-attention blocks are "
+             "not supported"),
+}
 
 
 def _relpos_problem(model: VisionTransformerRelPos) -> str | None:

@@ -94,6 +94,9 @@ def bad_inputs(tmp_path):
         # refusals name the class that is not supported, not the model's name pattern
         (["compress", "beit_base_patch16_224", "--no-pretrained"],
          "timm Beit whose blocks are timm.models.beit.Block (timm.models.beit.Attention attention"),
+        (["compress", "cait_xxs24_224", "--no-pretrained"], "talking-heads attention mixes the heads' logits"),
+        (["compress", "swin_tiny_patch4_window7_224", "--no-pretrained"],
+         "timm SwinTransformer: windowed attention in stages"),
         (["compress", "vit_relpos_medium_patch16_rpn_224", "--no-pretrained"],
          "ResPostRelPosBlock, not timm's pre-norm RelPosBlock"),
         (["compress", "vit_srelpos_small_patch16_224", "--no-pretrained"], "shares one relative position bias"),
