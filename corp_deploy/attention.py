@@ -196,8 +196,7 @@ def fold_attention(attn: nn.Module, kept: torch.Tensor, ms: list[torch.Tensor]) 
     kq = kept.shape[1]
     w = attn.qkv.weight.detach().double().reshape(3, H, d, dim)
     b = attn.qkv.bias.detach().double().reshape(3, H, d) if attn.qkv.bias is not None else None
-    new = PrunedAttention(dim, H, kq, d, attn.scale, qkv_bias=b is not None, proj_bias=attn.proj.bias is not None,
-                          rel_pos=getattr(attn, "rel_pos", None)).to(attn.qkv.weight.device)
+    new = PrunedAttention.replacing(attn, kq, d)
     wq, wk, bq, bk = [], [], [], []
     for h in range(H):
         S = kept[h]

@@ -33,6 +33,19 @@ class PrunedAttention(nn.Module):
         self.proj = nn.Linear(num_heads * v_head_dim, dim, bias=proj_bias)
         self.rel_pos = rel_pos
 
+    @classmethod
+    def replacing(cls, attn: nn.Module, qk_head_dim: int, v_head_dim: int, *, proj_bias: bool | None = None,
+                  scale: float | None = None) -> "PrunedAttention":
+        """An empty module (weights to be filled) to replace ``attn`` (timm ``Attention``,
+        ``RelPosAttention`` or a ``PrunedAttention``) with other head dims: same width, heads,
+        softmax scale (unless ``scale``), qkv bias, relative position module, device and dtype;
+        ``proj_bias`` defaults to whether ``attn.proj`` has one."""
+        qkv = attn.qkv
+        return cls(qkv.in_features, attn.num_heads, qk_head_dim, v_head_dim, attn.scale if scale is None else scale,
+                   qkv_bias=qkv.bias is not None,
+                   proj_bias=attn.proj.bias is not None if proj_bias is None else proj_bias,
+                   rel_pos=getattr(attn, "rel_pos", None)).to(qkv.weight.device, qkv.weight.dtype)
+
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` and v ``(B, H, N, v_head_dim)``."""
         B, N, _ = x.shape
@@ -114,8 +127,5 @@ def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = 
         mlp.fc1 = nn.Linear(dim, dims.mlp_hidden, bias=mlp.fc1.bias is not None)
         mlp.fc2 = nn.Linear(dims.mlp_hidden, mlp.fc2.out_features, bias=has_fc2_bias)
     if dims.attention == "pruned":
-        old = block.attn
-        block.attn = PrunedAttention(dim, dims.num_heads, dims.qk_head_dim, dims.v_head_dim,
-                                     dims.scale, qkv_bias=old.qkv.bias is not None,
-                                     proj_bias=old.proj.bias is not None if proj_bias is None else proj_bias,
-                                     rel_pos=getattr(old, "rel_pos", None))
+        block.attn = PrunedAttention.replacing(block.attn, dims.qk_head_dim, dims.v_head_dim, proj_bias=proj_bias,
+                                               scale=dims.scale)

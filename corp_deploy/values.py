@@ -36,9 +36,7 @@ def fold_values(attn: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: to
     qkv = attn.qkv
     rows = torch.cat([torch.arange(2 * H * qk_dim, device=kept.device), 2 * H * qk_dim + kept])
     proj = compensated_consumer(attn.proj, kept, pruned, B, c)
-    new = PrunedAttention(qkv.in_features, H, qk_dim, len(kept) // H, attn.scale, qkv_bias=qkv.bias is not None,
-                          proj_bias=proj.bias is not None, rel_pos=getattr(attn, "rel_pos", None)
-                          ).to(qkv.weight.device, qkv.weight.dtype)
+    new = PrunedAttention.replacing(attn, qk_dim, len(kept) // H, proj_bias=proj.bias is not None)
     with torch.no_grad():
         new.qkv.weight.copy_(qkv.weight[rows])
         if qkv.bias is not None:

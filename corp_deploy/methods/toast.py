@@ -155,15 +155,12 @@ def prune_heads(attn: nn.Module, qk_kept: torch.Tensor, v_kept: torch.Tensor) ->
     ``(H, d_v)`` of every head, value rows and proj columns together; the original softmax
     scale is kept. Weights keep their dtype and device."""
     H, d = attn.num_heads, attn.head_dim
-    dim = attn.qkv.in_features
     heads = torch.arange(H, device=qk_kept.device)[:, None] * d
     q_rows = (heads + qk_kept).reshape(-1)
     v_rows = (heads + v_kept).reshape(-1)
     rows = torch.cat([q_rows, H * d + q_rows, 2 * H * d + v_rows])
     qkv, proj = attn.qkv, attn.proj
-    new = PrunedAttention(dim, H, qk_kept.shape[1], v_kept.shape[1], attn.scale, qkv_bias=qkv.bias is not None,
-                          proj_bias=proj.bias is not None, rel_pos=getattr(attn, "rel_pos", None)
-                          ).to(qkv.weight.device, qkv.weight.dtype)
+    new = PrunedAttention.replacing(attn, qk_kept.shape[1], v_kept.shape[1])
     with torch.no_grad():
         new.qkv.weight.copy_(qkv.weight[rows])
         if qkv.bias is not None:
