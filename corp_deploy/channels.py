@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .layers import keep_rows
 from .stats import MomentAccumulator
 
 #: Rankers that score channels one by one (``channel_scores``); ``greedy`` selects by
@@ -215,20 +216,12 @@ def fold_mlp(mlp: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: torch.
              c: torch.Tensor | None = None) -> None:
     """Replace ``mlp.fc1``/``mlp.fc2`` by the reduced, compensated layers (in place).
 
-    fc1 keeps rows ``S = kept``; ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c``
-    for ``P = pruned`` (``B`` ``(|P|, |S|)`` and ``c`` ``(|P|,)``; ``None`` means zero, so
+    fc1 (an ``nn.Linear`` or a :class:`~corp_deploy.layers.GatedLinear`) keeps rows ``S = kept``;
+    ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c`` for ``P = pruned`` (``B`` ``(|P|, |S|)`` and ``c`` ``(|P|,)``; ``None`` means zero, so
     ``fold_mlp(mlp, S, P)`` only slices). fc2 gains a bias if it had none and the shift is
     non-zero.
     """
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    new_fc2 = compensated_consumer(fc2, kept, pruned, B, c)
-    new_fc1 = nn.Linear(fc1.in_features, len(kept), bias=fc1.bias is not None,
-                        device=fc1.weight.device, dtype=fc1.weight.dtype)
-    with torch.no_grad():
-        new_fc1.weight.copy_(fc1.weight[kept])
-        if fc1.bias is not None:
-            new_fc1.bias.copy_(fc1.bias[kept])
-    mlp.fc1, mlp.fc2 = new_fc1, new_fc2
+    mlp.fc1, mlp.fc2 = keep_rows(mlp.fc1, kept), compensated_consumer(mlp.fc2, kept, pruned, B, c)
 
 
 def compensated_consumer(layer: nn.Linear, kept: torch.Tensor, pruned: torch.Tensor,

@@ -139,7 +139,7 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
               help="Attention sparsity (overrides --s): query/key dims (corp), query/key and value dims "
                    "(toast); vbp has none.")
 @click.option("--s-vo", type=float, default=None,
-              help="corp: value/output dim sparsity (overrides --s; needs --target vo or all).")
+              help="corp: value/output dim sparsity (overrides --s; needs --target vo, mlp-vo or all).")
 @click.option("--macs", type=float, default=None, metavar="F",
               help="corp: MAC budget, keep at most the fraction F of the dense MACs; every block's parts "
                    "get the sizes that CORP's closed-form errors say hurt least. Excludes --s*.")

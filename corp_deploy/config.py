@@ -12,7 +12,7 @@ from .methods import METHODS, option_owners
 #: Which parts are pruned: CORP's MLP hidden channels (``mlp``), attention query/key dims
 #: (``attn``; ToaSt prunes value dims with them) and value/output dims (``vo``).
 TARGET_PARTS = {"mlp": ("mlp",), "attn": ("qk",), "vo": ("vo",), "both": ("mlp", "qk"),
-                "all": ("mlp", "qk", "vo")}
+                "mlp-vo": ("mlp", "vo"), "all": ("mlp", "qk", "vo")}
 TARGETS = tuple(TARGET_PARTS)
 RANKERS = channels.RANKERS
 CALIBRATION_MODES = ("independent", "sequential")

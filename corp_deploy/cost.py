@@ -1,6 +1,7 @@
 """Parameter and multiply-accumulate counts, and peak memory."""
 from __future__ import annotations
 
+import copy
 import resource
 import sys
 
@@ -9,6 +10,7 @@ from torch import nn
 from timm.layers.attention import Attention
 from timm.models.vision_transformer_relpos import RelPosAttention
 
+from .families import in_standard_form, standard_form
 from .layers import PrunedAttention
 
 
@@ -22,7 +24,11 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     Counted: every ``nn.Linear`` (``rows x in x out``), ``nn.Conv2d`` and the two attention
     matmuls (``heads x N^2 x (qk_dim + v_dim)`` per image). Not counted: normalisation,
     activations, softmax, additions (a few percent of a ViT's total).
+    BEiT and Eva models are counted in their standard form (:func:`~corp_deploy.families.standard_form`,
+    the same function), because their own attentions bypass their ``qkv`` modules.
     """
+    if not in_standard_form(model):
+        model = standard_form(copy.deepcopy(model))
     total = 0
 
     def linear(mod, args, out):

@@ -33,6 +33,7 @@ from torch import nn
 from . import attention as attn_ops
 from . import channels
 from .blocks import BoundaryCache, attention_forward, mlp_residual, residual_weight
+from .layers import GatedLinear, head_dims
 from .stats import HeadGrams, MomentAccumulator
 
 if TYPE_CHECKING:
@@ -67,15 +68,19 @@ class UnitCurve:
                          {**self.orders, **other.orders})
 
 
-def macs_per_dim(part: str, tokens: int, width: int, heads: int) -> int:
-    """MACs of one kept dim of ``part`` per image, as :func:`corp_deploy.count_macs` counts them.
+def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
+    """MACs of one kept dim of ``block``'s ``part`` per image, as :func:`corp_deploy.count_macs`
+    counts them, for width ``C`` and ``N`` tokens.
 
-    MLP hidden channel: fc1 and fc2 (``2 N C``). Query/key dim in every head: the query and key
+    MLP hidden channel: fc1 and fc2 (``2 N C``; ``3 N C`` for a gated MLP, whose fc1 has a
+    gate and an up row per channel). Query/key dim in every head: the query and key
     rows of qkv (``2 N C``) and the logits matmul (``N^2``). Value dim in every head: the value
     row of qkv (``N C``), the attention-values matmul (``N^2``) and the proj column (``N C``).
     """
-    per_head = 2 * tokens * width + tokens * tokens
-    return {"mlp": 2 * tokens * width, "qk": heads * per_head, "vo": heads * per_head}[part]
+    width, heads = block.attn.proj.out_features, block.attn.num_heads
+    if part == "mlp":
+        return (3 if isinstance(block.mlp.fc1, GatedLinear) else 2) * tokens * width
+    return heads * (2 * tokens * width + tokens * tokens)
 
 
 class ResidualEnergy:
@@ -97,10 +102,9 @@ def unit_shapes(model: nn.Module, tokens: int, parts: tuple[str, ...]) -> list[t
     """``(total, macs_per_dim)`` of every unit of ``parts`` (``mlp``, ``qk``, ``vo``), block by block."""
     shapes = []
     for block in model.blocks:
-        width, heads = block.attn.proj.out_features, block.attn.num_heads
-        totals = {"mlp": block.mlp.fc1.out_features, "qk": block.attn.head_dim, "vo": block.attn.head_dim}
-        shapes += [(totals[part], macs_per_dim(part, tokens, width, heads)) for part in ("mlp", "qk", "vo")
-                   if part in parts]
+        qk, v = head_dims(block.attn)
+        totals = {"mlp": block.mlp.fc1.out_features, "qk": qk, "vo": v}
+        shapes += [(totals[part], macs_per_dim(part, tokens, block)) for part in ("mlp", "qk", "vo") if part in parts]
     return shapes
 
 
@@ -121,7 +125,7 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     units: list[UnitCurve] = []
     tokens = cache.tokens
     for index, block in enumerate(model.blocks):
-        attn, width, heads = block.attn, block.attn.proj.out_features, block.attn.num_heads
+        attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
         proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
             if "vo" in config.parts else None
@@ -145,15 +149,15 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
             w = residual_weight(block.mlp.fc2, block.ls2)
             order = channels.keep_order(hidden, w, config.ranker, config.ridge)
             error = channels.prefix_objective(hidden, w, order, config.ridge)
-            block_units["mlp"] = _unit(index, "mlp", error, mlp_energy.value, tokens, width, heads, config, order)
+            block_units["mlp"] = _unit(index, block, "mlp", error, mlp_energy.value, tokens, config, order)
         if grams is not None:
             error = _qk_curve(block, grams, torch.cat(probe), config.ridge)
-            block_units["qk"] = _unit(index, "qk", error, attn_energy.value, tokens, width, heads, config)
+            block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, config)
         if proj_inputs is not None:
             w = residual_weight(attn.proj, block.ls1)
             order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=heads)
             error = channels.prefix_objective(proj_inputs, w, order, config.ridge)[::heads]
-            block_units["vo"] = _unit(index, "vo", error, attn_energy.value, tokens, width, heads, config, order)
+            block_units["vo"] = _unit(index, block, "vo", error, attn_energy.value, tokens, config, order)
         if config.equal_head_dims:
             block_units["qk"] = block_units["qk"].tied_with(block_units.pop("vo"))
         units += block_units.values()
@@ -190,10 +194,10 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     return logit * torch.from_numpy(np.exp(log_ratio))
 
 
-def _unit(block: int, part: str, error: torch.Tensor, residual_energy: float, tokens: int, width: int,
-          heads: int, config: "CompressConfig", order: torch.Tensor | None = None) -> UnitCurve:
+def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,
+          config: "CompressConfig", order: torch.Tensor | None = None) -> UnitCurve:
     error = error.double().cpu()
     scale = {"residual": residual_energy, "relative": float(error[0]), "absolute": 1.0}[config.distortion]
-    return UnitCurve(block, part, len(error) - 1, macs_per_dim(part, tokens, width, heads), error,
+    return UnitCurve(index, part, len(error) - 1, macs_per_dim(part, tokens, block), error,
                      error / scale if scale > 0 else torch.zeros_like(error),
                      {part: order} if order is not None else {})

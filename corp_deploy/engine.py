@@ -28,6 +28,7 @@ from .blocks import BoundaryCache
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .errors import CorpError
+from .families import standard_form
 from .methods import METHODS, BlockRun
 from .models import check_prunable, check_vit
 
@@ -47,14 +48,14 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
-    check_prunable(model, config.prunes_mlp, config.prunes_attn or config.prunes_vo)
+    dense_params = count_params(model)
+    model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
+    check_prunable(model, config.prunes_mlp, config.prunes_attn, config.prunes_vo)
     method = METHODS[config.method]
     method.check_model(model, config)
     device = _resolve_device(config.device)
     timer = _PhaseTimer()
-    dense_params = count_params(model)
-
-    model = copy.deepcopy(model).eval().to(device)  # never modify the caller's model
+    model = model.to(device)
     with _Progress(progress) as bar, torch.no_grad():
         with timer("embed"):
             cache, n_images = _embed_all(model, calibration_batches, device, bar.images)

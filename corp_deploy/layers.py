@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from timm.layers import apply_rot_embed_cat
 from torch import nn
 
 
@@ -18,13 +19,21 @@ class PrunedAttention(nn.Module):
     ``head_dim ** -0.5``, kept after pruning), so it is passed to SDPA explicitly.
     ``rel_pos``: the relative position module of a timm ``RelPosAttention`` (kept from the dense
     model), whose ``get_bias()`` ``(1, H, N, N)`` is added to the logits.
+    ``rope``: a rotary position embedding ``(N - num_prefix_tokens, 2 * qk_head_dim)`` (timm's
+    concatenated sin/cos layout; ``rotate_half`` picks its pair layout), applied to the queries
+    and keys of every token after the first ``num_prefix_tokens``, as timm's ``EvaAttention``
+    does; kept as a non-persistent buffer (it is a function of the image size only).
     Input and output: ``(B, N, dim)``. The call signature matches timm's ``Attention`` and
     ``RelPosAttention``.
     """
 
     def __init__(self, dim: int, num_heads: int, qk_head_dim: int, v_head_dim: int, scale: float,
-                 qkv_bias: bool = True, proj_bias: bool = True, rel_pos: nn.Module | None = None) -> None:
+                 qkv_bias: bool = True, proj_bias: bool = True, rel_pos: nn.Module | None = None,
+                 rope: torch.Tensor | None = None, num_prefix_tokens: int = 0, rotate_half: bool = False) -> None:
         super().__init__()
+        if rope is not None and rope.shape[-1] != 2 * qk_head_dim:
+            raise ValueError(f"a rotary embedding of width {rope.shape[-1]} does not fit query/key heads of "
+                             f"{qk_head_dim} dims")
         self.num_heads = num_heads
         self.qk_head_dim = qk_head_dim
         self.v_head_dim = v_head_dim
@@ -32,27 +41,39 @@ class PrunedAttention(nn.Module):
         self.qkv = nn.Linear(dim, num_heads * (2 * qk_head_dim + v_head_dim), bias=qkv_bias)
         self.proj = nn.Linear(num_heads * v_head_dim, dim, bias=proj_bias)
         self.rel_pos = rel_pos
+        self.register_buffer("rope", rope, persistent=False)
+        self.num_prefix_tokens = num_prefix_tokens
+        self.rotate_half = rotate_half
 
     @classmethod
     def replacing(cls, attn: nn.Module, qk_head_dim: int, v_head_dim: int, *, proj_bias: bool | None = None,
                   scale: float | None = None) -> "PrunedAttention":
         """An empty module (weights to be filled) to replace ``attn`` (timm ``Attention``,
         ``RelPosAttention`` or a ``PrunedAttention``) with other head dims: same width, heads,
-        softmax scale (unless ``scale``), qkv bias, relative position module, device and dtype;
-        ``proj_bias`` defaults to whether ``attn.proj`` has one."""
+        softmax scale (unless ``scale``), qkv bias, relative position module, rotary embedding,
+        device and dtype; ``proj_bias`` defaults to whether ``attn.proj`` has one."""
         qkv = attn.qkv
         return cls(qkv.in_features, attn.num_heads, qk_head_dim, v_head_dim, attn.scale if scale is None else scale,
                    qkv_bias=qkv.bias is not None,
                    proj_bias=attn.proj.bias is not None if proj_bias is None else proj_bias,
-                   rel_pos=getattr(attn, "rel_pos", None)).to(qkv.weight.device, qkv.weight.dtype)
+                   rel_pos=getattr(attn, "rel_pos", None), rope=getattr(attn, "rope", None),
+                   num_prefix_tokens=getattr(attn, "num_prefix_tokens", 0),
+                   rotate_half=getattr(attn, "rotate_half", False)).to(qkv.weight.device, qkv.weight.dtype)
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` and v ``(B, H, N, v_head_dim)``."""
+        """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` (rotated when there is a rotary
+        embedding: what the logits see) and v ``(B, H, N, v_head_dim)``."""
         B, N, _ = x.shape
         H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
         q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
-        return (q.reshape(B, N, H, dqk).transpose(1, 2), k.reshape(B, N, H, dqk).transpose(1, 2),
-                v.reshape(B, N, H, dv).transpose(1, 2))
+        q, k = q.reshape(B, N, H, dqk).transpose(1, 2), k.reshape(B, N, H, dqk).transpose(1, 2)
+        if self.rope is not None:
+            q, k = self._rotate(q).type_as(v), self._rotate(k).type_as(v)
+        return q, k, v.reshape(B, N, H, dv).transpose(1, 2)
+
+    def _rotate(self, t: torch.Tensor) -> torch.Tensor:
+        npt = self.num_prefix_tokens
+        return torch.cat([t[:, :, :npt], apply_rot_embed_cat(t[:, :, npt:], self.rope, half=self.rotate_half)], dim=2)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,7 +95,55 @@ class PrunedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
-                f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}")
+                f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}" + (", rotary" if self.rope is not None else ""))
+
+
+class GatedLinear(nn.Module):
+    """The hidden channels of a gated MLP (SwiGLU): ``act(x W_gate^T + b_gate) * (x W_up^T + b_up)``,
+    ``(..., in_features)`` -> ``(..., out_features)``. Hidden channel ``j`` is row ``j`` of both
+    ``gate`` and ``up``, so keeping a channel keeps both rows (:meth:`rows`). Used as the ``fc1``
+    of a timm ``Mlp`` whose ``act`` is the identity."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear, act: nn.Module) -> None:
+        super().__init__()
+        self.gate, self.up, self.act = gate, up, act
+
+    @property
+    def in_features(self) -> int:
+        return self.gate.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.gate.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.gate(x)) * self.up(x)
+
+    def rows(self, kept: torch.Tensor | None = None, count: int | None = None) -> "GatedLinear":
+        """The hidden channels ``kept`` (weights copied), or ``count`` empty ones (weights to be loaded)."""
+        return GatedLinear(keep_rows(self.gate, kept, count), keep_rows(self.up, kept, count), self.act)
+
+
+def keep_rows(layer: nn.Module, kept: torch.Tensor | None = None, count: int | None = None) -> nn.Module:
+    """A producer layer (``nn.Linear`` or :class:`GatedLinear`) with only the output channels ``kept``
+    (weights copied), or with ``count`` outputs and empty weights; same device and dtype."""
+    if isinstance(layer, GatedLinear):
+        return layer.rows(kept, count)
+    out = nn.Linear(layer.in_features, len(kept) if kept is not None else count, bias=layer.bias is not None,
+                    device=layer.weight.device, dtype=layer.weight.dtype)
+    if kept is not None:
+        with torch.no_grad():
+            out.weight.copy_(layer.weight[kept])
+            if layer.bias is not None:
+                out.bias.copy_(layer.bias[kept])
+    return out
+
+
+def head_dims(attn: nn.Module) -> tuple[int, int]:
+    """``(query/key, value)`` dims per head of a :class:`PrunedAttention` or a timm attention."""
+    if isinstance(attn, PrunedAttention):
+        return attn.qk_head_dim, attn.v_head_dim
+    return attn.head_dim, attn.head_dim
 
 
 def relative_position_bias(attn: nn.Module) -> torch.Tensor | None:
@@ -110,7 +179,7 @@ def block_dims(block: nn.Module) -> BlockDims:
     if isinstance(attn, PrunedAttention):
         return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.qk_head_dim,
                          attn.v_head_dim, "pruned", attn.scale)
-    return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.head_dim, attn.head_dim)
+    return BlockDims(block.mlp.fc1.out_features, attn.num_heads, *head_dims(attn))
 
 
 def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None,
@@ -121,11 +190,11 @@ def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = 
     bias (compensation may add one); by default they follow the current layers.
     """
     mlp = block.mlp
-    dim = mlp.fc1.in_features
     if dims.mlp_hidden != mlp.fc1.out_features or fc2_bias is not None:
         has_fc2_bias = mlp.fc2.bias is not None if fc2_bias is None else fc2_bias
-        mlp.fc1 = nn.Linear(dim, dims.mlp_hidden, bias=mlp.fc1.bias is not None)
-        mlp.fc2 = nn.Linear(dims.mlp_hidden, mlp.fc2.out_features, bias=has_fc2_bias)
+        mlp.fc1 = keep_rows(mlp.fc1, count=dims.mlp_hidden)
+        mlp.fc2 = nn.Linear(dims.mlp_hidden, mlp.fc2.out_features, bias=has_fc2_bias,
+                            device=mlp.fc2.weight.device, dtype=mlp.fc2.weight.dtype)
     if dims.attention == "pruned":
         block.attn = PrunedAttention.replacing(block.attn, dims.qk_head_dim, dims.v_head_dim, proj_bias=proj_bias,
                                                scale=dims.scale)

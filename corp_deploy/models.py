@@ -7,12 +7,15 @@ from typing import Any
 import timm
 import torch
 from torch import nn
-from timm.layers import HybridEmbed, Mlp, PatchEmbed
+from timm.layers import GluMlp, HybridEmbed, Mlp, PatchEmbed, SwiGLU
 from timm.layers.attention import Attention
+from timm.models import beit, eva
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
 from .errors import CorpError
+from .families import ScaledResidualBlock, standard_form
+from .layers import GatedLinear, PrunedAttention
 
 ALIASES = {
     "deit_tiny": "deit_tiny_patch16_224",
@@ -29,7 +32,10 @@ ALIASES = {
 SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Block (Attention + Mlp) on a "
                       "PatchEmbed or a CNN stem (HybridEmbed): deit_*, deit3_*, most vit_*, *_dinov2 (incl. "
                       "distilled DeiT), vit_*_r_* hybrids; VisionTransformerRelPos with per-block relative "
-                      "position bias (vit_relpos_*)")
+                      "position bias (vit_relpos_*); Beit with per-block relative position bias (beit_*, "
+                      "beitv2_*); Eva of pre-norm EvaBlocks with EvaAttention without qk-norm or inner norm "
+                      "(eva02_* image models, eva_giant_*, vit_*_rope_reg*: MLP and value/output dims where "
+                      "there is a rotary embedding)")
 
 
 def resolve_model_name(name: str) -> str:
@@ -90,7 +96,7 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     check_vit(model)
-    return model.eval()
+    return standard_form(model).eval()
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -143,9 +149,16 @@ def structure_problem(model: nn.Module) -> str | None:
     None for a timm ``VisionTransformer`` of standard pre-norm blocks on a ``PatchEmbed`` or a
     ``HybridEmbed`` (a CNN stem whose feature map becomes the tokens; the stem is kept dense),
     and for a ``VisionTransformerRelPos`` of pre-norm ``RelPosBlock``s whose relative position
-    bias belongs to each block (the bias is additive in the logits, docs/method.md §9)."""
+    bias belongs to each block (the bias is additive in the logits, docs/method.md §9), and for a
+    ``Beit`` whose relative position bias belongs to each block and an ``Eva`` of pre-norm blocks whose
+    attention has no qk-norm, inner norm or gate (both rewritten by
+    :func:`~corp_deploy.families.standard_form`; which parts can be pruned: :func:`check_prunable`)."""
     if isinstance(model, VisionTransformerRelPos):
         return _relpos_problem(model)
+    if isinstance(model, beit.Beit):
+        return _beit_problem(model)
+    if isinstance(model, eva.Eva):
+        return _eva_problem(model)
     if not isinstance(model, VisionTransformer):
         found = f"it builds a timm {type(model).__name__}"
         blocks = getattr(model, "blocks", None)
@@ -169,10 +182,6 @@ def structure_problem(model: nn.Module) -> str | None:
 
 #: Why the timm families that are refused as a whole cannot be compressed (by model class name).
 _FAMILY_REASONS = {
-    "Eva": ("rotary position embedding sits between the query/key projections and the logits and mixes "
-            "query/key dims in rotation pairs, and EVA-02's MLPs are gated (SwiGLU); neither is supported yet"),
-    "Beit": ("BEiT blocks scale their residuals by gamma parameters and carry separate query/value biases and "
-             "a relative position table in the attention; not supported yet"),
     "SwinTransformer": "windowed attention in stages joined by patch merging is not supported yet",
     "Cait": ("talking-heads attention mixes the heads' logits before and after the softmax, so the per-head "
              "query/key compensation (docs/method.md §3) does not apply, and the class-attention blocks are "
@@ -190,6 +199,47 @@ def _relpos_problem(model: VisionTransformerRelPos) -> str | None:
     return None
 
 
+def _beit_problem(model: beit.Beit) -> str | None:
+    if model.rel_pos_bias is not None:
+        return ("it shares one relative position bias across blocks (Beit with use_shared_rel_pos_bias=True), "
+                "which is passed to every block and is not supported")
+    for i, block in enumerate(model.blocks):
+        if type(block) is ScaledResidualBlock:
+            continue
+        if type(block) is not beit.Block:
+            return f"block {i} is a {_class_path(block)}, not timm's BEiT Block"
+        if block.attn.qkv.out_features != 3 * block.attn.qkv.in_features:
+            return (f"block {i}'s attention heads are {block.attn.qkv.out_features // 3 // block.attn.num_heads} "
+                    "wide, not width / heads (attn_head_dim), which is not supported")
+    return None
+
+
+def _eva_problem(model: eva.Eva) -> str | None:
+    if model.dynamic_img_size:
+        return "it is built with dynamic_img_size=True, whose rotary embedding changes with the image size"
+    if getattr(model, "rope_mixed", False) or (model.rope is not None
+                                               and type(model.rope).__name__ != "RotaryEmbeddingCat"):
+        return (f"its rotary embedding is a {_class_path(model.rope)}; only timm's RotaryEmbeddingCat (one "
+                "embedding for every block) is supported")
+    for i, block in enumerate(model.blocks):
+        if type(block) is ScaledResidualBlock:
+            continue
+        if type(block) is not eva.EvaBlock:
+            return f"block {i} is a {_class_path(block)}, not timm's pre-norm EvaBlock"
+        attn = block.attn
+        if type(attn) is not eva.EvaAttention:
+            return f"block {i}'s attention is a {_class_path(attn)}, not timm's EvaAttention"
+        if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.norm, nn.Identity) and attn.gate is None):
+            return (f"block {i}'s attention has qk-norm, an inner norm (scale_attn_inner) or a gate, which the "
+                    "rewritten attention does not compute")
+        if attn.head_dim * attn.num_heads != attn.proj.out_features:
+            return f"block {i}'s attention heads are {attn.head_dim} wide, not width / heads (attn_head_dim)"
+        mlp = block.mlp
+        if type(mlp) not in (Mlp, GluMlp, SwiGLU) or (type(mlp) is GluMlp and (mlp.gate_last or mlp.chunk_dim != -1)):
+            return f"block {i}'s MLP is a {_class_path(mlp)} of a layout that is not supported"
+    return None
+
+
 def _class_path(obj: object) -> str:
     """``module.Class`` of ``obj`` (timm reuses class names such as ``Block`` across families)."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -202,25 +252,42 @@ def check_vit(model: nn.Module) -> None:
         raise CorpError(f"this model cannot be compressed: {problem}. Supported: {SUPPORTED_FAMILIES}")
 
 
-def check_prunable(model: VisionTransformer, mlp: bool, attn: bool) -> None:
-    """CorpError if a part asked to be pruned does not have the structure CORP assumes."""
+def check_prunable(model: nn.Module, mlp: bool, qk: bool, vo: bool) -> None:
+    """CorpError if a part asked to be pruned (MLP hidden channels, query/key dims, value/output
+    dims) does not have the structure CORP assumes, saying why and which ``--target`` works."""
     for i, block in enumerate(model.blocks):
         if mlp:
             m = block.mlp
-            if type(m) is not Mlp or not isinstance(m.norm, nn.Identity) or not isinstance(m.fc1, nn.Linear):
-                raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP "
-                                "pruning (needs timm Mlp: fc1 -> elementwise act -> fc2; gated/SwiGLU "
-                                "MLPs are not); use --target attn")
-        if attn and not is_prunable_attention(block.attn):
-            raise CorpError(f"block {i}: attention of type {type(block.attn).__name__} (or with qk-norm, "
+            if type(m) is not Mlp or not isinstance(m.fc1, (nn.Linear, GatedLinear)):
+                raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP pruning "
+                                "(needs timm Mlp: fc1 -> elementwise act -> fc2, or a gated MLP); use --target attn")
+            if not isinstance(m.norm, nn.Identity):
+                raise CorpError(f"block {i}: the MLP normalises its hidden channels before fc2 (sub-LN, timm "
+                                "scale_mlp), so removing channels changes the kept ones and the compensation of "
+                                "docs/method.md §2 does not hold; use --target vo (or attn where the model allows)")
+        attn = block.attn
+        if (qk or vo) and not is_prunable_attention(attn):
+            raise CorpError(f"block {i}: attention of type {type(attn).__name__} (or with qk-norm, "
                             "scale-norm or gating) is not supported for query/key or value pruning; "
                             "use --target mlp")
+        if qk and isinstance(attn, PrunedAttention):
+            if attn.rope is None:
+                raise CorpError(f"block {i}: the attention's query/key dims are already pruned; compress the dense "
+                                "model instead")
+            raise CorpError(f"block {i}: the attention rotates queries and keys by a rotary position embedding; "
+                            "the query/key compensation of docs/method.md §3 mixes dims across rotation pairs, "
+                            "which does not commute with the rotation (docs/method.md §9). Prune the MLP and "
+                            "value/output dims instead: --target mlp-vo (or mlp, vo)")
 
 
 def is_prunable_attention(attn: nn.Module) -> bool:
     """Whether CORP can prune ``attn``'s query/key and value dims: timm's plain ``Attention``
-    (:func:`is_plain_attention`), or a ``RelPosAttention`` without qk-norm (its relative position
-    bias is added to the logits and kept)."""
+    (:func:`is_plain_attention`), a ``RelPosAttention`` without qk-norm (its relative position
+    bias is added to the logits and kept), or a :class:`PrunedAttention` (the rewritten attention
+    of Eva models with a rotary embedding, or an attention compressed before; its query/key dims
+    are not prunable, see :func:`check_prunable`)."""
+    if isinstance(attn, PrunedAttention):
+        return True
     if type(attn) is RelPosAttention:
         return isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
     return is_plain_attention(attn)

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from corp_deploy import CorpError, PrunedAttention, is_prunable_attention
+from corp_deploy import CorpError, PrunedAttention, head_dims, is_prunable_attention
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -43,16 +43,12 @@ class Float32SoftmaxAttention(PrunedAttention):
 
     @classmethod
     def from_module(cls, attn: nn.Module) -> "Float32SoftmaxAttention":
-        """Sharing the ``qkv``, ``proj`` and relative position layers of a :class:`PrunedAttention`,
-        a plain timm ``Attention`` or a ``RelPosAttention`` without qk-norm."""
-        if isinstance(attn, PrunedAttention):
-            dims = (attn.num_heads, attn.qk_head_dim, attn.v_head_dim, attn.scale)
-        elif is_prunable_attention(attn):
-            dims = (attn.num_heads, attn.head_dim, attn.head_dim, attn.scale)
-        else:
+        """Sharing the ``qkv``, ``proj``, relative position and rotary embedding of a
+        :class:`PrunedAttention`, a plain timm ``Attention`` or a ``RelPosAttention`` without qk-norm."""
+        if not is_prunable_attention(attn):
             raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, "
                             "scale-norm or gating) in reduced precision; use --precision fp32")
-        new = cls(attn.qkv.in_features, *dims, rel_pos=getattr(attn, "rel_pos", None))
+        new = cls.replacing(attn, *head_dims(attn))
         new.qkv, new.proj = attn.qkv, attn.proj
         return new
 

@@ -92,8 +92,9 @@ def bad_inputs(tmp_path):
         (["compress", "resnet_nonexistent"], "unknown model"),
         (["compress", "resnet18", "--no-pretrained"], "timm ResNet, which has no sequence of transformer blocks"),
         # refusals name the class that is not supported, not the model's name pattern
-        (["compress", "beit_base_patch16_224", "--no-pretrained"],
-         "timm Beit whose blocks are timm.models.beit.Block (timm.models.beit.Attention attention"),
+        (["compress", "beit_base_patch16_224", "--no-pretrained", "--model-arg", "use_shared_rel_pos_bias=true",
+          "--model-arg", "use_rel_pos_bias=false", "--model-arg", "img_size=32", "--model-arg", "patch_size=16"],
+         "shares one relative position bias across blocks (Beit"),
         (["compress", "cait_xxs24_224", "--no-pretrained"], "talking-heads attention mixes the heads' logits"),
         (["compress", "swin_tiny_patch4_window7_224", "--no-pretrained"],
          "timm SwinTransformer: windowed attention in stages"),

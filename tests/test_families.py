@@ -1,6 +1,7 @@
 """Every supported timm family, small and with random weights: compress (uniform sparsity and a
 MAC budget), artifact round trip, ONNX export with ONNX Runtime parity, and params and MACs
 against an independent count (torch's FlopCounterMode, which counts the aten ops)."""
+import copy
 import math
 
 import pytest
@@ -9,15 +10,51 @@ import torch
 from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy import CompressConfig, PrunedAttention, compress, count_macs, load_compressed, save_artifact
+from corp_deploy import (CompressConfig, CorpError, GatedLinear, PrunedAttention, compress, count_macs, load_compressed,
+                         save_artifact, standard_form)
+from corp_deploy.config import TARGET_PARTS
+from corp_deploy.layers import keep_rows
 from exporters import ExportOptions, export_artifact
 
-#: One small model per family: (timm name, creation arguments, image size).
+SMALL = dict(depth=2, embed_dim=192, num_heads=3, num_classes=10)
+#: One small model per family: (timm name, creation arguments, image size, the target that prunes
+#: every part the family allows; None: all three).
 FAMILIES = {
-    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
-    "hybrid-cnn-stem": ("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64),
-    "relpos": ("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
+    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None),
+    "hybrid-cnn-stem": ("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64, None),
+    "relpos": ("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None),
+    "beit": ("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32, None),
+    # rotary embedding + gated MLP (packed GluMlp): query/key dims stay dense
+    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo"),
+    # + separate q/k/v projections and a normalised gated MLP (SwiGLU with sub-LN): values only
+    "eva02-sub-ln": ("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo"),
+    # EVA-CLIP's vision tower: no rotary embedding, plain MLP, split q/v biases
+    "eva-clip": ("eva_giant_patch14_224", dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL), 28, None),
 }
+
+
+def create_dense(family: str) -> torch.nn.Module:
+    """The family's small model with random weights, seeded; the parameters timm initialises to
+    constants (BEiT's relative position tables, BEiT's and Eva's query/value biases and residual
+    scales) are drawn at random too, so that dropping or misplacing one changes the output."""
+    name, kwargs = FAMILIES[family][:2]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            if key.endswith(("relative_position_bias_table", "q_bias", "v_bias", "gamma_1", "gamma_2")):
+                parameter.normal_(0.0, 0.5)
+    return model
+
+
+def family_config(family: str, kind: str) -> CompressConfig:
+    """Uniform s = 0.5 (``kind`` "s0.5") or a 0.9 MAC budget ("macs0.9") of the parts the family allows."""
+    target = FAMILIES[family][3]
+    if kind == "macs0.9":
+        return CompressConfig(macs=0.9, target=target)
+    if target is None:
+        return CompressConfig(s_mlp=0.5, s_attn=0.5)
+    return CompressConfig(target=target, s_mlp=0.5, s_vo=0.5)
 
 
 def independent_macs(model: torch.nn.Module, image_size: int) -> int:
@@ -27,12 +64,11 @@ def independent_macs(model: torch.nn.Module, image_size: int) -> int:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("config", [CompressConfig(s_mlp=0.5, s_attn=0.5), CompressConfig(macs=0.9)],
-                         ids=["s0.5", "macs0.9"])
-def test_family_compresses_round_trips_and_exports(family, config, tmp_path):
-    name, kwargs, size = FAMILIES[family]
-    torch.manual_seed(0)
-    dense = timm.create_model(name, pretrained=False, **kwargs).eval()
+@pytest.mark.parametrize("kind", ["s0.5", "macs0.9"])
+def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
+    name, kwargs, size, _ = FAMILIES[family]
+    config = family_config(family, kind)
+    dense = create_dense(family)
     generator = torch.Generator().manual_seed(1)
     images = [torch.randn(8, 3, size, size, generator=generator) for _ in range(2)]
     model, report = compress(dense, images, config)
@@ -59,16 +95,26 @@ def test_family_compresses_round_trips_and_exports(family, config, tmp_path):
         assert numbers["max_abs"] < 1e-4, numbers
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("config", [CompressConfig(target="all", s_mlp=0.0, s_attn=0.0, s_vo=0.0),
-                                    CompressConfig(method="vbp", s_mlp=0.0),
-                                    CompressConfig(method="toast", s_mlp=0.0, s_attn=0.0)], ids=["corp", "vbp", "toast"])
+def zero_sparsity_configs(family: str) -> list[CompressConfig]:
+    """Every method on every part it prunes that the family allows, at sparsity 0."""
+    parts = TARGET_PARTS[FAMILIES[family][3] or "all"]
+    configs = [CompressConfig(target=FAMILIES[family][3] or "all", s_mlp=0.0, s_attn=0.0, s_vo=0.0)]
+    if "mlp" in parts:
+        configs.append(CompressConfig(method="vbp", s_mlp=0.0))
+    toast_target = "both" if "qk" in parts and "mlp" in parts else "mlp" if "mlp" in parts else None
+    if toast_target is not None:
+        configs.append(CompressConfig(method="toast", target=toast_target, s_mlp=0.0, s_attn=0.0))
+    return configs
+
+
+@pytest.mark.parametrize("family, config", [(family, config) for family in sorted(FAMILIES)
+                                            for config in zero_sparsity_configs(family)],
+                         ids=lambda v: v if isinstance(v, str) else f"{v.method}-{v.target}")
 def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config):
     """Nothing pruned: the compressed model of every method computes what the dense one does,
-    whatever the family adds (a relative position bias, a CNN stem)."""
-    name, kwargs, size = FAMILIES[family]
-    torch.manual_seed(0)
-    dense = timm.create_model(name, pretrained=False, **kwargs).eval()
+    whatever the family adds (a relative position bias, a CNN stem, a rotary embedding, gates)."""
+    size = FAMILIES[family][2]
+    dense = create_dense(family)
     images = [torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2))]
     model, _ = compress(dense, images, config)
     x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(3))
@@ -76,13 +122,57 @@ def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config
         torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
 
 
+#: Each family's relative position bias ``(1, H, N, N)`` of a dense block, read with timm's own code.
+DENSE_BIAS = {
+    "relpos": lambda block: block.attn.rel_pos.get_bias(),
+    "beit": lambda block: block.attn._get_rel_pos_bias(),
+}
+
+
+@pytest.mark.parametrize("family", sorted(DENSE_BIAS))
 @pytest.mark.parametrize("config", [CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5),
                                     CompressConfig(method="toast", s_mlp=0.5, s_attn=0.5)], ids=["corp", "toast"])
-def test_pruned_attention_keeps_the_relative_position_bias(config):
-    name, kwargs, size = FAMILIES["relpos"]
-    torch.manual_seed(0)
-    dense = timm.create_model(name, pretrained=False, **kwargs).eval()
+def test_pruned_attention_keeps_the_relative_position_bias(family, config):
+    size = FAMILIES[family][2]
+    dense = create_dense(family)
     model, _ = compress(dense, [torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2))], config)
     for block, dense_block in zip(model.blocks, dense.blocks):
         assert isinstance(block.attn, PrunedAttention)
-        torch.testing.assert_close(block.attn.logit_bias(), dense_block.attn.rel_pos.get_bias(), rtol=0, atol=0)
+        torch.testing.assert_close(block.attn.logit_bias(), DENSE_BIAS[family](dense_block), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["beit", "eva02", "eva02-sub-ln", "eva-clip"])
+def test_standard_form_computes_what_timm_computes(family):
+    """BEiT and Eva rewritten as pre-norm blocks (fused qkv bias [q | 0 | v], table bias module or
+    rotary embedding inside the attention, gated MLPs as GatedLinear, LayerScale residuals) give
+    timm's output bit for bit."""
+    dense = create_dense(family)
+    standard = standard_form(copy.deepcopy(dense))
+    assert all(type(block).__name__ == "ScaledResidualBlock" for block in standard.blocks)
+    size = FAMILIES[family][2]
+    x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(standard(x), dense(x))
+    assert standard_form(standard) is standard  # a second rewrite changes nothing
+
+
+def test_kept_rows_of_a_gated_linear_are_its_kept_channels():
+    torch.manual_seed(5)
+    gate, up = torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+    layer = GatedLinear(gate, up, torch.nn.SiLU())
+    kept = torch.tensor([0, 3, 4])
+    x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(keep_rows(layer, kept)(x), layer(x)[..., kept])  # float32 matmuls
+    assert keep_rows(layer, count=2).out_features == 2
+
+
+@pytest.mark.parametrize("family, target, message", [
+    ("eva02", "all", "--target mlp-vo"),                  # rotary embedding: query/key dims stay dense
+    ("eva02-sub-ln", "mlp-vo", "sub-LN"),                 # normalised hidden channels: the MLP stays dense
+])
+def test_parts_without_exact_compensation_are_refused_saying_what_works(family, target, message):
+    size = FAMILIES[family][2]
+    with pytest.raises(CorpError, match=message):
+        compress(create_dense(family), [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
+                 CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))

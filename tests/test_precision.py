@@ -4,7 +4,7 @@ import timm
 import torch
 from torch import nn
 
-from corp_deploy import CompressConfig, CorpError, compress
+from corp_deploy import CompressConfig, CorpError, compress, standard_form
 from exporters.precision import Float32Island, Float32SoftmaxAttention, for_export
 from tests.conftest import image_batches, small_vit
 
@@ -27,20 +27,33 @@ def test_explicit_attention_equals_the_module_it_replaces_in_float32(pruned, com
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+#: A one-block model whose attention adds a position term to the logits: (timm name, arguments,
+#: tokens, width, target), and a check that the term is there.
+POSITION_TERMS = {
+    "relative-bias": (("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=1,
+                                                            num_heads=3, num_classes=10), 16, 48, "all"),
+                      lambda attn: torch.any(attn.rel_pos.get_bias() != 0)),
+    "rotary": (("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=1, num_classes=10), 17, 192, "mlp-vo"),
+               lambda attn: attn.rope is not None and attn.num_prefix_tokens == 1),
+}
+
+
+@pytest.mark.parametrize("term", sorted(POSITION_TERMS))
 @pytest.mark.parametrize("compressed", [False, True])
-def test_explicit_attention_keeps_the_relative_position_bias(compressed):
+def test_explicit_attention_keeps_the_position_terms(term, compressed):
+    (name, kwargs, tokens, width, target), present = POSITION_TERMS[term]
     torch.manual_seed(0)
-    model = timm.create_model("vit_relpos_small_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=1,
-                              num_heads=3, num_classes=10).eval()
+    model = standard_form(timm.create_model(name, **kwargs).eval())
     if compressed:
-        model, _ = compress(model, image_batches(2, 4), CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+        model, _ = compress(model, image_batches(2, 4, size=kwargs["img_size"]),
+                            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))
     attn = model.blocks[0].attn
-    x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, tokens, width, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = attn(x)
         got = Float32SoftmaxAttention.from_module(attn)(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    assert attn.rel_pos is not None and torch.any(attn.rel_pos.get_bias() != 0)
+    assert present(attn)
 
 
 @pytest.mark.parametrize("precision,min_cosine", [("fp16", 0.999), ("bf16", 0.99)])

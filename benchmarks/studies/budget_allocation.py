@@ -68,8 +68,7 @@ def main() -> None:
     calib, held = list(calib), list(held)
     blocks, block = len(dense.blocks), dense.blocks[0]
     tokens = calib[0].shape[-1] // 14 * (calib[0].shape[-2] // 14) + 1
-    per_dim = {part: macs_per_dim(part, tokens, block.attn.proj.out_features, block.attn.num_heads)
-               for part in ("mlp", "qk", "vo")}
+    per_dim = {part: macs_per_dim(part, tokens, block) for part in ("mlp", "qk", "vo")}
     dense_macs = count_macs(dense, tuple(calib[0].shape[1:]))
     rows = []
 

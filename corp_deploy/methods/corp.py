@@ -21,7 +21,7 @@ from .. import channels, values
 from ..blocks import (attention_forward, attention_residual, block_forward, mlp_hidden, mlp_residual, project_qk,
                       residual_weight)
 from ..dims import kept_count
-from ..layers import block_dims
+from ..layers import block_dims, head_dims
 from ..stats import HeadGrams, MomentAccumulator
 from .base import BlockRun, Method
 
@@ -46,7 +46,7 @@ class Corp(Method):
     name = "corp"
     summary = "ranking plus closed-form compensation; sparsities or a MAC budget."
     prunes = "MLP hidden channels, attention query/key dims and value/output dims"
-    targets = ("mlp", "attn", "vo", "both", "all")
+    targets = ("mlp", "attn", "vo", "both", "mlp-vo", "all")
     default_target = "both"
     options = ("ranker", "ridge", "calibration", "macs", "speedup", "unit_floor", "distortion", "equal_head_dims")
 
@@ -69,11 +69,11 @@ class Corp(Method):
 
 def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
     """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
-    head_dim = block.attn.head_dim
+    qk, v = head_dims(block.attn)
     return BlockSizes(
         mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
-        qk=kept_count(head_dim, config.s_attn, config.round_to) if config.prunes_attn else None,
-        v=kept_count(head_dim, config.s_vo, config.round_to) if config.prunes_vo else None)
+        qk=kept_count(qk, config.s_attn, config.round_to) if config.prunes_attn else None,
+        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None)
 
 
 def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes) -> dict:
