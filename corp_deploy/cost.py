@@ -8,10 +8,11 @@ import sys
 import torch
 from torch import nn
 from timm.layers.attention import Attention
+from timm.models.cait import ClassAttn, TalkingHeadAttn
 from timm.models.vision_transformer_relpos import RelPosAttention
 
 from .families import in_standard_form, standard_form
-from .layers import PrunedAttention
+from .layers import PrunedAttention, head_dims
 
 
 def count_params(model: nn.Module) -> int:
@@ -22,7 +23,8 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     """Multiply-accumulates of one forward pass on one image of ``input_size`` (C, H, W).
 
     Counted: every ``nn.Linear`` (``rows x in x out``), ``nn.Conv2d`` and the two attention
-    matmuls (``heads x N^2 x (qk_dim + v_dim)`` per image). Not counted: normalisation,
+    matmuls (``heads x N^2 x (qk_dim + v_dim)`` per image; ``N`` instead of ``N^2`` for CaiT's
+    class attention, where only the class token queries). Not counted: normalisation,
     activations, softmax, additions (a few percent of a ViT's total).
     BEiT and Eva models are counted in their standard form (:func:`~corp_deploy.families.standard_form`,
     the same function), because their own attentions bypass their ``qkv`` modules.
@@ -45,11 +47,8 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     def attention(mod, args, out):
         nonlocal total
         batch, tokens, _ = args[0].shape
-        if isinstance(mod, PrunedAttention):
-            dims = mod.qk_head_dim + mod.v_head_dim
-        else:
-            dims = 2 * mod.head_dim
-        total += batch * mod.num_heads * tokens * tokens * dims
+        queries = 1 if isinstance(mod, ClassAttn) else tokens  # CaiT's class attention: the class token asks
+        total += batch * mod.num_heads * queries * tokens * sum(head_dims(mod))
 
     hooks = []
     for mod in model.modules():
@@ -57,7 +56,7 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
             hooks.append(mod.register_forward_hook(linear))
         elif isinstance(mod, nn.Conv2d):
             hooks.append(mod.register_forward_hook(conv))
-        elif isinstance(mod, (Attention, RelPosAttention, PrunedAttention)):
+        elif isinstance(mod, (Attention, RelPosAttention, PrunedAttention, TalkingHeadAttn, ClassAttn)):
             hooks.append(mod.register_forward_hook(attention))
     param = next(model.parameters())
     try:

@@ -19,13 +19,17 @@ to every block: the rewritten attention (a :class:`~corp_deploy.layers.PrunedAtt
 width) keeps that tensor and rotates its own queries and keys, so a block computes its output
 from its input alone, as calibration needs. Without a rotary embedding the attention becomes a
 timm ``RelPosAttention`` without bias, as for BEiT.
+
+CaiT (timm ``Cait``): its self-attention blocks scale their residuals by ``gamma`` (rewritten as
+LayerScale; the talking-heads attention is kept as it is, so only the MLPs can be pruned); its
+class-attention blocks (``blocks_token_only``) come after ``blocks`` and are left dense.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
-from timm.models import beit, eva
+from timm.models import beit, cait, eva
 from timm.models.vision_transformer_relpos import RelPosAttention
 
 from .layers import GatedLinear, PrunedAttention
@@ -58,10 +62,9 @@ class TableRelativePosition(nn.Module):
 
 class ScaledResidualBlock(nn.Module):
     """The pre-norm block ``x + ls1(attn(norm1(x)))``, then ``x + ls2(mlp(norm2(x)))``, called as
-    BEiT's and Eva's models call their blocks. BEiT passes ``shared_rel_pos_bias`` (models that
-    have one are refused, so it is None here; forwarded to the attention as timm's
-    ``shared_rel_pos``); Eva passes its rotary embedding ``rope``, which the attention already
-    holds (the same tensor), so it is not used. Tokens ``(B, N, C)``."""
+    BEiT's, Eva's and CaiT's models call their blocks. BEiT passes ``shared_rel_pos_bias`` (models
+    that have one are refused, so it is None here); Eva passes its rotary embedding ``rope``, which
+    the attention already holds (the same tensor), so it is not used. Tokens ``(B, N, C)``."""
 
     def __init__(self, norm1: nn.Module, attn: nn.Module, ls1: nn.Module, norm2: nn.Module, mlp: nn.Module,
                  ls2: nn.Module) -> None:
@@ -72,20 +75,23 @@ class ScaledResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None,
                 rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
                 is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise ValueError("masked attention is not supported by the rewritten blocks")
-        x = x + self.ls1(self.attn(self.norm1(x), shared_rel_pos=shared_rel_pos_bias))
+        if shared_rel_pos_bias is not None or attn_mask is not None or is_causal:
+            raise ValueError("a shared relative position bias or an attention mask is not supported by the "
+                             "rewritten blocks")
+        x = x + self.ls1(self.attn(self.norm1(x)))
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
 def in_standard_form(model: nn.Module) -> bool:
     """Whether :func:`standard_form` would leave ``model`` unchanged."""
-    return not any(type(block) in (beit.Block, eva.EvaBlock) for block in getattr(model, "blocks", ()))
+    return not any(type(block) in (beit.Block, eva.EvaBlock, cait.LayerScaleBlock)
+                   or _is_gated(getattr(block, "mlp", None)) for block in getattr(model, "blocks", ()))
 
 
 def standard_form(model: nn.Module) -> nn.Module:
-    """``model`` with its BEiT blocks rewritten as :class:`ScaledResidualBlock` (in place; the
-    same model is returned; models of other families are returned unchanged). The rewritten
+    """``model`` with its BEiT, Eva and CaiT blocks rewritten as :class:`ScaledResidualBlock` and
+    the gated MLPs of any family (also ViTs such as DINOv2 giant) as timm ``Mlp``s with a
+    :class:`GatedLinear` fc1 (in place; the same model is returned; other models are unchanged). The rewritten
     model computes the same function; norms and MLPs are moved over, the attention's weights
     and the residual scales copied."""
     if isinstance(model, beit.Beit):
@@ -97,6 +103,14 @@ def standard_form(model: nn.Module) -> nn.Module:
         for i, block in enumerate(model.blocks):
             if type(block) is eva.EvaBlock:
                 model.blocks[i] = _standard_eva_block(block, rope)
+    elif isinstance(model, cait.Cait):
+        for i, block in enumerate(model.blocks):
+            if type(block) is cait.LayerScaleBlock:
+                model.blocks[i] = ScaledResidualBlock(block.norm1, block.attn, _layer_scale(block.gamma_1), block.norm2,
+                                                      block.mlp, _layer_scale(block.gamma_2))
+    for block in getattr(model, "blocks", ()):
+        if _is_gated(getattr(block, "mlp", None)):
+            block.mlp = _standard_mlp(block.mlp)
     return model
 
 
@@ -147,13 +161,19 @@ def _standard_eva_block(block: eva.EvaBlock, rope: torch.Tensor | None) -> Scale
         if bias is not None:
             attn.qkv.bias.copy_(bias)
         attn.proj.load_state_dict(old.proj.state_dict())
-    return ScaledResidualBlock(block.norm1, attn, _layer_scale(block.gamma_1), block.norm2, _standard_mlp(block.mlp),
+    return ScaledResidualBlock(block.norm1, attn, _layer_scale(block.gamma_1), block.norm2, block.mlp,
                                _layer_scale(block.gamma_2))
 
 
+def _is_gated(mlp: nn.Module | None) -> bool:
+    """Whether ``mlp`` is a gated MLP :func:`_standard_mlp` rewrites: timm ``SwiGLU``, or a ``GluMlp``
+    (e.g. ``SwiGLUPacked``) whose packed fc1 is ``[gate | up]`` along the last dim."""
+    return isinstance(mlp, SwiGLU) or (isinstance(mlp, GluMlp) and not mlp.gate_last and mlp.chunk_dim == -1)
+
+
 def _standard_mlp(mlp: nn.Module) -> nn.Module:
-    """A timm ``Mlp`` unchanged; a gated MLP (timm ``GluMlp`` with the gate first, or ``SwiGLU``) as a
-    timm ``Mlp`` whose ``fc1`` is a :class:`GatedLinear` (the same function)."""
+    """A gated MLP (:func:`_is_gated`) as a timm ``Mlp`` whose ``fc1`` is a :class:`GatedLinear`
+    (the same function)."""
     if isinstance(mlp, GluMlp):
         hidden = mlp.fc1.out_features // 2
         gate, up = (nn.Linear(mlp.fc1.in_features, hidden, bias=mlp.fc1.bias is not None,
@@ -164,10 +184,8 @@ def _standard_mlp(mlp: nn.Module) -> nn.Module:
                 if mlp.fc1.bias is not None:
                     part.bias.copy_(mlp.fc1.bias[rows])
         fc1 = GatedLinear(gate, up, mlp.act)
-    elif isinstance(mlp, SwiGLU):
-        fc1 = GatedLinear(mlp.fc1_g, mlp.fc1_x, mlp.act)
     else:
-        return mlp
+        fc1 = GatedLinear(mlp.fc1_g, mlp.fc1_x, mlp.act)
     standard = Mlp(fc1.in_features, 1, mlp.fc2.out_features)
     standard.fc1, standard.act, standard.norm, standard.fc2 = fc1, nn.Identity(), mlp.norm, mlp.fc2
     return standard

@@ -140,10 +140,12 @@ def keep_rows(layer: nn.Module, kept: torch.Tensor | None = None, count: int | N
 
 
 def head_dims(attn: nn.Module) -> tuple[int, int]:
-    """``(query/key, value)`` dims per head of a :class:`PrunedAttention` or a timm attention."""
+    """``(query/key, value)`` dims per head of a :class:`PrunedAttention` or a timm attention (width /
+    heads where it keeps no ``head_dim``, as CaiT's)."""
     if isinstance(attn, PrunedAttention):
         return attn.qk_head_dim, attn.v_head_dim
-    return attn.head_dim, attn.head_dim
+    head_dim = getattr(attn, "head_dim", None) or attn.proj.in_features // attn.num_heads
+    return head_dim, head_dim
 
 
 def relative_position_bias(attn: nn.Module) -> torch.Tensor | None:

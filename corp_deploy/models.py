@@ -7,9 +7,9 @@ from typing import Any
 import timm
 import torch
 from torch import nn
-from timm.layers import GluMlp, HybridEmbed, Mlp, PatchEmbed, SwiGLU
+from timm.layers import HybridEmbed, Mlp, PatchEmbed
 from timm.layers.attention import Attention
-from timm.models import beit, eva
+from timm.models import beit, cait, eva
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
@@ -35,7 +35,7 @@ SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Blo
                       "position bias (vit_relpos_*); Beit with per-block relative position bias (beit_*, "
                       "beitv2_*); Eva of pre-norm EvaBlocks with EvaAttention without qk-norm or inner norm "
                       "(eva02_* image models, eva_giant_*, vit_*_rope_reg*: MLP and value/output dims where "
-                      "there is a rotary embedding)")
+                      "there is a rotary embedding); Cait (cait_*: MLPs of the self-attention blocks only)")
 
 
 def resolve_model_name(name: str) -> str:
@@ -151,7 +151,7 @@ def structure_problem(model: nn.Module) -> str | None:
     and for a ``VisionTransformerRelPos`` of pre-norm ``RelPosBlock``s whose relative position
     bias belongs to each block (the bias is additive in the logits, docs/method.md §9), and for a
     ``Beit`` whose relative position bias belongs to each block and an ``Eva`` of pre-norm blocks whose
-    attention has no qk-norm, inner norm or gate (both rewritten by
+    attention has no qk-norm, inner norm or gate, and a ``Cait`` (all three rewritten by
     :func:`~corp_deploy.families.standard_form`; which parts can be pruned: :func:`check_prunable`)."""
     if isinstance(model, VisionTransformerRelPos):
         return _relpos_problem(model)
@@ -159,6 +159,8 @@ def structure_problem(model: nn.Module) -> str | None:
         return _beit_problem(model)
     if isinstance(model, eva.Eva):
         return _eva_problem(model)
+    if isinstance(model, cait.Cait):
+        return _cait_problem(model)
     if not isinstance(model, VisionTransformer):
         found = f"it builds a timm {type(model).__name__}"
         blocks = getattr(model, "blocks", None)
@@ -183,9 +185,6 @@ def structure_problem(model: nn.Module) -> str | None:
 #: Why the timm families that are refused as a whole cannot be compressed (by model class name).
 _FAMILY_REASONS = {
     "SwinTransformer": "windowed attention in stages joined by patch merging is not supported yet",
-    "Cait": ("talking-heads attention mixes the heads' logits before and after the softmax, so the per-head "
-             "query/key compensation (docs/method.md §3) does not apply, and the class-attention blocks are "
-             "not supported"),
 }
 
 
@@ -234,9 +233,13 @@ def _eva_problem(model: eva.Eva) -> str | None:
                     "rewritten attention does not compute")
         if attn.head_dim * attn.num_heads != attn.proj.out_features:
             return f"block {i}'s attention heads are {attn.head_dim} wide, not width / heads (attn_head_dim)"
-        mlp = block.mlp
-        if type(mlp) not in (Mlp, GluMlp, SwiGLU) or (type(mlp) is GluMlp and (mlp.gate_last or mlp.chunk_dim != -1)):
-            return f"block {i}'s MLP is a {_class_path(mlp)} of a layout that is not supported"
+    return None
+
+
+def _cait_problem(model: cait.Cait) -> str | None:
+    for i, block in enumerate(model.blocks):
+        if type(block) not in (cait.LayerScaleBlock, ScaledResidualBlock):
+            return f"block {i} is a {_class_path(block)}, not timm's CaiT LayerScaleBlock"
     return None
 
 
@@ -266,6 +269,10 @@ def check_prunable(model: nn.Module, mlp: bool, qk: bool, vo: bool) -> None:
                                 "scale_mlp), so removing channels changes the kept ones and the compensation of "
                                 "docs/method.md §2 does not hold; use --target vo (or attn where the model allows)")
         attn = block.attn
+        if (qk or vo) and type(attn) is cait.TalkingHeadAttn:
+            raise CorpError(f"block {i}: talking-heads attention mixes the heads' logits before and after the "
+                            "softmax, so the per-head query/key and value compensation (docs/method.md §3-4) "
+                            "does not apply; use --target mlp")
         if (qk or vo) and not is_prunable_attention(attn):
             raise CorpError(f"block {i}: attention of type {type(attn).__name__} (or with qk-norm, "
                             "scale-norm or gating) is not supported for query/key or value pruning; "

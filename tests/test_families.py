@@ -3,6 +3,7 @@ MAC budget), artifact round trip, ONNX export with ONNX Runtime parity, and para
 against an independent count (torch's FlopCounterMode, which counts the aten ops)."""
 import copy
 import math
+from typing import NamedTuple
 
 import pytest
 import timm
@@ -17,27 +18,43 @@ from corp_deploy.layers import keep_rows
 from exporters import ExportOptions, export_artifact
 
 SMALL = dict(depth=2, embed_dim=192, num_heads=3, num_classes=10)
-#: One small model per family: (timm name, creation arguments, image size, the target that prunes
-#: every part the family allows; None: all three).
+
+
+class Family(NamedTuple):
+    """One small model of a family: timm name, creation arguments, image size, the target that
+    prunes every part the family allows (None: all three) and the methods that apply to it."""
+    name: str
+    kwargs: dict
+    size: int
+    target: str | None = None
+    methods: tuple[str, ...] = ("corp", "vbp", "toast")
+
+
 FAMILIES = {
-    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None),
-    "hybrid-cnn-stem": ("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64, None),
-    "relpos": ("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None),
-    "beit": ("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32, None),
+    "vit": Family("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
+    "hybrid-cnn-stem": Family("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64),
+    # DINOv2 giant's layout: a ViT with a packed gated MLP (SwiGLUPacked)
+    "vit-swiglu": Family("vit_giant_patch14_dinov2", dict(img_size=28, patch_size=7, **SMALL), 28),
+    "relpos": Family("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
+    "beit": Family("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32),
     # rotary embedding + gated MLP (packed GluMlp): query/key dims stay dense
-    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo"),
+    "eva02": Family("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo"),
     # + separate q/k/v projections and a normalised gated MLP (SwiGLU with sub-LN): values only
-    "eva02-sub-ln": ("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo"),
+    "eva02-sub-ln": Family("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo", ("corp",)),
     # EVA-CLIP's vision tower: no rotary embedding, plain MLP, split q/v biases
-    "eva-clip": ("eva_giant_patch14_224", dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL), 28, None),
+    "eva-clip": Family("eva_giant_patch14_224", dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL), 28),
+    # talking-heads attention (kept dense) and class-attention blocks (left dense): MLPs only; ToaSt's
+    # token weighting needs a plain attention
+    "cait": Family("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp",
+                   ("corp", "vbp")),
 }
 
 
 def create_dense(family: str) -> torch.nn.Module:
     """The family's small model with random weights, seeded; the parameters timm initialises to
-    constants (BEiT's relative position tables, BEiT's and Eva's query/value biases and residual
+    constants (BEiT's relative position tables, BEiT's and Eva's query/value biases, residual
     scales) are drawn at random too, so that dropping or misplacing one changes the output."""
-    name, kwargs = FAMILIES[family][:2]
+    name, kwargs = FAMILIES[family].name, FAMILIES[family].kwargs
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, **kwargs).eval()
     with torch.no_grad():
@@ -49,7 +66,7 @@ def create_dense(family: str) -> torch.nn.Module:
 
 def family_config(family: str, kind: str) -> CompressConfig:
     """Uniform s = 0.5 (``kind`` "s0.5") or a 0.9 MAC budget ("macs0.9") of the parts the family allows."""
-    target = FAMILIES[family][3]
+    target = FAMILIES[family].target
     if kind == "macs0.9":
         return CompressConfig(macs=0.9, target=target)
     if target is None:
@@ -58,6 +75,9 @@ def family_config(family: str, kind: str) -> CompressConfig:
 
 
 def independent_macs(model: torch.nn.Module, image_size: int) -> int:
+    # (a frozen copy: FlopCounterMode's module tracker fails on CaiT's class token otherwise, and
+    # freezing the parameters changes CaiT's float32 output in the last bits, measured)
+    model = copy.deepcopy(model).requires_grad_(False)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.zeros(1, 3, image_size, image_size))
     return counter.get_total_flops() // 2
@@ -66,7 +86,7 @@ def independent_macs(model: torch.nn.Module, image_size: int) -> int:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("kind", ["s0.5", "macs0.9"])
 def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
-    name, kwargs, size, _ = FAMILIES[family]
+    name, kwargs, size = FAMILIES[family].name, FAMILIES[family].kwargs, FAMILIES[family].size
     config = family_config(family, kind)
     dense = create_dense(family)
     generator = torch.Generator().manual_seed(1)
@@ -96,14 +116,14 @@ def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
 
 
 def zero_sparsity_configs(family: str) -> list[CompressConfig]:
-    """Every method on every part it prunes that the family allows, at sparsity 0."""
-    parts = TARGET_PARTS[FAMILIES[family][3] or "all"]
-    configs = [CompressConfig(target=FAMILIES[family][3] or "all", s_mlp=0.0, s_attn=0.0, s_vo=0.0)]
-    if "mlp" in parts:
+    """Every method that applies to the family on every part it prunes that the family allows, at sparsity 0."""
+    target, methods = FAMILIES[family].target, FAMILIES[family].methods
+    parts = TARGET_PARTS[target or "all"]
+    configs = [CompressConfig(target=target or "all", s_mlp=0.0, s_attn=0.0, s_vo=0.0)]
+    if "vbp" in methods:
         configs.append(CompressConfig(method="vbp", s_mlp=0.0))
-    toast_target = "both" if "qk" in parts and "mlp" in parts else "mlp" if "mlp" in parts else None
-    if toast_target is not None:
-        configs.append(CompressConfig(method="toast", target=toast_target, s_mlp=0.0, s_attn=0.0))
+    if "toast" in methods:
+        configs.append(CompressConfig(method="toast", target="both" if "qk" in parts else "mlp", s_mlp=0.0, s_attn=0.0))
     return configs
 
 
@@ -113,7 +133,7 @@ def zero_sparsity_configs(family: str) -> list[CompressConfig]:
 def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config):
     """Nothing pruned: the compressed model of every method computes what the dense one does,
     whatever the family adds (a relative position bias, a CNN stem, a rotary embedding, gates)."""
-    size = FAMILIES[family][2]
+    size = FAMILIES[family].size
     dense = create_dense(family)
     images = [torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2))]
     model, _ = compress(dense, images, config)
@@ -133,7 +153,7 @@ DENSE_BIAS = {
 @pytest.mark.parametrize("config", [CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5),
                                     CompressConfig(method="toast", s_mlp=0.5, s_attn=0.5)], ids=["corp", "toast"])
 def test_pruned_attention_keeps_the_relative_position_bias(family, config):
-    size = FAMILIES[family][2]
+    size = FAMILIES[family].size
     dense = create_dense(family)
     model, _ = compress(dense, [torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2))], config)
     for block, dense_block in zip(model.blocks, dense.blocks):
@@ -141,15 +161,16 @@ def test_pruned_attention_keeps_the_relative_position_bias(family, config):
         torch.testing.assert_close(block.attn.logit_bias(), DENSE_BIAS[family](dense_block), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["beit", "eva02", "eva02-sub-ln", "eva-clip"])
+@pytest.mark.parametrize("family", ["beit", "eva02", "eva02-sub-ln", "eva-clip", "cait", "vit-swiglu"])
 def test_standard_form_computes_what_timm_computes(family):
-    """BEiT and Eva rewritten as pre-norm blocks (fused qkv bias [q | 0 | v], table bias module or
-    rotary embedding inside the attention, gated MLPs as GatedLinear, LayerScale residuals) give
-    timm's output bit for bit."""
+    """BEiT, Eva and CaiT rewritten as pre-norm blocks (fused qkv bias [q | 0 | v], table bias module
+    or rotary embedding inside the attention, LayerScale residuals) and gated MLPs as GatedLinear
+    give timm's output bit for bit."""
     dense = create_dense(family)
     standard = standard_form(copy.deepcopy(dense))
-    assert all(type(block).__name__ == "ScaledResidualBlock" for block in standard.blocks)
-    size = FAMILIES[family][2]
+    assert all(type(block).__name__ == "ScaledResidualBlock" or isinstance(block.mlp.fc1, GatedLinear)
+               for block in standard.blocks)
+    size = FAMILIES[family].size
     x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(standard(x), dense(x))
@@ -170,9 +191,10 @@ def test_kept_rows_of_a_gated_linear_are_its_kept_channels():
 @pytest.mark.parametrize("family, target, message", [
     ("eva02", "all", "--target mlp-vo"),                  # rotary embedding: query/key dims stay dense
     ("eva02-sub-ln", "mlp-vo", "sub-LN"),                 # normalised hidden channels: the MLP stays dense
+    ("cait", "both", "talking-heads attention"),          # heads mixed around the softmax: attention stays dense
 ])
 def test_parts_without_exact_compensation_are_refused_saying_what_works(family, target, message):
-    size = FAMILIES[family][2]
+    size = FAMILIES[family].size
     with pytest.raises(CorpError, match=message):
         compress(create_dense(family), [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
                  CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))
