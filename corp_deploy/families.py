@@ -128,12 +128,9 @@ def _standard_beit_block(block: beit.Block) -> ScaledResidualBlock:
     old = block.attn
     weight = old.qkv.weight
     dim, heads = weight.shape[1], old.num_heads
-    attn = RelPosAttention(dim, heads, qkv_bias=old.q_bias is not None, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        attn.qkv.weight.copy_(weight)
-        if old.q_bias is not None:
-            attn.qkv.bias.copy_(torch.cat((old.q_bias, old.k_bias, old.v_bias)))
-        attn.proj.load_state_dict(old.proj.state_dict())
+    bias = None if old.q_bias is None else torch.cat((old.q_bias, old.k_bias, old.v_bias))
+    attn = _filled(RelPosAttention(dim, heads, qkv_bias=bias is not None, device=weight.device, dtype=weight.dtype),
+                   weight, bias, old.proj)
     if old.relative_position_bias_table is not None:
         attn.rel_pos = TableRelativePosition(old.relative_position_bias_table, old.relative_position_index)
     return ScaledResidualBlock(block.norm1, attn, _layer_scale(block.gamma_1), block.norm2, block.mlp,
@@ -156,13 +153,19 @@ def _standard_eva_block(block: eva.EvaBlock, rope: torch.Tensor | None) -> Scale
         attn = PrunedAttention(dim, heads, old.head_dim, old.head_dim, old.scale, qkv_bias=bias is not None,
                                proj_bias=old.proj.bias is not None, rope=rope,
                                num_prefix_tokens=old.num_prefix_tokens, rotate_half=old.rotate_half).to(**dd)
+    attn = _filled(attn, weight, bias, old.proj)
+    return ScaledResidualBlock(block.norm1, attn, _layer_scale(block.gamma_1), block.norm2, block.mlp,
+                               _layer_scale(block.gamma_2))
+
+
+def _filled(attn: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, proj: nn.Linear) -> nn.Module:
+    """``attn`` with its fused ``qkv`` set to ``weight`` / ``bias`` and its ``proj`` copied from ``proj``."""
     with torch.no_grad():
         attn.qkv.weight.copy_(weight)
         if bias is not None:
             attn.qkv.bias.copy_(bias)
-        attn.proj.load_state_dict(old.proj.state_dict())
-    return ScaledResidualBlock(block.norm1, attn, _layer_scale(block.gamma_1), block.norm2, block.mlp,
-                               _layer_scale(block.gamma_2))
+        attn.proj.load_state_dict(proj.state_dict())
+    return attn
 
 
 def _is_gated(mlp: nn.Module | None) -> bool:
