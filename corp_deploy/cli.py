@@ -115,8 +115,8 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
     from .artifact import base_model_spec, weights_record
     from .models import create_base_model, resolve_model_name
 
-    full_name = resolve_model_name(model)
     kwargs = _parse_model_args(model_args)
+    full_name = resolve_model_name(model, kwargs)
     if checkpoint is not None and no_pretrained:
         raise CorpError("--checkpoint and --no-pretrained exclude each other")
     if calib is not None and not Path(calib).is_dir():

@@ -14,8 +14,8 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
 from .errors import CorpError
-from .families import ScaledResidualBlock, standard_form
-from .layers import GatedLinear, PrunedAttention
+from .families import ScaledResidualBlock, eva_rotary_embedding, standard_form
+from .layers import GatedLinear, PrunedAttention, head_dims
 
 ALIASES = {
     "deit_tiny": "deit_tiny_patch16_224",
@@ -34,16 +34,17 @@ SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Blo
                       "distilled DeiT), vit_*_r_* hybrids; VisionTransformerRelPos with per-block relative "
                       "position bias (vit_relpos_*); Beit with per-block relative position bias (beit_*, "
                       "beitv2_*); Eva of pre-norm EvaBlocks with EvaAttention without qk-norm or inner norm "
-                      "(eva02_* image models, eva_giant_*, vit_*_rope_reg*: MLP and value/output dims where "
-                      "there is a rotary embedding); Cait (cait_*: MLPs of the self-attention blocks only)")
+                      "(eva02_* image models, eva_giant_*, *_dinov3 with dynamic_img_size=False, vit_*_rope_reg*; "
+                      "MLP and value/output dims where there is a rotary embedding); Cait (cait_*: MLPs of the "
+                      "self-attention blocks only)")
 
 
-def resolve_model_name(name: str) -> str:
+def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) -> str:
     """Full timm name for ``name`` (an alias or a timm name).
 
-    CorpError if timm does not know it, or if the model it builds (checked on the meta device:
-    no weights, no memory) has a structure corp-deploy cannot compress; the message names the
-    class that is not supported.
+    CorpError if timm does not know it, or if the model it builds with ``model_kwargs`` (checked
+    on the meta device: no weights, no memory) has a structure corp-deploy cannot compress; the
+    message names the class that is not supported.
     """
     full = ALIASES.get(name, name)
     base = full.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
@@ -52,7 +53,7 @@ def resolve_model_name(name: str) -> str:
                         f"(aliases: {', '.join(sorted(ALIASES))})")
     try:
         with torch.device("meta"):
-            skeleton = timm.create_model(base, pretrained=False)
+            skeleton = timm.create_model(base, pretrained=False, **(model_kwargs or {}))
     except Exception:  # noqa: BLE001 - some models need creation arguments; checked after creation
         return full
     problem = structure_problem(skeleton)
@@ -70,7 +71,7 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
     pretrained weights when ``pretrained``, else random initialisation (reproducible when
     ``seed`` is given: the torch RNG is seeded right before the model is created).
     """
-    full = resolve_model_name(name)
+    full = resolve_model_name(name, model_kwargs)
     kwargs = dict(model_kwargs or {})
     use_hub = pretrained and checkpoint is None
     if use_hub and not _hub_reachable():
@@ -215,11 +216,13 @@ def _beit_problem(model: beit.Beit) -> str | None:
 
 def _eva_problem(model: eva.Eva) -> str | None:
     if model.dynamic_img_size:
-        return "it is built with dynamic_img_size=True, whose rotary embedding changes with the image size"
-    if getattr(model, "rope_mixed", False) or (model.rope is not None
-                                               and type(model.rope).__name__ != "RotaryEmbeddingCat"):
-        return (f"its rotary embedding is a {_class_path(model.rope)}; only timm's RotaryEmbeddingCat (one "
-                "embedding for every block) is supported")
+        return ("it is built with dynamic_img_size=True, whose rotary embedding changes with the image size; "
+                "fix the size with --model-arg dynamic_img_size=false")
+    if model.rope is not None:
+        rope = eva_rotary_embedding(model)
+        if getattr(model, "rope_mixed", False) or rope.dim() != 2 or rope.shape[-1] != 2 * head_dims(model.blocks[0].attn)[0]:
+            return (f"its rotary embedding ({_class_path(model.rope)}) is not one (patches, 2 x head dim) table "
+                    "shared by every block")
     for i, block in enumerate(model.blocks):
         if type(block) is ScaledResidualBlock:
             continue

@@ -39,6 +39,9 @@ FAMILIES = {
     "beit": Family("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32),
     # rotary embedding + gated MLP (packed GluMlp): query/key dims stay dense
     "eva02": Family("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo"),
+    # DINOv3: rotary embedding with half-split pairs, four register tokens, plain MLP
+    "dinov3": Family("vit_small_patch16_dinov3", dict(img_size=32, patch_size=8, dynamic_img_size=False, **SMALL), 32,
+                     "mlp-vo"),
     # + separate q/k/v projections and a normalised gated MLP (SwiGLU with sub-LN): values only
     "eva02-sub-ln": Family("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo", ("corp",)),
     # EVA-CLIP's vision tower: no rotary embedding, plain MLP, split q/v biases
@@ -161,7 +164,7 @@ def test_pruned_attention_keeps_the_relative_position_bias(family, config):
         torch.testing.assert_close(block.attn.logit_bias(), DENSE_BIAS[family](dense_block), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["beit", "eva02", "eva02-sub-ln", "eva-clip", "cait", "vit-swiglu"])
+@pytest.mark.parametrize("family", ["beit", "eva02", "dinov3", "eva02-sub-ln", "eva-clip", "cait", "vit-swiglu"])
 def test_standard_form_computes_what_timm_computes(family):
     """BEiT, Eva and CaiT rewritten as pre-norm blocks (fused qkv bias [q | 0 | v], table bias module
     or rotary embedding inside the attention, LayerScale residuals) and gated MLPs as GatedLinear
