@@ -101,7 +101,7 @@ class PrunedAttention(nn.Module):
 class GatedLinear(nn.Module):
     """The hidden channels of a gated MLP (SwiGLU): ``act(x W_gate^T + b_gate) * (x W_up^T + b_up)``,
     ``(..., in_features)`` -> ``(..., out_features)``. Hidden channel ``j`` is row ``j`` of both
-    ``gate`` and ``up``, so keeping a channel keeps both rows (:meth:`rows`). Used as the ``fc1``
+    ``gate`` and ``up``, so keeping a channel keeps both rows (:func:`keep_rows`). Used as the ``fc1``
     of a timm ``Mlp`` whose ``act`` is the identity."""
 
     def __init__(self, gate: nn.Linear, up: nn.Linear, act: nn.Module) -> None:
@@ -119,16 +119,12 @@ class GatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.gate(x)) * self.up(x)
 
-    def rows(self, kept: torch.Tensor | None = None, count: int | None = None) -> "GatedLinear":
-        """The hidden channels ``kept`` (weights copied), or ``count`` empty ones (weights to be loaded)."""
-        return GatedLinear(keep_rows(self.gate, kept, count), keep_rows(self.up, kept, count), self.act)
-
 
 def keep_rows(layer: nn.Module, kept: torch.Tensor | None = None, count: int | None = None) -> nn.Module:
     """A producer layer (``nn.Linear`` or :class:`GatedLinear`) with only the output channels ``kept``
     (weights copied), or with ``count`` outputs and empty weights; same device and dtype."""
     if isinstance(layer, GatedLinear):
-        return layer.rows(kept, count)
+        return GatedLinear(keep_rows(layer.gate, kept, count), keep_rows(layer.up, kept, count), layer.act)
     out = nn.Linear(layer.in_features, len(kept) if kept is not None else count, bias=layer.bias is not None,
                     device=layer.weight.device, dtype=layer.weight.dtype)
     if kept is not None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .channels import compensated_consumer
-from .layers import PrunedAttention
+from .layers import PrunedAttention, head_dims
 
 
 def fold_values(attn: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: torch.Tensor | None = None,
@@ -30,7 +30,7 @@ def fold_values(attn: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: to
     the ``H * d_v`` proj-input channels, each ascending.
     """
     H = attn.num_heads
-    qk_dim = attn.qk_head_dim if isinstance(attn, PrunedAttention) else attn.head_dim
+    qk_dim = head_dims(attn)[0]
     if len(kept) % H:
         raise ValueError(f"{len(kept)} kept value channels cannot be split evenly over {H} heads")
     qkv = attn.qkv
