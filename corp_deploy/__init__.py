@@ -16,13 +16,13 @@ from .cost import count_macs, count_params
 from .dims import kept_count
 from .engine import compress
 from .errors import CorpError
-from .families import standard_form
+from .families import blocks_of, standard_form
 from .layers import BlockDims, GatedLinear, PrunedAttention, head_dims
 from .methods import METHODS, Method
 from .models import create_base_model, is_plain_attention, is_prunable_attention, resolve_model_name
 
 __all__ = [
-    "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "GatedLinear", "METHODS", "Method",
+    "BlockDims", "CalibrationImages", "blocks_of", "CompressConfig", "CorpError", "GatedLinear", "METHODS", "Method",
     "PrunedAttention", "compress", "count_macs", "count_params", "create_base_model", "head_dims",
     "is_plain_attention", "is_prunable_attention", "kept_count", "latest_artifact", "load_base_model",
     "load_compressed", "model_transform", "read_config", "resolve_model_name", "save_artifact", "standard_form",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import CorpError
+from .families import blocks_of
 from .files import sha256_file, staged_directory, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import create_base_model
@@ -61,7 +62,7 @@ def build_skeleton(config: dict) -> nn.Module:
     base = config["base_model"]
     model = create_base_model(base["name"], base["model_kwargs"], pretrained=False)
     fc2_bias, proj_bias = config.get("fc2_bias"), config.get("proj_bias")
-    for i, (block, dims) in enumerate(zip(model.blocks, config["blocks"])):
+    for i, (block, dims) in enumerate(zip(blocks_of(model), config["blocks"])):
         reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i],
                       proj_bias=None if proj_bias is None else proj_bias[i])
     return model.eval()
@@ -96,10 +97,10 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         "format_version": FORMAT_VERSION,
         "base_model": base_model,
         "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
-        "blocks": [block_dims(b).to_dict() for b in model.blocks],
+        "blocks": [block_dims(b).to_dict() for b in blocks_of(model)],
         "allocation": (report or {}).get("budget"),
-        "fc2_bias": [b.mlp.fc2.bias is not None for b in model.blocks],
-        "proj_bias": [b.attn.proj.bias is not None for b in model.blocks],
+        "fc2_bias": [b.mlp.fc2.bias is not None for b in blocks_of(model)],
+        "proj_bias": [b.attn.proj.bias is not None for b in blocks_of(model)],
         "settings": settings or {},
         "calibration": calibration or {},
         "versions": library_versions(),

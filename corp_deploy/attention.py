@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import PrunedAttention
+from .layers import PrunedAttention, head_dims
 
 
 def qk_dim_scores(a_full: torch.Tensor, g_full: torch.Tensor) -> torch.Tensor:
@@ -184,14 +184,15 @@ def fold_attention(attn: nn.Module, kept: torch.Tensor, ms: list[torch.Tensor]) 
     """A :class:`PrunedAttention` with ``Q_S (I + M) K_S^T`` folded into query/key weights.
 
     Args:
-        attn: timm ``Attention`` (fused ``qkv`` laid out ``[q | k | v]``, head-major).
+        attn: timm ``Attention`` or a full-width :class:`PrunedAttention` (fused ``qkv`` laid out
+            ``[q | k | v]``, head-major, query/key and value heads equally wide).
         kept: ``(H, d')`` kept query/key dims per head.
         ms: per head ``M`` (``d' x d'``).
     Per head: ``Wq' = U^T Wq[S]``, ``bq' = U^T bq[S]``, ``Wk' = V^T Wk[S]``,
     ``bk' = V^T bk[S]``; value and output projection unchanged; the original softmax
     scale is kept.
     """
-    H, d = attn.num_heads, attn.head_dim
+    H, d = attn.num_heads, head_dims(attn)[0]
     dim = attn.qkv.in_features
     kq = kept.shape[1]
     w = attn.qkv.weight.detach().double().reshape(3, H, d, dim)

@@ -5,7 +5,10 @@ A block computes ``x + ls1(attn(norm1(x)))`` and then ``x + ls2(mlp(norm2(x)))``
 below compute exactly that (for the structures ``models.check_prunable`` admits) and show
 optional probes what they see on the way: the attention's per-head queries, keys and values,
 the input of its output projection, and the MLP's hidden activations. Tokens are
-``(B, N, C)``; per-head tensors ``(B, H, N, d)``.
+``(B, N, C)``; per-head tensors ``(B, H, N, d)``. A Swin block
+(:class:`~corp_deploy.families.WindowedBlock`) keeps a ``(B, H, W, C)`` feature map and attends
+within windows: its attention and probes see ``(B * windows, N, C)`` window tokens, and its heads
+probe one group of mutually attending tokens per "image" (:meth:`ShiftedWindows.group_heads`).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import PrunedAttention, relative_position_bias
+from .layers import PrunedAttention, head_dims, relative_position_bias
 
 #: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
 #: their own head dim).
@@ -30,7 +33,7 @@ def project_qk(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """Queries and keys ``(B, H, N, d)`` of timm ``Attention`` on normalised tokens ``x``,
     without computing the values."""
     B, N, _ = x.shape
-    H, d = attn.num_heads, attn.head_dim
+    H, d = attn.num_heads, head_dims(attn)[0]
     rows = 2 * H * d
     bias = attn.qkv.bias[:rows] if attn.qkv.bias is not None else None
     q, k = F.linear(x, attn.qkv.weight[:rows], bias).reshape(B, N, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)
@@ -48,21 +51,51 @@ def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def attention_forward(attn: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
-                      on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
+                      on_proj_input: ProjInputProbe | None = None, attn_mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """``attn(x)`` on normalised tokens ``x``; with probes it is computed from explicit queries,
     keys and values (timm ``Attention`` or ``RelPosAttention`` without qk-norm, or
-    ``PrunedAttention``; a relative position bias is added to the logits) so that they see them."""
+    ``PrunedAttention``; a relative position bias is added to the logits) so that they see them.
+    ``attn_mask``: an additive logit mask (a :class:`PrunedAttention`'s, for Swin's shifted windows)."""
     if on_heads is None and on_proj_input is None:
-        return attn(x)
+        return attn(x) if attn_mask is None else attn(x, attn_mask=attn_mask)
     B, N, _ = x.shape
     q, k, v = attention_heads(attn, x)
     if on_heads is not None:
         on_heads(q, k, v)
-    z = F.scaled_dot_product_attention(q, k, v, attn_mask=relative_position_bias(attn), scale=attn.scale)
+    bias = relative_position_bias(attn)
+    if attn_mask is not None:
+        bias = attn_mask if bias is None else attn_mask + bias
+    z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scale)
     z = z.transpose(1, 2).reshape(B, N, -1)
     if on_proj_input is not None:
         on_proj_input(z)
     return attn.proj(z)
+
+
+def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
+                     on_proj_input: ProjInputProbe | None = None, attn: nn.Module | None = None) -> torch.Tensor:
+    """The block's attention (or ``attn`` in its place) on normalised tokens ``x``, within the
+    block's windows where it has them; probes as in :func:`attention_forward`."""
+    attn = block.attn if attn is None else attn
+    windows = getattr(block, "windows", None)
+    if windows is None:
+        return attention_forward(attn, x, on_heads, on_proj_input)
+    if on_heads is not None:
+        probe = on_heads
+
+        def on_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            probe(windows.group_heads(q), windows.group_heads(k), windows.group_heads(v))
+    return windows.attend(lambda t, mask: attention_forward(attn, t, on_heads, on_proj_input, mask), x)
+
+
+def probe_query_keys(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe) -> None:
+    """Show ``on_heads`` the queries and keys of the block's attention for its residual stream
+    ``x`` (values: None where they are not computed)."""
+    if getattr(block, "windows", None) is not None:
+        attention_output(block, block.norm1(x), on_heads)
+    else:
+        on_heads(*project_qk(block.attn, block.norm1(x)), None)
 
 
 def mlp_hidden(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +107,7 @@ def mlp_hidden(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def attention_residual(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
                        on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
     """The block's first half: ``x + ls1(attn(norm1(x)))``."""
-    return x + block.ls1(attention_forward(block.attn, block.norm1(x), on_heads, on_proj_input))
+    return x + block.ls1(attention_output(block, block.norm1(x), on_heads, on_proj_input))
 
 
 def mlp_residual(block: nn.Module, x: torch.Tensor, on_hidden: HiddenProbe | None = None) -> torch.Tensor:
@@ -90,7 +123,14 @@ def block_forward(block: nn.Module, x: torch.Tensor, *, on_heads: HeadsProbe | N
                   on_proj_input: ProjInputProbe | None = None, on_hidden: HiddenProbe | None = None
                   ) -> torch.Tensor:
     """``block(x)``, showing the probes what they look at (see the module docstring)."""
-    return mlp_residual(block, attention_residual(block, x, on_heads, on_proj_input), on_hidden)
+    return block_exit(block, mlp_residual(block, attention_residual(block, x, on_heads, on_proj_input), on_hidden))
+
+
+def block_exit(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's output from its second residual ``x``: the patch merging a Swin block carries
+    into the next stage, else ``x``."""
+    transition = getattr(block, "transition", None)
+    return x if transition is None else transition(x)
 
 
 def residual_weight(layer: nn.Linear, layer_scale: nn.Module) -> torch.Tensor:
@@ -111,7 +151,8 @@ class BoundaryCache:
 
     @property
     def tokens(self) -> int:
-        return self.batches[0].shape[1] if self.batches else 0
+        """Tokens per image entering the current block (``N``, or ``H * W`` of a feature map)."""
+        return self.batches[0][0, ..., 0].numel() if self.batches else 0
 
     @property
     def device(self) -> torch.device:

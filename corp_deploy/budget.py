@@ -10,6 +10,7 @@ from torch import nn
 from .allocation import Unit, allocate, check_feasible
 from .cost import count_macs
 from .curves import measure_curves, unit_shapes
+from .families import blocks_of
 
 if TYPE_CHECKING:
     from .config import CompressConfig
@@ -34,7 +35,7 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
     kept = allocate([Unit(c.total, c.macs_per_dim, c.distortion) for c in curves], dense_macs - prunable,
                     budget_macs, config.round_to, config.unit_floor)
-    per_block: list[dict] = [{"orders": {}} for _ in model.blocks]
+    per_block: list[dict] = [{"orders": {}} for _ in blocks_of(model)]
     for curve, size in zip(curves, kept):
         for field in _SIZE_FIELDS[curve.part]:
             per_block[curve.block][field] = size

@@ -32,7 +32,8 @@ from torch import nn
 
 from . import attention as attn_ops
 from . import channels
-from .blocks import BoundaryCache, attention_forward, mlp_residual, residual_weight
+from .blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
+from .families import blocks_of
 from .layers import GatedLinear, head_dims
 from .stats import HeadGrams, MomentAccumulator
 
@@ -70,17 +71,26 @@ class UnitCurve:
 
 def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
     """MACs of one kept dim of ``block``'s ``part`` per image, as :func:`corp_deploy.count_macs`
-    counts them, for width ``C`` and ``N`` tokens.
+    counts them, for width ``C`` and ``N`` tokens (a Swin block counts its own feature map's tokens).
 
     MLP hidden channel: fc1 and fc2 (``2 N C``; ``3 N C`` for a gated MLP, whose fc1 has a
     gate and an up row per channel). Query/key dim in every head: the query and key
-    rows of qkv (``2 N C``) and the logits matmul (``N^2``). Value dim in every head: the value
-    row of qkv (``N C``), the attention-values matmul (``N^2``) and the proj column (``N C``).
+    rows of qkv (``2 N C``) and the logits matmul (``N K``, ``K`` keys per query: ``N``, or the
+    window's tokens). Value dim in every head: the value row of qkv (``N C``), the
+    attention-values matmul (``N K``) and the proj column (``N C``). Within windows, attention sees
+    the feature map padded to whole windows.
     """
     width, heads = block.attn.proj.out_features, block.attn.num_heads
+    windows = getattr(block, "windows", None)
+    if windows is not None:
+        tokens = windows.resolution[0] * windows.resolution[1]
     if part == "mlp":
         return (3 if isinstance(block.mlp.fc1, GatedLinear) else 2) * tokens * width
-    return heads * (2 * tokens * width + tokens * tokens)
+    if windows is not None:
+        tokens, keys = windows.padded_tokens, windows.area
+    else:
+        keys = tokens
+    return heads * (2 * tokens * width + tokens * keys)
 
 
 class ResidualEnergy:
@@ -91,7 +101,7 @@ class ResidualEnergy:
 
     def update(self, x: torch.Tensor) -> None:
         self.total += float((x - x.mean(-1, keepdim=True)).square().sum(-1).double().sum())
-        self.tokens += x.shape[0] * x.shape[1]
+        self.tokens += x[..., 0].numel()
 
     @property
     def value(self) -> float:
@@ -101,7 +111,7 @@ class ResidualEnergy:
 def unit_shapes(model: nn.Module, tokens: int, parts: tuple[str, ...]) -> list[tuple[int, int]]:
     """``(total, macs_per_dim)`` of every unit of ``parts`` (``mlp``, ``qk``, ``vo``), block by block."""
     shapes = []
-    for block in model.blocks:
+    for block in blocks_of(model):
         qk, v = head_dims(block.attn)
         totals = {"mlp": block.mlp.fc1.out_features, "qk": qk, "vo": v}
         shapes += [(totals[part], macs_per_dim(part, tokens, block)) for part in ("mlp", "qk", "vo") if part in parts]
@@ -124,7 +134,7 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     per block, or ``qkvo`` instead of the last two with ``equal_head_dims``)."""
     units: list[UnitCurve] = []
     tokens = cache.tokens
-    for index, block in enumerate(model.blocks):
+    for index, block in enumerate(blocks_of(model)):
         attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
         proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
@@ -138,10 +148,10 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
             if grams is not None and sum(len(p) for p in probe) < PROBE_IMAGES:
                 probe.append(x[:PROBE_IMAGES - sum(len(p) for p in probe)].clone())
             attn_energy.update(x)
-            x = x + block.ls1(attention_forward(attn, block.norm1(x), grams.add if grams is not None else None,
-                                                proj_inputs.update if proj_inputs is not None else None))
+            x = x + block.ls1(attention_output(block, block.norm1(x), grams.add if grams is not None else None,
+                                               proj_inputs.update if proj_inputs is not None else None))
             mlp_energy.update(x)
-            return mlp_residual(block, x, hidden.update if hidden is not None else None)
+            return block_exit(block, mlp_residual(block, x, hidden.update if hidden is not None else None))
 
         cache.advance(step)
         block_units = {}
@@ -169,28 +179,29 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
     the summed logit curves of the heads, times the measured ratio of output to logit error.
     ``probe``: block inputs ``(B, N, C)`` of the probe images."""
-    attn = block.attn
+    attn, head_dim = block.attn, head_dims(block.attn)[0]
     a_full, g_full = grams.head_major()
     scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
     orders = torch.argsort(scores, dim=1, descending=True, stable=True)
-    sizes = qk_probe_sizes(attn.head_dim)
-    logit = torch.zeros(attn.head_dim + 1, dtype=torch.float64)
+    sizes = qk_probe_sizes(head_dim)
+    logit = torch.zeros(head_dim + 1, dtype=torch.float64)
     solutions = []
     for h in range(attn.num_heads):
         curve, ms = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha, solutions_at=sizes)
         logit += attn.scale ** 2 * curve.cpu()
         solutions.append(ms)
     del a_full, g_full
-    dense_output = block.ls1(attn(block.norm1(probe)))
+    dense_output = block.ls1(attention_output(block, block.norm1(probe)))
     ratios = {}
     for k in sizes:
         pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [ms[k] for ms in solutions])
-        measured = float((block.ls1(pruned(block.norm1(probe))) - dense_output).double().square().sum(-1).mean())
+        measured = float((block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output)
+                         .double().square().sum(-1).mean())
         if measured > 0 and logit[k] > 0:
             ratios[k] = measured / float(logit[k])
     if not ratios:  # no logit error at any probe size: nothing to convert
         return logit
-    log_ratio = np.interp(np.arange(attn.head_dim + 1), list(ratios), np.log(list(ratios.values())))
+    log_ratio = np.interp(np.arange(head_dim + 1), list(ratios), np.log(list(ratios.values())))
     return logit * torch.from_numpy(np.exp(log_ratio))
 
 

@@ -28,7 +28,7 @@ from .blocks import BoundaryCache
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .errors import CorpError
-from .families import standard_form
+from .families import blocks_of, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_prunable, check_vit
 
@@ -106,14 +106,14 @@ class _StopForward(Exception):
 
 
 def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """The token sequence ``(B, N, C)`` that enters ``model.blocks[0]`` for ``images``."""
+    """The tokens ``(B, N, C)`` (a Swin's feature map ``(B, H, W, C)``) that enter the first block for ``images``."""
     captured = []
 
     def grab(module, args):
         captured.append(args[0])
         raise _StopForward
 
-    handle = model.blocks[0].register_forward_pre_hook(grab)
+    handle = blocks_of(model)[0].register_forward_pre_hook(grab)
     try:
         model.forward_features(images)
     except _StopForward:

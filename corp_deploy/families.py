@@ -23,13 +23,25 @@ timm ``RelPosAttention`` without bias, as for BEiT.
 CaiT (timm ``Cait``): its self-attention blocks scale their residuals by ``gamma`` (rewritten as
 LayerScale; the talking-heads attention is kept as it is, so only the MLPs can be pruned); its
 class-attention blocks (``blocks_token_only``) come after ``blocks`` and are left dense.
+
+Swin (timm ``SwinTransformer``): stages of blocks on an ``(B, H, W, C)`` feature map, each block
+attending within (shifted) windows with a relative position bias, and patch merging at the
+start of every later stage. Each block is rewritten as a :class:`WindowedBlock`: its attention
+a full-width :class:`~corp_deploy.layers.PrunedAttention` holding the bias table, the shift,
+window partition and shift mask in a :class:`ShiftedWindows`, and the next stage's patch merging
+moved to the end of the block (``transition``) so that the blocks, walked in order, are the
+whole model between the patch embedding and the final norm (:func:`blocks_of`).
 """
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
-from timm.models import beit, cait, eva
+from timm.models import beit, cait, eva, swin_transformer as swin
 from timm.models.vision_transformer_relpos import RelPosAttention
 
 from .layers import GatedLinear, PrunedAttention
@@ -82,14 +94,111 @@ class ScaledResidualBlock(nn.Module):
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
+class ShiftedWindows(nn.Module):
+    """Swin's (shifted) windows on a ``(B, H, W, C)`` feature map of fixed ``resolution``
+    ``(H, W)``: the map is rolled by ``-shift``, padded to whole windows of ``window`` ``(wh, ww)``
+    and cut into ``nW`` windows of ``N = wh * ww`` tokens, image-major as timm's
+    ``window_partition``. With a shift, ``mask`` ``(nW, N, N)`` (timm's, 0 or -100; a
+    non-persistent buffer) keeps tokens from different regions of the unrolled map apart.
+
+    The tokens that attend to each other form groups: a whole window without a shift, else the
+    tokens of one region in one window (the rows of ``mask`` that are 0 for the same tokens).
+    :meth:`group_heads` splits per-head tensors into these groups (zeroing the other tokens), so
+    that statistics summed per group are those of the logits the softmax actually mixes
+    (docs/method.md §9)."""
+
+    def __init__(self, resolution: tuple[int, int], window: tuple[int, int], shift: tuple[int, int],
+                 mask: torch.Tensor | None) -> None:
+        super().__init__()
+        self.resolution, self.window, self.shift = tuple(resolution), tuple(window), tuple(shift)
+        self.register_buffer("mask", mask, persistent=False)
+        groups = windows = None
+        if mask is not None:
+            n = mask.shape[-1]
+            first = (mask == 0).float().argmax(-1)  # (nW, N): the first token each token attends to
+            members = first[:, None, :] == torch.arange(n, device=mask.device)[None, :, None]  # (nW, group, N)
+            used = members.any(-1)
+            groups, windows = members[used].to(mask.dtype), used.nonzero()[:, 0]
+        self.register_buffer("group_members", groups, persistent=False)  # (G, N): 1 for the group's tokens
+        self.register_buffer("group_window", windows, persistent=False)  # (G,): the window of each group
+
+    @property
+    def area(self) -> int:
+        """Tokens per window, ``N``."""
+        return self.window[0] * self.window[1]
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens of one image after padding to whole windows (what attention and its projections see)."""
+        (h, w), (wh, ww) = self.resolution, self.window
+        return math.ceil(h / wh) * wh * math.ceil(w / ww) * ww
+
+    def attend(self, attention: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: torch.Tensor
+               ) -> torch.Tensor:
+        """``attention(windows, mask)`` of the windows of ``x`` ``(B, H, W, C)``, put back in place:
+        ``windows`` ``(B * nW, N, C)``, ``mask`` ``(B * nW, 1, N, N)`` (None without a shift), and
+        ``attention`` returns ``(B * nW, N, C')``."""
+        B, H, W, _ = x.shape
+        (wh, ww), (sh, sw) = self.window, self.shift
+        if sh or sw:
+            x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
+        x = F.pad(x, (0, 0, 0, (ww - W % ww) % ww, 0, (wh - H % wh) % wh))
+        Hp, Wp = x.shape[1:3]
+        mask = None
+        if self.mask is not None:
+            mask = self.mask.unsqueeze(0).expand(B, -1, -1, -1).reshape(-1, 1, self.area, self.area)
+        y = attention(swin.window_partition(x, self.window).view(-1, self.area, x.shape[-1]), mask)
+        y = swin.window_reverse(y.view(-1, wh, ww, y.shape[-1]), self.window, Hp, Wp)[:, :H, :W, :].contiguous()
+        return torch.roll(y, shifts=(sh, sw), dims=(1, 2)) if sh or sw else y
+
+    def group_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-window, per-head ``t`` ``(B * nW, H, N, d)`` -> per group ``(B * G, H, N, d)``
+        (tokens outside the group zeroed); unchanged without a shift."""
+        if self.mask is None:
+            return t
+        t = t.unflatten(0, (-1, self.mask.shape[0]))[:, self.group_window]
+        return (t * self.group_members[:, None, :, None].to(t.dtype)).flatten(0, 1)
+
+    def extra_repr(self) -> str:
+        return f"resolution={self.resolution}, window={self.window}, shift={self.shift}"
+
+
+class WindowedBlock(ScaledResidualBlock):
+    """A Swin block: ``x + attn(norm1(x))`` with attention within the (shifted) ``windows``, then
+    ``x + mlp(norm2(x))``, then ``transition`` (the next stage's patch merging, or the identity).
+    ``attn``: a :class:`~corp_deploy.layers.PrunedAttention` with the window's relative position
+    bias as ``rel_pos``; ``ls1``/``ls2`` are identities. Tokens ``(B, H, W, C)``."""
+
+    def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, mlp: nn.Module,
+                 windows: ShiftedWindows, transition: nn.Module) -> None:
+        super().__init__(norm1, attn, nn.Identity(), norm2, mlp, nn.Identity())
+        self.windows, self.transition = windows, transition
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls1(self.windows.attend(lambda t, mask: self.attn(t, attn_mask=mask), self.norm1(x)))
+        return self.transition(x + self.ls2(self.mlp(self.norm2(x))))
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``model`` in forward order: ``model.blocks``, or every stage's
+    blocks of a Swin (in standard form, the blocks carry the patch merging between stages)."""
+    if isinstance(model, swin.SwinTransformer):
+        return [block for stage in model.layers for block in stage.blocks]
+    return list(getattr(model, "blocks", ()))
+
+
 def in_standard_form(model: nn.Module) -> bool:
     """Whether :func:`standard_form` would leave ``model`` unchanged."""
-    return not any(type(block) in (beit.Block, eva.EvaBlock, cait.LayerScaleBlock)
-                   or _is_gated(getattr(block, "mlp", None)) for block in getattr(model, "blocks", ()))
+    if isinstance(model, swin.SwinTransformer) and any(
+            not isinstance(stage.downsample, nn.Identity) for stage in list(model.layers)[1:]):
+        return False
+    return not any(type(block) in (beit.Block, eva.EvaBlock, cait.LayerScaleBlock, swin.SwinTransformerBlock)
+                   or _is_gated(getattr(block, "mlp", None)) for block in blocks_of(model))
 
 
 def standard_form(model: nn.Module) -> nn.Module:
-    """``model`` with its BEiT, Eva and CaiT blocks rewritten as :class:`ScaledResidualBlock` and
+    """``model`` with its BEiT, Eva and CaiT blocks rewritten as :class:`ScaledResidualBlock`, its Swin
+    blocks as :class:`WindowedBlock` (patch merging moved into the block before it), and
     the gated MLPs of any family (also ViTs such as DINOv2 giant) as timm ``Mlp``s with a
     :class:`GatedLinear` fc1 (in place; the same model is returned; other models are unchanged). The rewritten
     model computes the same function; norms and MLPs are moved over, the attention's weights
@@ -108,7 +217,9 @@ def standard_form(model: nn.Module) -> nn.Module:
             if type(block) is cait.LayerScaleBlock:
                 model.blocks[i] = ScaledResidualBlock(block.norm1, block.attn, _layer_scale(block.gamma_1), block.norm2,
                                                       block.mlp, _layer_scale(block.gamma_2))
-    for block in getattr(model, "blocks", ()):
+    elif isinstance(model, swin.SwinTransformer):
+        _standard_swin(model)
+    for block in blocks_of(model):
         if _is_gated(getattr(block, "mlp", None)):
             block.mlp = _standard_mlp(block.mlp)
     return model
@@ -122,6 +233,29 @@ def eva_rotary_embedding(model: eva.Eva) -> torch.Tensor | None:
     if hasattr(model.rope, "feat_shape"):
         return model.rope.get_embed()
     return model.rope.get_embed(shape=model.patch_embed.grid_size)
+
+
+def _standard_swin(model: swin.SwinTransformer) -> None:
+    stages = list(model.layers)
+    for stage in stages:
+        for i, block in enumerate(stage.blocks):
+            if type(block) is swin.SwinTransformerBlock:
+                stage.blocks[i] = _standard_swin_block(block)
+    for before, stage in zip(stages, stages[1:]):
+        if not isinstance(stage.downsample, nn.Identity):
+            before.blocks[-1].transition, stage.downsample = stage.downsample, nn.Identity()
+
+
+def _standard_swin_block(block: swin.SwinTransformerBlock) -> WindowedBlock:
+    old = block.attn
+    weight, heads = old.qkv.weight, old.num_heads
+    head_dim = weight.shape[0] // 3 // heads
+    attn = PrunedAttention(weight.shape[1], heads, head_dim, head_dim, old.scale, qkv_bias=old.qkv.bias is not None,
+                           proj_bias=old.proj.bias is not None,
+                           rel_pos=TableRelativePosition(old.relative_position_bias_table, old.relative_position_index))
+    attn = _filled(attn.to(weight.device, weight.dtype), weight, old.qkv.bias, old.proj)
+    windows = ShiftedWindows(block.input_resolution, block.window_size, block.shift_size, block.attn_mask)
+    return WindowedBlock(block.norm1, attn, block.norm2, block.mlp, windows, nn.Identity())
 
 
 def _standard_beit_block(block: beit.Block) -> ScaledResidualBlock:

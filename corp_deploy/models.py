@@ -9,12 +9,12 @@ import torch
 from torch import nn
 from timm.layers import HybridEmbed, Mlp, PatchEmbed
 from timm.layers.attention import Attention
-from timm.models import beit, cait, eva
+from timm.models import beit, cait, eva, swin_transformer as swin
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
 from .errors import CorpError
-from .families import ScaledResidualBlock, eva_rotary_embedding, standard_form
+from .families import ScaledResidualBlock, WindowedBlock, blocks_of, eva_rotary_embedding, standard_form
 from .layers import GatedLinear, PrunedAttention, head_dims
 
 ALIASES = {
@@ -36,7 +36,8 @@ SUPPORTED_FAMILIES = ("timm VisionTransformer models built from its standard Blo
                       "beitv2_*); Eva of pre-norm EvaBlocks with EvaAttention without qk-norm or inner norm "
                       "(eva02_* image models, eva_giant_*, *_dinov3 with dynamic_img_size=False, vit_*_rope_reg*; "
                       "MLP and value/output dims where there is a rotary embedding); Cait (cait_*: MLPs of the "
-                      "self-attention blocks only)")
+                      "self-attention blocks only); SwinTransformer (swin_*: windowed attention with relative "
+                      "position bias, patch merging kept dense)")
 
 
 def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) -> str:
@@ -153,7 +154,8 @@ def structure_problem(model: nn.Module) -> str | None:
     bias belongs to each block (the bias is additive in the logits, docs/method.md §9), and for a
     ``Beit`` whose relative position bias belongs to each block and an ``Eva`` of pre-norm blocks whose
     attention has no qk-norm, inner norm or gate, and a ``Cait`` (all three rewritten by
-    :func:`~corp_deploy.families.standard_form`; which parts can be pruned: :func:`check_prunable`)."""
+    :func:`~corp_deploy.families.standard_form`; which parts can be pruned: :func:`check_prunable`), and a
+    ``SwinTransformer`` of timm's (shifted) window blocks with a fixed shift mask."""
     if isinstance(model, VisionTransformerRelPos):
         return _relpos_problem(model)
     if isinstance(model, beit.Beit):
@@ -162,6 +164,8 @@ def structure_problem(model: nn.Module) -> str | None:
         return _eva_problem(model)
     if isinstance(model, cait.Cait):
         return _cait_problem(model)
+    if isinstance(model, swin.SwinTransformer):
+        return _swin_problem(model)
     if not isinstance(model, VisionTransformer):
         found = f"it builds a timm {type(model).__name__}"
         blocks = getattr(model, "blocks", None)
@@ -185,7 +189,10 @@ def structure_problem(model: nn.Module) -> str | None:
 
 #: Why the timm families that are refused as a whole cannot be compressed (by model class name).
 _FAMILY_REASONS = {
-    "SwinTransformer": "windowed attention in stages joined by patch merging is not supported yet",
+    name: ("its blocks are post-norm and their attention is a scaled cosine of queries and keys plus a position "
+           "bias computed by an MLP, so neither the block layout nor the query/key system of docs/method.md §3 "
+           "applies; Swin v1 (swin_*) is supported")
+    for name in ("SwinTransformerV2", "SwinTransformerV2Cr")
 }
 
 
@@ -246,6 +253,21 @@ def _cait_problem(model: cait.Cait) -> str | None:
     return None
 
 
+def _swin_problem(model: swin.SwinTransformer) -> str | None:
+    for s, stage in enumerate(model.layers):
+        if type(stage) is not swin.SwinTransformerStage:
+            return f"stage {s} is a {_class_path(stage)}, not timm's SwinTransformerStage"
+        for i, block in enumerate(stage.blocks):
+            if type(block) is WindowedBlock:
+                continue
+            if type(block) is not swin.SwinTransformerBlock or type(block.attn) is not swin.WindowAttention:
+                return f"stage {s} block {i} is a {_class_path(block)}, not timm's SwinTransformerBlock"
+            if block.dynamic_mask:
+                return (f"stage {s} block {i} computes its shift mask for each input (dynamic_mask=True), "
+                        "which is not supported")
+    return None
+
+
 def _class_path(obj: object) -> str:
     """``module.Class`` of ``obj`` (timm reuses class names such as ``Block`` across families)."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -261,7 +283,7 @@ def check_vit(model: nn.Module) -> None:
 def check_prunable(model: nn.Module, mlp: bool, qk: bool, vo: bool) -> None:
     """CorpError if a part asked to be pruned (MLP hidden channels, query/key dims, value/output
     dims) does not have the structure CORP assumes, saying why and which ``--target`` works."""
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(blocks_of(model)):
         if mlp:
             m = block.mlp
             if type(m) is not Mlp or not isinstance(m.fc1, (nn.Linear, GatedLinear)):
@@ -281,13 +303,14 @@ def check_prunable(model: nn.Module, mlp: bool, qk: bool, vo: bool) -> None:
                             "scale-norm or gating) is not supported for query/key or value pruning; "
                             "use --target mlp")
         if qk and isinstance(attn, PrunedAttention):
-            if attn.rope is None:
+            if attn.rope is not None:
+                raise CorpError(f"block {i}: the attention rotates queries and keys by a rotary position embedding; "
+                                "the query/key compensation of docs/method.md §3 mixes dims across rotation pairs, "
+                                "which does not commute with the rotation (docs/method.md §9). Prune the MLP and "
+                                "value/output dims instead: --target mlp-vo (or mlp, vo)")
+            if attn.qk_head_dim != attn.v_head_dim or attn.scale != attn.qk_head_dim ** -0.5:
                 raise CorpError(f"block {i}: the attention's query/key dims are already pruned; compress the dense "
                                 "model instead")
-            raise CorpError(f"block {i}: the attention rotates queries and keys by a rotary position embedding; "
-                            "the query/key compensation of docs/method.md §3 mixes dims across rotation pairs, "
-                            "which does not commute with the rotation (docs/method.md §9). Prune the MLP and "
-                            "value/output dims instead: --target mlp-vo (or mlp, vo)")
 
 
 def is_prunable_attention(attn: nn.Module) -> bool:

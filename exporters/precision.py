@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from corp_deploy import CorpError, PrunedAttention, head_dims, is_prunable_attention
+from corp_deploy import CorpError, PrunedAttention, blocks_of, head_dims, is_prunable_attention
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -54,14 +54,14 @@ class Float32SoftmaxAttention(PrunedAttention):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise CorpError("masked attention is not supported in reduced-precision export")
+        if is_causal:
+            raise CorpError("causal attention is not supported in reduced-precision export")
         B, N, _ = x.shape
         q, k, v = self.project_heads(x)
         logits = ((q * self.scale) @ k.transpose(-2, -1)).float()
-        bias = self.logit_bias(shared_rel_pos)
-        if bias is not None:
-            logits = logits + bias.float()
+        for bias in (self.logit_bias(shared_rel_pos), attn_mask):  # Swin's shift mask is an additive attn_mask
+            if bias is not None:
+                logits = logits + bias.float()
         weights = logits.softmax(dim=-1).to(v.dtype)
         return self.proj((weights @ v).transpose(1, 2).reshape(B, N, -1))
 
@@ -87,7 +87,7 @@ def for_export(model: nn.Module, precision: str) -> nn.Module:
         return model.eval().float()
     dtype = DTYPES[precision]
     low = copy.deepcopy(model).eval().to(dtype)
-    for block in low.blocks:
+    for block in blocks_of(low):
         block.attn = Float32SoftmaxAttention.from_module(block.attn)
     for parent in list(low.modules()):
         for name, child in parent.named_children():

@@ -11,8 +11,11 @@ import torch
 from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy import (CompressConfig, CorpError, GatedLinear, PrunedAttention, compress, count_macs, load_compressed,
-                         save_artifact, standard_form)
+from corp_deploy import (CompressConfig, CorpError, GatedLinear, PrunedAttention, blocks_of, compress, count_macs,
+                         load_compressed, save_artifact, standard_form)
+from corp_deploy import attention as attn_ops
+from corp_deploy.blocks import attention_output
+from corp_deploy.stats import HeadGrams
 from corp_deploy.config import TARGET_PARTS
 from corp_deploy.layers import keep_rows
 from exporters import ExportOptions, export_artifact
@@ -50,6 +53,9 @@ FAMILIES = {
     # token weighting needs a plain attention
     "cait": Family("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp",
                    ("corp", "vbp")),
+    # two stages joined by patch merging; the first (14 x 14 tokens, 7 x 7 windows) has a shifted block
+    "swin": Family("swin_tiny_patch4_window7_224", dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
+                                                        num_classes=10), 56, None, ("corp", "vbp")),
 }
 
 
@@ -201,3 +207,67 @@ def test_parts_without_exact_compensation_are_refused_saying_what_works(family, 
     with pytest.raises(CorpError, match=message):
         compress(create_dense(family), [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
                  CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+
+
+def test_swin_standard_form_computes_what_timm_computes():
+    """Swin blocks as WindowedBlocks (full-width PrunedAttention holding the bias table, the shift
+    and mask in ShiftedWindows, patch merging moved to the end of the block before it) give timm's
+    output; float32 rounding differs (timm's explicit softmax against SDPA), not more."""
+    dense = create_dense("swin")
+    standard = standard_form(copy.deepcopy(dense))
+    blocks = blocks_of(standard)
+    assert [type(b).__name__ for b in blocks] == ["WindowedBlock"] * 4
+    assert [any(b.windows.shift) for b in blocks] == [False, True, False, False]  # stage 2 fits in one window
+    assert type(blocks[1].transition).__name__ == "PatchMerging"
+    assert isinstance(standard.layers[1].downsample, torch.nn.Identity)
+    x = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(standard(x), dense(x))
+    assert standard_form(standard) is standard and len(blocks_of(standard)) == 4
+    for block, timm_block in zip(blocks, [b for stage in dense.layers for b in stage.blocks]):
+        torch.testing.assert_close(block.attn.logit_bias(), timm_block.attn._get_rel_pos_bias(), rtol=0, atol=0)
+
+
+def test_swin_query_key_statistics_are_those_of_the_logits_inside_the_shift_mask():
+    """In a shifted-window block the statistics of docs/method.md §3 are summed over the groups of
+    tokens that attend to each other (window x region), so the compensation M is the least-squares
+    fit of exactly the logits the mask lets through: checked against lstsq on those logits, computed
+    with timm's own roll, window partition and mask."""
+    dense = create_dense("swin")
+    timm_block = dense.layers[0].blocks[1]
+    block = blocks_of(standard_form(copy.deepcopy(dense)))[1]
+    x = torch.randn(2, 14, 14, 32, generator=torch.Generator().manual_seed(7))
+    grams = HeadGrams()
+    with torch.no_grad():
+        attention_output(block, block.norm1(x), on_heads=grams.add)
+        shifted = torch.roll(timm_block.norm1(x), shifts=(-3, -3), dims=(1, 2))
+        windows = timm.models.swin_transformer.window_partition(shifted, (7, 7)).reshape(-1, 49, 32)
+        q, k, _ = timm_block.attn.qkv(windows).double().reshape(-1, 49, 3, 2, 16).permute(2, 3, 0, 1, 4)
+    allowed = (timm_block.attn_mask == 0).repeat(2, 1, 1)  # (images x windows, 49, 49)
+    a_full, g_full = grams.head_major()
+    S, P = torch.arange(0, 16, 2), torch.arange(1, 16, 2)
+    for h in range(2):
+        solution = attn_ops.solve_head(a_full[h], g_full[h], S, P, alpha=0.0)
+        design, target = [], []
+        for w in range(allowed.shape[0]):
+            i, j = allowed[w].nonzero(as_tuple=True)
+            qs, ks = q[h, w][:, S], k[h, w][:, S]
+            design.append((qs[i, :, None] * ks[j, None, :]).reshape(len(i), -1))  # vec(q_S,i k_S,j^T), row-major
+            target.append((q[h, w][i][:, P] * k[h, w][j][:, P]).sum(-1))
+        m = torch.linalg.lstsq(torch.cat(design), torch.cat(target)[:, None]).solution.reshape(8, 8)
+        torch.testing.assert_close(solution.M, m, rtol=1e-4, atol=1e-6)  # float32 activations, float64 solves
+
+
+def test_swin_refuses_toast_and_keeps_bias_and_mask_when_pruned():
+    dense = create_dense("swin")
+    images = [torch.randn(4, 3, 56, 56, generator=torch.Generator().manual_seed(2))]
+    with pytest.raises(CorpError, match="not implemented for Swin"):
+        compress(dense, images, CompressConfig(method="toast", s_mlp=0.5))
+    model, _ = compress(dense, images, CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+    for block, timm_block in zip(blocks_of(model), [b for stage in dense.layers for b in stage.blocks]):
+        assert (block.attn.qk_head_dim, block.attn.v_head_dim) == (8, 8)
+        torch.testing.assert_close(block.attn.logit_bias(), timm_block.attn._get_rel_pos_bias(), rtol=0, atol=0)
+        if timm_block.attn_mask is None:
+            assert block.windows.mask is None
+        else:
+            assert torch.equal(block.windows.mask, timm_block.attn_mask)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 from torch import nn
 
 from ..blocks import BoundaryCache
+from ..families import blocks_of
 
 if TYPE_CHECKING:
     from ..config import CompressConfig
@@ -58,7 +59,7 @@ class Method(ABC):
 
     def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
         """How many times ``compress_blocks`` calls ``run.block_done`` (for the progress bar)."""
-        return len(model.blocks)
+        return len(blocks_of(model))
 
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
         """CorpError if ``model`` cannot be compressed this way (beyond the common structure checks)."""

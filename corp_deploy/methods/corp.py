@@ -18,9 +18,10 @@ from torch import nn
 
 from .. import attention as attn_ops
 from .. import channels, values
-from ..blocks import (attention_forward, attention_residual, block_forward, mlp_hidden, mlp_residual, project_qk,
-                      residual_weight)
+from ..blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_hidden, mlp_residual,
+                      probe_query_keys, residual_weight)
 from ..dims import kept_count
+from ..families import blocks_of
 from ..layers import block_dims, head_dims
 from ..stats import HeadGrams, MomentAccumulator
 from .base import BlockRun, Method
@@ -51,17 +52,17 @@ class Corp(Method):
     options = ("ranker", "ridge", "calibration", "macs", "speedup", "unit_floor", "distortion", "equal_head_dims")
 
     def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
-        return len(model.blocks) * (2 if config.has_budget else 1)  # a budget first measures every block
+        return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
         if config.has_budget:
             from ..budget import plan_budget
             sizes, run.report["budget"] = plan_budget(model, run, config)
         else:
-            sizes = [uniform_sizes(block, config) for block in model.blocks]
+            sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
         compress_block = _compress_block_sequential if config.calibration == "sequential" else _compress_block
         layers = []
-        for block, size in zip(model.blocks, sizes):
+        for block, size in zip(blocks_of(model), sizes):
             layers.append(compress_block(block, run, config, size))
             run.block_done()
         return layers
@@ -111,14 +112,14 @@ def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compres
         grams = HeadGrams()
         with run.timer("attention_statistics"):
             for x in run.cache.batches:
-                grams.add(*project_qk(block.attn, block.norm1(x)))
+                probe_query_keys(block, x, grams.add)
         with run.timer("attention_solve"):
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
     if sizes.v is not None:
         proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False)
         with run.timer("values_statistics"):
             for x in run.cache.batches:
-                attention_forward(block.attn, block.norm1(x), on_proj_input=proj_inputs.update)
+                attention_output(block, block.norm1(x), on_proj_input=proj_inputs.update)
         with run.timer("values_solve"):
             info["values"] = compress_values(block, proj_inputs, config, sizes.v)
     if sizes.mlp is not None:
@@ -133,7 +134,7 @@ def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compres
         with run.timer("mlp_solve"):
             info["mlp"] = compress_mlp(block, moments, config, sizes.mlp)
         with run.timer("propagate"):
-            run.cache.advance(lambda x: mlp_residual(block, x))
+            run.cache.advance(lambda x: block_exit(block, mlp_residual(block, x)))
     else:
         with run.timer("propagate"):
             run.cache.advance(lambda x: block_forward(block, x))

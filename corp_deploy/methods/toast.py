@@ -22,6 +22,7 @@ from ..blocks import block_forward
 from ..dims import kept_count
 from ..errors import CorpError
 from ..layers import PrunedAttention, block_dims
+from ..families import blocks_of
 from ..models import is_plain_attention, uses_class_token
 from .base import BlockRun, Method
 
@@ -39,6 +40,9 @@ class Toast(Method):
     has_compensation = False
 
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
+        if any(getattr(block, "windows", None) is not None for block in blocks_of(model)):
+            raise CorpError("toast samples tokens of a token sequence and is not implemented for Swin's windowed "
+                            "feature maps; use --method corp or vbp")
         if config.prunes_mlp and uses_class_token(model):
             for block in model.blocks:
                 if not is_plain_attention(block.attn):
@@ -51,7 +55,7 @@ class Toast(Method):
         class_token = uses_class_token(model)
         sampler = torch.Generator().manual_seed(0)  # token samples: reproducible
         layers = []
-        for block in model.blocks:
+        for block in blocks_of(model):
             info: dict = {}
             if config.prunes_mlp:
                 importance = TokenChannelImportance(block.mlp.fc1.out_features, model.num_prefix_tokens,

@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import channels
 from ..blocks import block_forward
+from ..families import blocks_of
 from ..layers import block_dims
 from .base import BlockRun, Method
 
@@ -34,7 +35,7 @@ class Vbp(Method):
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
         moments = []
         with run.timer("block_statistics"):
-            for block in model.blocks:
+            for block in blocks_of(model):
                 stats = ChannelMoments(block.mlp.fc1.out_features, run.cache.device)
                 run.cache.advance(lambda x: block_forward(block, x, on_hidden=stats.update))
                 moments.append(stats)
@@ -43,7 +44,7 @@ class Vbp(Method):
         with run.timer("mlp_solve"):
             counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.layer_floor,
                                         config.round_to)
-            for block, stats, kept in zip(model.blocks, moments, counts):
+            for block, stats, kept in zip(blocks_of(model), moments, counts):
                 S, P = channels.split_channels(stats.variance, kept)
                 channels.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
                 total_variance = float(stats.variance.sum())
