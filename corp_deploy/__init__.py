@@ -22,8 +22,8 @@ from .methods import METHODS, Method
 from .models import create_base_model, is_plain_attention, is_prunable_attention, resolve_model_name
 
 __all__ = [
-    "BlockDims", "CalibrationImages", "blocks_of", "CompressConfig", "CorpError", "GatedLinear", "METHODS", "Method",
-    "PrunedAttention", "compress", "count_macs", "count_params", "create_base_model", "head_dims",
+    "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "GatedLinear", "METHODS", "Method",
+    "PrunedAttention", "blocks_of", "compress", "count_macs", "count_params", "create_base_model", "head_dims",
     "is_plain_attention", "is_prunable_attention", "kept_count", "latest_artifact", "load_base_model",
     "load_compressed", "model_transform", "read_config", "resolve_model_name", "save_artifact", "standard_form",
 ]

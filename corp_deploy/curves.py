@@ -82,15 +82,13 @@ def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
     """
     width, heads = block.attn.proj.out_features, block.attn.num_heads
     windows = getattr(block, "windows", None)
-    if windows is not None:
-        tokens = windows.resolution[0] * windows.resolution[1]
-    if part == "mlp":
-        return (3 if isinstance(block.mlp.fc1, GatedLinear) else 2) * tokens * width
-    if windows is not None:
-        tokens, keys = windows.padded_tokens, windows.area
+    if windows is None:
+        mlp_tokens = attention_tokens = keys = tokens
     else:
-        keys = tokens
-    return heads * (2 * tokens * width + tokens * keys)
+        mlp_tokens, attention_tokens, keys = windows.tokens, windows.padded_tokens, windows.area
+    if part == "mlp":
+        return (3 if isinstance(block.mlp.fc1, GatedLinear) else 2) * mlp_tokens * width
+    return heads * (2 * attention_tokens * width + attention_tokens * keys)
 
 
 class ResidualEnergy:

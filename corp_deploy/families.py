@@ -128,6 +128,11 @@ class ShiftedWindows(nn.Module):
         return self.window[0] * self.window[1]
 
     @property
+    def tokens(self) -> int:
+        """Tokens of one image, ``H * W``."""
+        return self.resolution[0] * self.resolution[1]
+
+    @property
     def padded_tokens(self) -> int:
         """Tokens of one image after padding to whole windows (what attention and its projections see)."""
         (h, w), (wh, ww) = self.resolution, self.window
