@@ -60,11 +60,34 @@ def to_markdown(report: dict) -> str:
               f"{_fmt(n['top1_agreement'], '.3f')} |"
               for model, backends in report["parity"].items() for backend, n in backends.items()]
     lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
+    lines += int8_markdown(report.get("int8"))
     if report.get("gate"):
         gate = report["gate"]
         lines += ["## Regression gate", "", "passed" if gate["passed"] else "**failed**:", "",
                   *[f"- {item}" for item in gate["regressions"]], ""]
     return "\n".join(lines)
+
+
+def int8_markdown(int8: dict | None) -> list[str]:
+    """The int8 section (:mod:`benchmarks.int8`): latency of the four graphs and their fidelity."""
+    if int8 is None:
+        return []
+    lines = ["## INT8 (ONNX Runtime CPU; the four graphs timed interleaved)", ""]
+    if "skipped" in int8:
+        return lines + [f"Not measured: {int8['skipped']}", ""]
+    variants = list(int8["bytes"])
+    lines += ["| batch | " + " | ".join(f"{v} p50 (ms)" for v in variants)
+              + " | compressed-int8 over dense-fp32 | int8 over fp32: compressed | int8 over fp32: dense |",
+              "|" + "---|" * (len(variants) + 4)]
+    for r in int8["latency"]:
+        ratios = [r["speedup_over_dense_fp32"]["compressed-int8"], r["int8_over_fp32"]["compressed"],
+                  r["int8_over_fp32"]["dense"]]
+        lines.append(f"| {r['batch']} | " + " | ".join(f"{r[v]['p50_s'] * 1e3:.2f}" for v in variants) + " | "
+                     + " | ".join(f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})" for s in ratios) + " |")
+    lines += ["", "| graph | file (MB) | cosine vs dense fp32: mean | min | top-1 agreement |", "|---|---|---|---|---|"]
+    lines += [f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {f['cosine_mean']:.4f} | {f['cosine_min']:.4f} | "
+              f"{_fmt(f['top1_agreement'])} |" for v, f in int8["fidelity"].items()]
+    return lines + [""]
 
 
 def plot(report: dict, path: str | Path) -> None:
@@ -125,6 +148,17 @@ def print_terminal(report: dict) -> None:
         cosine, where = min(worst)
         console.print(f"parity vs torch-cpu: worst cosine {cosine:.6f} ({where})")
     console.print("fidelity: " + fidelity_summary(report))
+    int8 = report.get("int8")
+    if int8 is not None and "skipped" in int8:
+        console.print(f"int8 not measured: {int8['skipped']}", style="yellow")
+    elif int8 is not None:
+        for r in int8["latency"]:
+            over_dense, over_fp32 = r["speedup_over_dense_fp32"]["compressed-int8"], r["int8_over_fp32"]["compressed"]
+            console.print(f"int8, batch {r['batch']}: compressed-int8 {over_dense['median']:.2f}x over dense-fp32, "
+                          f"{over_fp32['median']:.2f}x over compressed-fp32")
+        f = int8["fidelity"]["compressed-int8"]
+        console.print(f"int8 fidelity: compressed-int8 vs dense fp32 cosine {f['cosine_mean']:.4f} "
+                      f"(compressed-fp32 {int8['fidelity']['compressed-fp32']['cosine_mean']:.4f})")
 
 
 def write_outputs(report: dict, *, json_path: Path | None = None, markdown_path: Path | None = None,

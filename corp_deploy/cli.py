@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
-from exporters.precision import PRECISIONS
+from exporters.precision import EXPORT_PRECISIONS
+from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from exporters.tensorrt import BatchProfile
 
 from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
@@ -298,8 +299,15 @@ def _allocation_table(budget: dict):
               help="torch.onnx exporter.")
 @click.option("--batch", "batch", default=str(BatchProfile()), show_default=True, metavar="MIN:OPT:MAX",
               help="TensorRT optimisation profile of the batch axis (the ONNX batch axis is dynamic).")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32.")
+@click.option("--precision", type=click.Choice(EXPORT_PRECISIONS), default="fp32", show_default=True,
+              help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32 "
+                   "(int8: a QDQ graph, Linear layers and attention matmuls in int8).")
+@click.option("--int8-calibration", type=click.Choice(tuple(CALIBRATION_METHODS)), default=DEFAULT_CALIBRATION,
+              show_default=True, help="int8: how activation ranges are set from the calibration images.")
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="int8: calibration image directory. [default: what compress used, from config.json]")
+@click.option("--calib-samples", type=click.IntRange(min=1), default=None,
+              help="int8: number of calibration images. [default: as many as compress used]")
 @click.option("--workspace", "workspace_gb", type=float, default=None, metavar="GB",
               help="TensorRT builder workspace limit. [default: TensorRT's]")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
@@ -308,12 +316,13 @@ def _allocation_table(budget: dict):
               help="Parity gate: max abs error vs the reference. [default: 1e-4 for fp32, not checked "
                    "for fp16/bf16]")
 @click.option("--min-cosine", type=float, default=None,
-              help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16]")
+              help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16, "
+                   "0.98 int8]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
 @_user_errors
-def export(artifact, trt, dense, opset, exporter, batch, precision, workspace_gb, timing_cache,
-           atol, min_cosine, output):
+def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, calib, calib_samples,
+           workspace_gb, timing_cache, atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
     Every ONNX file is checked against the PyTorch model on calibration-like images at batch
@@ -329,6 +338,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, workspace_gb
     Examples:
       corp-deploy export --trt
       corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision fp16 -o out/deit_base-fp16
+      corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision int8 --calib ./images
       corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
     """
     from exporters.parity import Tolerance
@@ -343,7 +353,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, workspace_gb
     options = ExportOptions(
         trt=trt, dense=dense, opset=opset, exporter=exporter,
         precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
-        timing_cache=timing_cache,
+        timing_cache=timing_cache, int8_calibration=int8_calibration, calib=calib, calib_samples=calib_samples,
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     _print_export_summary(result.manifest, result.out_dir)
@@ -429,6 +439,9 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     TARGET is an artifact (its export-fp32/ export is used when present) or an export
     directory; without it, the most recent artifact. Dense and compressed runs are
     interleaved on every available backend; unavailable backends are listed with the reason.
+    When the artifact also has an export-int8/ (both exports made with --dense), the dense and
+    compressed fp32 and int8 graphs are timed together on ONNX Runtime's CPU provider and their
+    fidelity against dense fp32 is measured.
 
     \b
     Exit status: 0 passed; 1 error; 2 bad usage; 4 the regression gate failed (the reports
@@ -443,6 +456,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     from benchmarks.data import eval_images
     from benchmarks.gate import GateLimits, read_report, regressions
     from benchmarks.harness import BenchSettings, run_bench
+    from benchmarks.int8 import int8_graphs, run_int8_bench
     from benchmarks.report import print_terminal, write_outputs
     from benchmarks.targets import calibration_overlap, load_models, resolve_target
 
@@ -463,8 +477,15 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     if not held_out:
         click.secho("warning: the evaluation images overlap the calibration images; fidelity is not held out",
                     fg="yellow", err=True)
-    report = run_bench(compressed, dense, evaluation, settings, held_out=held_out,
-                       log=lambda message: click.echo(message, err=True))
+    def log(message: str) -> None:
+        click.echo(message, err=True)
+
+    report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
+    graphs = int8_graphs(artifact) if "ort" in settings.backends else None
+    if isinstance(graphs, str):
+        report["int8"] = {"skipped": graphs}
+    elif graphs is not None:
+        report["int8"] = run_int8_bench(graphs, dense.torch, evaluation, settings, log)
     found = regressions(report, limits, previous)
     report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
                       "passed": not found, "regressions": found}

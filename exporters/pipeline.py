@@ -3,9 +3,12 @@ files, TensorRT engines or the script that builds them, and a manifest, written 
 
 Every ONNX file passes a parity gate against the PyTorch model it came from, and every
 engine one against ONNX Runtime on the same graph; a failed gate leaves nothing behind.
+An int8 graph is the float32 export quantized on calibration images (:mod:`exporters.quantize`),
+gated against the float32 PyTorch model on held-out images.
 """
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +20,15 @@ from torch import nn
 from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
                          load_compressed, model_transform, read_config)
 from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
+from corp_deploy.calibration import HELD_OUT_PHOTOS
 from corp_deploy.files import sha256_file, staged_directory, write_json
 
 from . import tensorrt as trt_backend
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entries, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Tolerance, compare_outputs
-from .precision import PRECISIONS
+from .precision import EXPORT_PRECISIONS
+from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION, quantize_int8
 from .runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
@@ -47,6 +52,9 @@ class ExportOptions:
 
     ``tolerance`` None means :meth:`Tolerance.for_precision` defaults; ``workspace_gb`` None
     leaves TensorRT's workspace unbounded; ``timing_cache`` is read if it exists and updated.
+    int8 only: ``int8_calibration`` is the range method; the calibration images come from
+    ``calib`` (a directory; None: the source the artifact was compressed with, as recorded in its
+    config.json), ``calib_samples`` of them (None: as many as compress used).
     """
 
     trt: bool = False
@@ -58,11 +66,26 @@ class ExportOptions:
     workspace_gb: float | None = None
     timing_cache: Path | None = None
     tolerance: Tolerance | None = None
+    int8_calibration: str = DEFAULT_CALIBRATION
+    calib: Path | None = None
+    calib_samples: int | None = None
 
     def __post_init__(self) -> None:
         check_settings(self.opset, self.exporter)
-        if self.precision not in PRECISIONS:
-            raise CorpError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.precision not in EXPORT_PRECISIONS:
+            raise CorpError(f"precision must be one of {', '.join(EXPORT_PRECISIONS)}; got {self.precision!r}")
+        if self.int8_calibration not in CALIBRATION_METHODS:
+            raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
+                            f"got {self.int8_calibration!r}")
+        int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
+                        or self.calib_samples is not None)
+        if int8_options and self.precision != "int8":
+            raise CorpError("the int8 calibration options (--int8-calibration, --calib, --calib-samples) apply "
+                            "only with --precision int8")
+        if self.calib is not None and not Path(self.calib).is_dir():
+            raise CorpError(f"calibration directory not found: {self.calib}")
+        if self.calib_samples is not None and self.calib_samples < 1:
+            raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
         if self.workspace_gb is not None and not self.workspace_gb > 0:
             raise CorpError(f"workspace must be > 0 GB; got {self.workspace_gb}")
         if self.timing_cache is not None and not Path(self.timing_cache).parent.is_dir():
@@ -106,7 +129,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
-    images = parity_images(models["model"], n_images)
+    images = parity_images(models["model"], n_images, held_out=options.precision == "int8")
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
 
     entries, graph, onnxruntime = {}, {}, {}
@@ -114,8 +137,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
                 f"{options.precision}) ...")
-            graph = export_onnx(model, tmp / f"{name}.onnx", input_size, opset=options.opset,
-                                exporter=options.exporter, precision=options.precision, trace_batch=TRACE_BATCH)
+            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, config, log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
             onnxruntime[name] = runner
@@ -128,6 +150,8 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
             entries[name] = {"onnx": graph["files"], "engine": None, "params": count_params(model),
                              "macs": count_macs(model, input_size),
                              "parity": {"onnxruntime_vs_pytorch": parity}}
+            if int8 is not None:
+                entries[name]["int8"] = int8
         if options.trt:
             _write_build_script(tmp, list(models), options, input_size)
             if not trt_missing:
@@ -140,12 +164,45 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     return ExportResult(out_dir, manifest, incomplete)
 
 
-def parity_images(model: nn.Module, count: int) -> np.ndarray:
+def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np.ndarray:
     """``count`` calibration-like images ``(count, C, H, W)`` float32: seeded random crops of the
-    photos bundled with scikit-image, preprocessed exactly as ``model`` expects."""
+    photos bundled with scikit-image, preprocessed exactly as ``model`` expects; with ``held_out``
+    only of the photos that built-in calibration never uses."""
     transform, _ = model_transform(model)
-    images = CalibrationImages.from_builtin(transform, count=count, batch_size=count, seed=0)
+    photos = {"photos": HELD_OUT_PHOTOS} if held_out else {}
+    images = CalibrationImages.from_builtin(transform, count=count, batch_size=count, seed=0, **photos)
     return next(iter(images)).numpy()
+
+
+def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions, config: dict,
+                  log: Callable[[str], None]) -> tuple[dict, dict | None]:
+    """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
+    int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed)."""
+    export = dict(opset=options.opset, exporter=options.exporter, trace_batch=TRACE_BATCH)
+    if options.precision != "int8":
+        return export_onnx(model, path, input_size, precision=options.precision, **export), None
+    calibration = int8_calibration_images(model, config, options)
+    with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
+        fp32 = Path(scratch) / path.name
+        graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
+        log(f"{path.stem}: quantizing to int8 ({options.int8_calibration} ranges) ...")
+        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in calibration), options.int8_calibration)
+    return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": calibration.summary()}
+
+
+def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions) -> CalibrationImages:
+    """The images int8 ranges are calibrated on: ``options.calib`` or the artifact's own
+    calibration source (a directory, or the built-in photos with the same seed)."""
+    recorded, settings = config.get("calibration", {}), config.get("settings", {})
+    directory = options.calib
+    if directory is None and recorded.get("source") == "directory":
+        directory = Path(recorded["path"])
+        if not directory.is_dir():
+            raise CorpError(f"the artifact was calibrated on {directory}, which is not there any more; "
+                            "pass the int8 calibration images with --calib DIR")
+    transform, _ = model_transform(model)
+    return CalibrationImages.from_source(directory, transform, limit=options.calib_samples or
+                                         settings.get("calib_samples", 256), seed=settings.get("seed", 0))
 
 
 def check_parity(label: str, reference, candidate, images: np.ndarray, batches, tolerance: Tolerance,

@@ -22,6 +22,9 @@ from torch import nn
 from corp_deploy import CorpError, PrunedAttention, blocks_of, head_dims, is_prunable_attention
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+#: What ``corp-deploy export --precision`` takes: the float graphs above, and int8, quantized from
+#: the fp32 graph (:mod:`exporters.quantize`).
+EXPORT_PRECISIONS = (*PRECISIONS, "int8")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -1,0 +1,95 @@
+"""``bench`` with int8 exports: the dense and the compressed model, each as its fp32 and its int8
+graph, timed in one interleaved loop on ONNX Runtime's CPU provider, and the fidelity of each
+against the dense float32 PyTorch model on the evaluation images.
+
+It needs the artifact's ``export-fp32`` and ``export-int8``, both made with ``--dense``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from corp_deploy import CorpError
+from exporters.manifest import MANIFEST, read_manifest
+from exporters.runners import OnnxRuntimeRunner, TorchRunner
+
+from .data import EvalImages
+from .harness import BenchSettings
+from .latency import interleaved, speedup, summarize
+
+#: The four graphs, in timing order; the first is the reference of every speedup.
+VARIANTS = ("dense-fp32", "dense-int8", "compressed-fp32", "compressed-int8")
+_MODEL_KEYS = {"dense": "dense", "compressed": "model"}
+
+
+def int8_graphs(artifact: Path) -> dict[str, Path] | str | None:
+    """The ONNX file of every :data:`VARIANTS` entry from the artifact's exports; the reason when
+    an int8 export exists but the set is incomplete; None without an int8 export."""
+    int8 = Path(artifact) / "export-int8"
+    if not (int8 / MANIFEST).is_file():
+        return None
+    graphs = {}
+    for precision in ("fp32", "int8"):
+        folder = Path(artifact) / f"export-{precision}"
+        if not (folder / MANIFEST).is_file():
+            return f"no {folder.name}/ beside export-int8/ (run `corp-deploy export ARTIFACT --dense`)"
+        models = read_manifest(folder)["models"]
+        for model, key in _MODEL_KEYS.items():
+            if key not in models:
+                return f"{folder.name}/ has no dense graph (export it with --dense)"
+            graphs[f"{model}-{precision}"] = folder / models[key]["onnx"][0]
+    return {name: graphs[name] for name in VARIANTS}
+
+
+def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: EvalImages, settings: BenchSettings,
+                   log: Callable[[str], None] = lambda message: None) -> dict:
+    """Latency rows (one per batch size: percentiles of each graph, and per-round speedups over
+    dense fp32 and of int8 over fp32 for each model), fidelity of every graph against ``dense``
+    (PyTorch, float32), and the graphs' file sizes."""
+    runners = {name: OnnxRuntimeRunner(path, "cpu", settings.threads) for name, path in graphs.items()}
+    image_shape = (3, *dense.patch_embed.img_size)
+    rows = []
+    for batch in settings.batches:
+        log(f"ort-cpu, batch {batch}: timing dense and compressed, fp32 and int8, interleaved ...")
+        x = np.random.default_rng(0).standard_normal((batch, *image_shape), dtype=np.float32)
+        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
+                              warmup=settings.warmup, min_time=settings.min_time, min_rounds=settings.min_rounds)
+        rows.append({"batch": batch, **{name: summarize(samples[name], batch) for name in VARIANTS},
+                     "speedup_over_dense_fp32": {name: speedup(samples["dense-fp32"], samples[name])
+                                                 for name in VARIANTS[1:]},
+                     "int8_over_fp32": {model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"])
+                                        for model in _MODEL_KEYS}})
+    log("int8 fidelity on the evaluation images ...")
+    return {"latency": rows, "fidelity": _fidelity(runners, dense, eval_set),
+            "bytes": {name: _graph_bytes(path) for name, path in graphs.items()}}
+
+
+def _fidelity(runners: dict[str, OnnxRuntimeRunner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
+    """Per graph against dense fp32 PyTorch: mean and min per-image output cosine and, for
+    classifiers, top-1 agreement."""
+    reference_runner, classifier = TorchRunner(dense), dense.num_classes > 0
+    cosines: dict[str, list[np.ndarray]] = {name: [] for name in runners}
+    agree: dict[str, list[np.ndarray]] = {name: [] for name in runners}
+    for images, _ in eval_set:
+        x = images.numpy()
+        reference = reference_runner.infer(x).reshape(len(x), -1).astype(np.float64)
+        for name, runner in runners.items():
+            out = runner.infer(x).reshape(len(x), -1).astype(np.float64)
+            cosines[name].append((reference * out).sum(1) / np.maximum(
+                np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1), 1e-30))
+            agree[name].append(reference.argmax(1) == out.argmax(1))
+    if not any(len(c) for c in cosines["dense-fp32"]):
+        raise CorpError("no evaluation images for the int8 fidelity")
+    return {name: {"cosine_mean": float(np.concatenate(cosines[name]).mean()),
+                   "cosine_min": float(np.concatenate(cosines[name]).min()),
+                   "top1_agreement": float(np.concatenate(agree[name]).mean()) if classifier else None}
+            for name in runners}
+
+
+def _graph_bytes(path: Path) -> int:
+    """An ONNX file's size with its external weights (``<name>.data``) if any."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
