@@ -18,12 +18,16 @@ Measured on the real DINOv2 ViT-S/14 compressed at s = 0.3 (min cosine of int8 v
 9 held-out parity images): with the attention matmuls in int8 too, 0.796 (minmax), 0.796
 (entropy), 0.927 (percentile); with them in float, 0.989 (minmax) and 0.928 (percentile), so
 minmax is the default. Ranges from one constant grey image give 0.930, which the gate rejects.
+The dense DINOv2 ViT-S/14 does worse with this recipe (min cosine 0.947 on the 9 images, below
+the gate): per-tensor activation ranges clip its outlier activations, mostly in blocks 0-2
+(benchmarks/RESULTS.md, "INT8"); ``float_modules`` keeps chosen Linear layers in float.
 """
 from __future__ import annotations
 
+import ast
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -37,12 +41,15 @@ QUANTIZED_OPS = ("MatMul", "Gemm")
 
 
 def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable[np.ndarray],
-                  method: str = DEFAULT_CALIBRATION) -> dict:
+                  method: str = DEFAULT_CALIBRATION, float_modules: Callable[[str], bool] = lambda path: False
+                  ) -> dict:
     """Write the QDQ int8 form of the float32 graph ``fp32_path`` to ``out_path``.
 
     Args:
         batches: preprocessed calibration images, each ``(B, C, H, W)`` float32.
         method: a key of :data:`CALIBRATION_METHODS`.
+        float_modules: True for the module paths (``blocks.3.mlp.fc2``) of Linear layers to keep
+            in float (read from the exporter's ``name_scopes`` metadata).
     Returns:
         what was done, for the manifest: the method, the number of calibration images, the
         quantized op types and the op types left in float, and the int8 weight count.
@@ -59,6 +66,8 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
     # the attention matmuls (q k^T, softmax(.) v) multiply two activations: kept in float
     activation_products = [node.name for node in graph.node
                            if node.op_type in QUANTIZED_OPS and not any(i in weights for i in node.input[:2])]
+    kept_float = [node.name for node in graph.node
+                  if node.op_type in QUANTIZED_OPS and float_modules(module_path(node))]
     images = 0
 
     class Reader(CalibrationDataReader):
@@ -75,12 +84,22 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
 
     quantize_static(str(fp32_path), str(out_path), Reader(), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                    op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=activation_products,
+                    op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=activation_products + kept_float,
                     calibrate_method=getattr(CalibrationMethod, CALIBRATION_METHODS[method]),
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
     if images == 0:
         raise CorpError("no calibration images for int8 quantization")
     return {"calibration": method, "calibration_images": images, **describe_quantized(out_path)}
+
+
+def module_path(node) -> str:
+    """The PyTorch module an ONNX node was exported from (``blocks.0.attn.qkv``), from the torch
+    exporter's ``pkg.torch.onnx.name_scopes`` metadata; empty when it has none."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            scopes = ast.literal_eval(prop.value)
+            return scopes[-2] if len(scopes) > 1 else ""
+    return ""
 
 
 def describe_quantized(path: str | Path) -> dict:

@@ -149,11 +149,14 @@ def build_script(onnx_files: list[str], *, batch: BatchProfile, image_shape: tup
         polygraphy.append(f"--load-timing-cache {cache} --save-timing-cache {cache}")
     builds = "\n".join(f"build {shlex.quote(name)} {shlex.quote(Path(name).with_suffix('.engine').name)}"
                        for name in onnx_files)
+    int8_note = ("\n#   int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built\n"
+                 "#   strongly typed with no precision flag (TensorRT's documentation: no --int8 with Q/DQ)"
+                 if precision == "int8" else "")
     return f"""#!/usr/bin/env bash
 # Build the TensorRT engine(s) of this export on the machine that will run them: an engine
 # is specific to its GPU model and TensorRT version. Written by corp-deploy export.
 #   input {INPUT_NAME}: batch profile MIN:OPT:MAX = {batch} of {dims} images
-#   precision {precision}: taken from the ONNX graph (strongly typed build), TF32 off
+#   precision {precision}: taken from the ONNX graph (strongly typed build), TF32 off{int8_note}
 # Usage: bash {SCRIPT_NAME}     (trtexec from TensorRT >= 10 on PATH, or TRTEXEC=/path/to/trtexec)
 # The same build with Polygraphy instead, per file:
 #   polygraphy convert model.onnx --convert-to trt -o model.engine --strongly-typed {' '.join(polygraphy)}

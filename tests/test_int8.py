@@ -13,6 +13,8 @@ from corp_deploy import (CalibrationImages, CompressConfig, load_base_model, loa
                          save_artifact)
 from corp_deploy import compress as compress_model
 from exporters import ExportOptions, ParityError, export_artifact
+from exporters import tensorrt as trt_backend
+from exporters.pipeline import EXIT_INCOMPLETE
 from exporters.manifest import read_manifest
 from exporters.runners import OnnxRuntimeRunner
 from tests.conftest import SMALL_VIT_CLI_ARGS
@@ -99,6 +101,16 @@ def test_bench_says_why_int8_is_not_measured_without_dense_graphs(tmp_path):
                         "--data-samples", 2, "--json", tmp_path / "b.json"], tmp_path / "state")
     assert result.exit_code == 0, text
     assert "no export-fp32/ beside export-int8/" in json.loads((tmp_path / "b.json").read_text())["int8"]["skipped"]
+
+
+def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path):
+    artifact = compress(tmp_path, "--s", 0.5)
+    result, text = run(["export", artifact, "--precision", "int8", "--trt", "--calib-samples", 4,
+                        "-o", tmp_path / "out"], tmp_path / "state")
+    assert result.exit_code == (EXIT_INCOMPLETE if trt_backend.unavailable_reason() else 0), text
+    script = (tmp_path / "out" / trt_backend.SCRIPT_NAME).read_text()
+    assert "precision int8" in script and "explicit quantization" in script and "--stronglyTyped" in script
+    assert not any("--int8" in line for line in script.splitlines() if not line.lstrip().startswith("#"))
 
 
 @pytest.mark.parametrize("args", [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5],
