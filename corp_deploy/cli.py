@@ -304,6 +304,8 @@ def _allocation_table(budget: dict):
                    "(int8: a QDQ graph, Linear layers and attention matmuls in int8).")
 @click.option("--int8-calibration", type=click.Choice(tuple(CALIBRATION_METHODS)), default=DEFAULT_CALIBRATION,
               show_default=True, help="int8: how activation ranges are set from the calibration images.")
+@click.option("--int8-keep-float", type=click.IntRange(min=0), default=0, show_default=True,
+              help="int8: keep this many Linear layers in float, those whose int8 rounding errs most.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int8: calibration image directory. [default: what compress used, from config.json]")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=None,
@@ -321,8 +323,8 @@ def _allocation_table(budget: dict):
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
 @_user_errors
-def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, calib, calib_samples,
-           workspace_gb, timing_cache, atol, min_cosine, output):
+def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float, calib,
+           calib_samples, workspace_gb, timing_cache, atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
     Every ONNX file is checked against the PyTorch model on calibration-like images at batch
@@ -353,7 +355,8 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
     options = ExportOptions(
         trt=trt, dense=dense, opset=opset, exporter=exporter,
         precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
-        timing_cache=timing_cache, int8_calibration=int8_calibration, calib=calib, calib_samples=calib_samples,
+        timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float, calib=calib,
+        calib_samples=calib_samples,
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     _print_export_summary(result.manifest, result.out_dir)

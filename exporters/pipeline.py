@@ -28,7 +28,7 @@ from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entries, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
-from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION, quantize_int8
+from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION, linear_sensitivity, quantize_int8
 from .runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
@@ -69,6 +69,7 @@ class ExportOptions:
     int8_calibration: str = DEFAULT_CALIBRATION
     calib: Path | None = None
     calib_samples: int | None = None
+    int8_keep_float: int = 0
 
     def __post_init__(self) -> None:
         check_settings(self.opset, self.exporter)
@@ -78,10 +79,12 @@ class ExportOptions:
             raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
                             f"got {self.int8_calibration!r}")
         int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
-                        or self.calib_samples is not None)
+                        or self.calib_samples is not None or self.int8_keep_float != 0)
         if int8_options and self.precision != "int8":
-            raise CorpError("the int8 calibration options (--int8-calibration, --calib, --calib-samples) apply "
-                            "only with --precision int8")
+            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --calib, --calib-samples) "
+                            "apply only with --precision int8")
+        if self.int8_keep_float < 0:
+            raise CorpError(f"the number of Linear layers kept in float must be >= 0, got {self.int8_keep_float}")
         if self.calib is not None and not Path(self.calib).is_dir():
             raise CorpError(f"calibration directory not found: {self.calib}")
         if self.calib_samples is not None and self.calib_samples < 1:
@@ -182,12 +185,18 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
     if options.precision != "int8":
         return export_onnx(model, path, input_size, precision=options.precision, **export), None
     calibration = int8_calibration_images(model, config, options)
+    kept_float = set()
+    if options.int8_keep_float:
+        log(f"{path.stem}: ranking the Linear layers by their int8 rounding error ...")
+        kept_float = set(linear_sensitivity(model, calibration)[:options.int8_keep_float])
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         log(f"{path.stem}: quantizing to int8 ({options.int8_calibration} ranges) ...")
-        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in calibration), options.int8_calibration)
-    return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": calibration.summary()}
+        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in calibration), options.int8_calibration,
+                             float_modules=kept_float.__contains__)
+    return ({**graph, "files": [path.name], "precision": "int8"},
+            {**int8, "kept_float": sorted(kept_float), "source": calibration.summary()})
 
 
 def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions) -> CalibrationImages:

@@ -15,6 +15,7 @@ from corp_deploy import compress as compress_model
 from exporters import ExportOptions, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
 from exporters.pipeline import EXIT_INCOMPLETE
+from exporters.quantize import linear_sensitivity
 from exporters.manifest import read_manifest
 from exporters.runners import OnnxRuntimeRunner
 from tests.conftest import SMALL_VIT_CLI_ARGS
@@ -113,6 +114,41 @@ def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path):
     assert not any("--int8" in line for line in script.splitlines() if not line.lstrip().startswith("#"))
 
 
+def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path):
+    artifact = compress(tmp_path, "--s", 0.5)
+    result, text = run(["export", artifact, "--precision", "int8", "--int8-keep-float", 3, "--calib-samples", 8,
+                        "-o", tmp_path / "out"], tmp_path / "state")
+    assert result.exit_code == 0, text
+    int8 = read_manifest(tmp_path / "out")["models"]["model"]["int8"]
+    model = load_compressed(artifact)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(int8["kept_float"]) == 3 and set(int8["kept_float"]) <= set(linears)
+    assert sum(int8["quantized_ops"].values()) == len(linears) - 3
+    assert int8["int8_weights"] == sum(m.weight.numel() for name, m in linears.items() if name not in int8["kept_float"])
+
+
+class _SpikedInput(torch.nn.Module):
+    """Two equal Linear layers; ``outlier`` sees the input with one huge value per image."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.plain, self.outlier = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.outlier.load_state_dict(self.plain.state_dict())
+
+    def forward(self, x):
+        spiked = x.clone()
+        spiked[:, 0, 0] = 1000.0
+        return self.plain(x) + self.outlier(spiked)
+
+
+def test_linear_sensitivity_ranks_a_layer_with_an_outlier_input_first():
+    """A layer whose input has one huge value per image (as ViTs' massive activations) loses every
+    other token to a per-tensor int8 range: it is ranked above the same layer fed without it."""
+    x = torch.randn(4, 10, 16, generator=torch.Generator().manual_seed(1))
+    assert linear_sensitivity(_SpikedInput(), [x, x]) == ["outlier", "plain"]
+
+
 @pytest.mark.parametrize("args", [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5],
                                   ["--macs", 0.7, "--target", "all"]], ids=["vbp", "toast", "budget"])
 def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path):
@@ -148,6 +184,8 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
 
 @pytest.mark.parametrize("args, message", [
     (["--int8-calibration", "entropy"], "apply only with --precision int8"),
+    (["--int8-keep-float", 2], "apply only with --precision int8"),
+    (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
     (["--precision", "int8", "--calib", "/nonexistent/dir"], "calibration directory not found"),
     (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
     (["--precision", "int4"], "Invalid value for '--precision'"),
