@@ -22,7 +22,7 @@ The dense DINOv2 ViT-S/14 does worse with this recipe (min cosine 0.947 on the 9
 the gate): per-tensor activation ranges clip its outlier activations, mostly in blocks 0-2
 (benchmarks/RESULTS.md, "INT8"). :func:`linear_sensitivity` ranks the Linear layers by their own
 int8 rounding error and ``float_modules`` keeps chosen ones in float (``export --int8-keep-float
-N``): with the 8 worst of its 48 in float (all MLP down projections but one, and block 0's fc1) the
+N``): with the 8 worst of its 48 in float (seven MLP down projections and block 0's fc1) the
 dense DINOv2 reaches 0.993 and passes.
 """
 from __future__ import annotations
