@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 from torch import nn
 
 from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
@@ -134,13 +135,14 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
     images = parity_images(models["model"], n_images, held_out=options.precision == "int8")
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
+    calibration = int8_calibration_images(models["model"], config, options) if options.precision == "int8" else None
 
     entries, graph, onnxruntime = {}, {}, {}
     with staged_directory(out_dir, MANIFEST) as tmp:
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
                 f"{options.precision}) ...")
-            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, config, log)
+            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
             onnxruntime[name] = runner
@@ -177,31 +179,35 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
     return next(iter(images)).numpy()
 
 
-def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions, config: dict,
+def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions,
+                  calibration: tuple[list[torch.Tensor], dict] | None,
                   log: Callable[[str], None]) -> tuple[dict, dict | None]:
     """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
-    int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed)."""
+    int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed).
+    ``calibration``: int8 only, the calibration batches and their summary."""
     export = dict(opset=options.opset, exporter=options.exporter, trace_batch=TRACE_BATCH)
     if options.precision != "int8":
         return export_onnx(model, path, input_size, precision=options.precision, **export), None
-    calibration = int8_calibration_images(model, config, options)
+    batches, source = calibration
     kept_float = set()
     if options.int8_keep_float:
         log(f"{path.stem}: ranking the Linear layers by their int8 rounding error ...")
-        kept_float = set(linear_sensitivity(model, calibration)[:options.int8_keep_float])
+        kept_float = set(linear_sensitivity(model, batches)[:options.int8_keep_float])
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         log(f"{path.stem}: quantizing to int8 ({options.int8_calibration} ranges) ...")
-        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in calibration), options.int8_calibration,
+        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in batches), options.int8_calibration,
                              float_modules=kept_float.__contains__)
     return ({**graph, "files": [path.name], "precision": "int8"},
-            {**int8, "kept_float": sorted(kept_float), "source": calibration.summary()})
+            {**int8, "kept_float": sorted(kept_float), "source": source})
 
 
-def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions) -> CalibrationImages:
-    """The images int8 ranges are calibrated on: ``options.calib`` or the artifact's own
-    calibration source (a directory, or the built-in photos with the same seed)."""
+def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions
+                            ) -> tuple[list[torch.Tensor], dict]:
+    """The batches int8 ranges are calibrated on, loaded once for every graph and step, and their
+    summary: ``options.calib`` or the artifact's own calibration source (a directory, or the
+    built-in photos with the same seed)."""
     recorded, settings = config.get("calibration", {}), config.get("settings", {})
     directory = options.calib
     if directory is None and recorded.get("source") == "directory":
@@ -210,8 +216,9 @@ def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptio
             raise CorpError(f"the artifact was calibrated on {directory}, which is not there any more; "
                             "pass the int8 calibration images with --calib DIR")
     transform, _ = model_transform(model)
-    return CalibrationImages.from_source(directory, transform, limit=options.calib_samples or
-                                         settings.get("calib_samples", 256), seed=settings.get("seed", 0))
+    images = CalibrationImages.from_source(directory, transform, limit=options.calib_samples or
+                                           settings.get("calib_samples", 256), seed=settings.get("seed", 0))
+    return list(images), images.summary()
 
 
 def check_parity(label: str, reference, candidate, images: np.ndarray, batches, tolerance: Tolerance,
