@@ -48,7 +48,8 @@ def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: Ev
                    log: Callable[[str], None] = lambda message: None) -> dict:
     """Latency rows (one per batch size: percentiles of each graph, and per-round speedups over
     dense fp32 and of int8 over fp32 for each model), fidelity of every graph against ``dense``
-    (PyTorch, float32), and the graphs' file sizes."""
+    (PyTorch, float32), the graphs' file sizes, and how many Linear layers each int8 graph keeps
+    in float (which its speed depends on)."""
     runners = {name: OnnxRuntimeRunner(path, "cpu", settings.threads) for name, path in graphs.items()}
     image_shape = (3, *dense.patch_embed.img_size)
     rows = []
@@ -64,7 +65,8 @@ def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: Ev
                                         for model in _MODEL_KEYS}})
     log("int8 fidelity on the evaluation images ...")
     return {"latency": rows, "fidelity": _fidelity(runners, dense, eval_set),
-            "bytes": {name: _graph_bytes(path) for name, path in graphs.items()}}
+            "bytes": {name: _graph_bytes(path) for name, path in graphs.items()},
+            "kept_float": {name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")}}
 
 
 def _fidelity(runners: dict[str, OnnxRuntimeRunner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
@@ -93,3 +95,9 @@ def _graph_bytes(path: Path) -> int:
     """An ONNX file's size with its external weights (``<name>.data``) if any."""
     data = path.with_name(path.name + ".data")
     return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def _kept_float(path: Path) -> int:
+    """How many Linear layers the int8 graph ``path`` keeps in float, from its ``export.json``."""
+    models = read_manifest(path.parent)["models"].values()
+    return len(next(entry["int8"]["kept_float"] for entry in models if entry["onnx"][0] == path.name))

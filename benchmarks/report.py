@@ -84,9 +84,10 @@ def int8_markdown(int8: dict | None) -> list[str]:
                   r["int8_over_fp32"]["dense"]]
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[v]['p50_s'] * 1e3:.2f}" for v in variants) + " | "
                      + " | ".join(f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})" for s in ratios) + " |")
-    lines += ["", "| graph | file (MB) | cosine vs dense fp32: mean | min | top-1 agreement |", "|---|---|---|---|---|"]
-    lines += [f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {f['cosine_mean']:.4f} | {f['cosine_min']:.4f} | "
-              f"{_fmt(f['top1_agreement'])} |" for v, f in int8["fidelity"].items()]
+    lines += ["", "| graph | file (MB) | Linear layers in float | cosine vs dense fp32: mean | min | top-1 agreement |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {int8['kept_float'].get(v, 'all')} | {f['cosine_mean']:.4f} | "
+              f"{f['cosine_min']:.4f} | {_fmt(f['top1_agreement'])} |" for v, f in int8["fidelity"].items()]
     return lines + [""]
 
 

@@ -35,6 +35,19 @@ def _user_errors(func):
     return wrapper
 
 
+def _keep_float_count(ctx, param, value: str) -> int | str:
+    """``--int8-keep-float``: ``auto`` or a count >= 0."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise click.BadParameter(f"expected 'auto' or a number >= 0, got {value!r}")
+    return count
+
+
 def _parse_model_args(pairs: tuple[str, ...]) -> dict:
     """``KEY=VALUE`` strings to a dict; values are parsed as JSON when they can be."""
     out = {}
@@ -301,11 +314,13 @@ def _allocation_table(budget: dict):
               help="TensorRT optimisation profile of the batch axis (the ONNX batch axis is dynamic).")
 @click.option("--precision", type=click.Choice(EXPORT_PRECISIONS), default="fp32", show_default=True,
               help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32 "
-                   "(int8: a QDQ graph, Linear layers and attention matmuls in int8).")
+                   "(int8: a QDQ graph, Linear layers in int8).")
 @click.option("--int8-calibration", type=click.Choice(tuple(CALIBRATION_METHODS)), default=DEFAULT_CALIBRATION,
               show_default=True, help="int8: how activation ranges are set from the calibration images.")
-@click.option("--int8-keep-float", type=click.IntRange(min=0), default=0, show_default=True,
-              help="int8: keep this many Linear layers in float, those whose int8 rounding errs most.")
+@click.option("--int8-keep-float", default="auto", show_default=True, metavar="auto|N", callback=_keep_float_count,
+              help="int8: keep N Linear layers in float, those whose int8 rounding errs most; auto: the fewest "
+                   "(0, 1, 2, 4, ... up to a quarter) that meet the gate's tolerance on the calibration images, a "
+                   "quarter of them held back from the ranges.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int8: calibration image directory. [default: what compress used, from config.json]")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=None,

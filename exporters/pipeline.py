@@ -25,11 +25,12 @@ from corp_deploy.calibration import HELD_OUT_PHOTOS
 from corp_deploy.files import sha256_file, staged_directory, write_json
 
 from . import tensorrt as trt_backend
+from .keep_float import AUTO, quantize_keeping_float
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entries, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
-from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION, linear_sensitivity, quantize_int8
+from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from .runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
@@ -55,7 +56,9 @@ class ExportOptions:
     leaves TensorRT's workspace unbounded; ``timing_cache`` is read if it exists and updated.
     int8 only: ``int8_calibration`` is the range method; the calibration images come from
     ``calib`` (a directory; None: the source the artifact was compressed with, as recorded in its
-    config.json), ``calib_samples`` of them (None: as many as compress used).
+    config.json), ``calib_samples`` of them (None: as many as compress used);
+    ``int8_keep_float`` is how many Linear layers stay in float, or ``"auto"``
+    (:mod:`exporters.keep_float`).
     """
 
     trt: bool = False
@@ -70,7 +73,7 @@ class ExportOptions:
     int8_calibration: str = DEFAULT_CALIBRATION
     calib: Path | None = None
     calib_samples: int | None = None
-    int8_keep_float: int = 0
+    int8_keep_float: int | str = AUTO
 
     def __post_init__(self) -> None:
         check_settings(self.opset, self.exporter)
@@ -80,12 +83,13 @@ class ExportOptions:
             raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
                             f"got {self.int8_calibration!r}")
         int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
-                        or self.calib_samples is not None or self.int8_keep_float != 0)
+                        or self.calib_samples is not None or self.int8_keep_float != AUTO)
         if int8_options and self.precision != "int8":
             raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --calib, --calib-samples) "
                             "apply only with --precision int8")
-        if self.int8_keep_float < 0:
-            raise CorpError(f"the number of Linear layers kept in float must be >= 0, got {self.int8_keep_float}")
+        if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
+            raise CorpError(f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, "
+                            f"got {self.int8_keep_float!r}")
         if self.calib is not None and not Path(self.calib).is_dir():
             raise CorpError(f"calibration directory not found: {self.calib}")
         if self.calib_samples is not None and self.calib_samples < 1:
@@ -142,7 +146,8 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
                 f"{options.precision}) ...")
-            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, log)
+            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, tolerance,
+                                        log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
             onnxruntime[name] = runner
@@ -180,27 +185,22 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
 
 
 def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions,
-                  calibration: tuple[list[torch.Tensor], dict] | None,
+                  calibration: tuple[list[torch.Tensor], dict] | None, tolerance: Tolerance,
                   log: Callable[[str], None]) -> tuple[dict, dict | None]:
     """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
     int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed).
-    ``calibration``: int8 only, the calibration batches and their summary."""
+    ``calibration``: int8 only, the calibration batches and their summary; ``tolerance``: the
+    gate's, which ``--int8-keep-float auto`` also applies on the calibration images."""
     export = dict(opset=options.opset, exporter=options.exporter, trace_batch=TRACE_BATCH)
     if options.precision != "int8":
         return export_onnx(model, path, input_size, precision=options.precision, **export), None
     batches, source = calibration
-    kept_float = set()
-    if options.int8_keep_float:
-        log(f"{path.stem}: ranking the Linear layers by their int8 rounding error ...")
-        kept_float = set(linear_sensitivity(model, batches)[:options.int8_keep_float])
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
-        log(f"{path.stem}: quantizing to int8 ({options.int8_calibration} ranges) ...")
-        int8 = quantize_int8(fp32, path, (batch.numpy() for batch in batches), options.int8_calibration,
-                             float_modules=kept_float.__contains__)
-    return ({**graph, "files": [path.name], "precision": "int8"},
-            {**int8, "kept_float": sorted(kept_float), "source": source})
+        int8 = quantize_keeping_float(model, fp32, path, batches, options.int8_keep_float, options.int8_calibration,
+                                      tolerance, log)
+    return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
 
 
 def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions

@@ -1,0 +1,83 @@
+"""What keeping Linear layers in float costs and buys in int8 (the recipe of exporters/quantize.py):
+an export's fp32 graph quantized with the N Linear layers of largest own int8 rounding error kept
+in float (``exporters.keep_float.linear_sensitivity``, as ``export --int8-keep-float N``), for
+several N; per N the output cosine to the fp32 PyTorch model on held-out photos and the latency,
+every graph (fp32 first) timed interleaved on ONNX Runtime's CPU provider.
+
+    python -m benchmarks.studies.int8_keep_float ARTIFACT --graph dense --keep 0,2,4,8,12,16,24 \
+      --out benchmarks/results/int8_keep_float_dinov2_dense.json
+
+``ARTIFACT`` needs an ``export-fp32/`` made with ``--dense`` (for ``--graph dense``). Calibration:
+the built-in calibration photos (``--calib`` seeded crops); evaluation: crops of the held-out photos.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.harness import machine
+from benchmarks.latency import interleaved, speedup
+from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
+from exporters.manifest import read_manifest
+from exporters.pipeline import parity_images
+from exporters.keep_float import linear_sensitivity
+from exporters.quantize import quantize_int8
+from exporters.runners import OnnxRuntimeRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--graph", choices=("dense", "model"), default="dense")
+    parser.add_argument("--keep", default="0,2,4,8,12,16", help="numbers of Linear layers kept in float")
+    parser.add_argument("--calib", type=int, default=128)
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-time", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    export = args.artifact / "export-fp32"
+    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
+    model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
+    transform, _ = model_transform(model)
+    calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))
+    images = parity_images(model, args.images, held_out=True)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(images)).numpy().astype(np.float64)
+    ranking = linear_sensitivity(model, calibration)
+    runners, rows = {"fp32": OnnxRuntimeRunner(fp32, "cpu", args.threads)}, []
+    with tempfile.TemporaryDirectory() as scratch:
+        for keep in (int(k) for k in args.keep.split(",")):
+            path = Path(scratch) / f"keep{keep}.onnx"
+            kept = set(ranking[:keep])
+            quantize_int8(fp32, path, (b.numpy() for b in calibration), float_modules=kept.__contains__)
+            runners[f"keep {keep}"] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
+            out = runner.infer(images).astype(np.float64)
+            cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
+            rows.append({"keep_float": keep, "kept": sorted(kept), "cosine_mean": float(cosine.mean()),
+                         "cosine_min": float(cosine.min())})
+            print(f"keep {keep:3d}: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
+        x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)
+        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
+                              min_time=args.min_time)
+    for row in rows:
+        name = f"keep {row['keep_float']}"
+        row["p50_s"] = float(np.median(samples[name]))
+        row["speedup_over_fp32"] = speedup(samples["fp32"], samples[name])
+        print(f"{name}: speedup over fp32 {row['speedup_over_fp32']['median']:.2f} "
+              f"({row['speedup_over_fp32']['p10']:.2f}-{row['speedup_over_fp32']['p90']:.2f})", flush=True)
+    args.out.write_text(json.dumps({"artifact": str(args.artifact), "graph": args.graph, "linear_layers": len(ranking),
+                                    "calibration_images": args.calib, "held_out_images": args.images,
+                                    "batch": args.batch, "threads": args.threads, "machine": machine(),
+                                    "fp32_p50_s": float(np.median(samples["fp32"])), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
