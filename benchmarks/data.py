@@ -7,7 +7,8 @@ class sub-folder name to the model's output index (ImageFolder layout)::
     val/n01440764/*.JPEG
     val/n01443537/*.JPEG
 
-Otherwise every image under it (recursively) is used without labels.
+Otherwise every image under it (recursively) is used without labels. Either way, files that
+cannot be read as images are skipped and counted (``description["files_skipped"]``).
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from PIL import UnidentifiedImageError
 
 from corp_deploy import CalibrationImages, CorpError
-from corp_deploy.calibration import HELD_OUT_PHOTOS
+from corp_deploy.calibration import HELD_OUT_PHOTOS, UNREADABLE, find_images, load_rgb, unreadable_reason
 
 from .fidelity import held_out_images
 
@@ -53,42 +53,83 @@ def eval_images(data: str | Path | None, transform: Callable, *, limit: int, bat
                           {"source": "builtin", "photos": list(HELD_OUT_PHOTOS), "images": limit}, False)
     root = Path(data)
     if not root.is_dir():
-        raise CorpError(f"evaluation data directory not found: {root}")
+        raise CorpError(f"evaluation data directory {root}: {'not a directory' if root.exists() else 'not found'}")
+    root = root.resolve()
     if not (root / CLASS_INDEX_FILE).is_file():
         images = CalibrationImages.from_directory(root, transform, limit=limit, batch_size=batch_size, seed=seed)
-        return EvalImages(lambda: ((x, None) for x in images),
-                          {"source": "directory", "path": str(root), "labelled": False}, False)
-    dataset = labelled_dataset(root, transform)
-    order = list(range(len(dataset)))
-    random.Random(seed).shuffle(order)
-    subset = torch.utils.data.Subset(dataset, order[:limit])
-    return EvalImages(lambda: _checked(torch.utils.data.DataLoader(subset, batch_size=batch_size), root),
-                      {"source": "directory", "path": str(root), "labelled": True, "images": len(subset),
-                       "classes": len(dataset.classes)}, True)
+        description = {"source": "directory", "path": str(root), "labelled": False}
+        return EvalImages(lambda: _described(images, description), description, False)
+    mapping, samples = labelled_samples(root)
+    random.Random(seed).shuffle(samples)
+    samples = samples[:limit]
+    description = {"source": "directory", "path": str(root), "labelled": True, "images": len(samples),
+                   "classes": len(mapping)}
+    return EvalImages(lambda: _labelled_batches(samples, transform, batch_size, description), description, True)
 
 
-def labelled_dataset(root: Path, transform: Callable):
-    """torchvision's ``ImageFolder`` over ``root`` with targets mapped through ``class_index.json``."""
-    from torchvision.datasets import ImageFolder
+def read_class_index(root: Path) -> dict[str, int]:
+    """``class_index.json`` of ``root``: class folder name -> output index (an int >= 0)."""
+    path = root / CLASS_INDEX_FILE
     try:
-        mapping = json.loads((root / CLASS_INDEX_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CorpError(f"cannot read {root / CLASS_INDEX_FILE}: {exc}") from None
-    if not isinstance(mapping, dict) or not all(isinstance(v, int) and v >= 0 for v in mapping.values()):
-        raise CorpError(f"{root / CLASS_INDEX_FILE} must map class folder names to output indices (ints >= 0)")
-    try:
-        dataset = ImageFolder(str(root), transform=transform)
-    except (FileNotFoundError, OSError) as exc:
-        raise CorpError(f"{root} is not an ImageFolder layout: {exc}") from None
-    unknown = [name for name in dataset.classes if name not in mapping]
+        mapping = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CorpError(f"cannot read {path}: {exc}") from None
+    if not isinstance(mapping, dict) or not mapping or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mapping.values()):
+        raise CorpError(f"{path} must be a JSON object mapping class folder names to output indices (ints >= 0)")
+    return mapping
+
+
+def labelled_samples(root: Path) -> tuple[dict[str, int], list[tuple[Path, int]]]:
+    """The class index and every ``(image path, label)`` of a labelled folder, sorted. CorpError
+    unless every class folder is in ``class_index.json`` and every entry there is a folder."""
+    mapping = read_class_index(root)
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    unknown = [name for name in folders if name not in mapping]
     if unknown:
         raise CorpError(f"class folders missing from {root / CLASS_INDEX_FILE}: {unknown[:5]}")
-    dataset.target_transform = lambda index: mapping[dataset.classes[index]]
-    return dataset
+    absent = [name for name in mapping if name not in folders]
+    if absent:
+        raise CorpError(f"{root / CLASS_INDEX_FILE} names classes that have no folder under {root}: {absent[:5]}")
+    samples = [(path, mapping[name]) for name in folders for path in find_images(root / name)]
+    if not samples:
+        raise CorpError(f"no images found in the class folders under {root}")
+    return mapping, samples
 
 
-def _checked(loader, root: Path):
-    try:
-        yield from loader
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
-        raise CorpError(f"cannot read an evaluation image under {root}: {exc}") from None
+def check_labels(evaluation: EvalImages, root: str | Path | None, num_classes: int) -> None:
+    """CorpError when a labelled evaluation set names an output index the model does not have."""
+    if not evaluation.labelled:
+        return
+    top = max(read_class_index(Path(root)).values())
+    if top >= num_classes:
+        raise CorpError(f"{Path(root) / CLASS_INDEX_FILE} maps a class to output {top}, but the model has "
+                        f"{num_classes} outputs")
+
+
+def _described(images: CalibrationImages, description: dict):
+    """Unlabelled batches; afterwards ``description`` counts the images used and the files skipped."""
+    for x in images:
+        yield x, None
+    summary = images.summary()
+    description.update(images=summary["images_used"], files_skipped=summary["files_skipped"],
+                       skipped_examples=summary["skipped_examples"])
+
+
+def _labelled_batches(samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict):
+    images, labels, skipped = [], [], []
+    for path, label in samples:
+        try:
+            images.append(transform(load_rgb(path)))
+        except UNREADABLE as exc:
+            skipped.append(unreadable_reason(path, exc))
+            continue
+        labels.append(label)
+        if len(images) == batch_size:
+            yield torch.stack(images), torch.tensor(labels)
+            images, labels = [], []
+    if images:
+        yield torch.stack(images), torch.tensor(labels)
+    if len(skipped) == len(samples):
+        raise CorpError(f"none of the {len(samples)} evaluation images could be read (e.g. {skipped[0]})")
+    description.update(images=len(samples) - len(skipped), files_skipped=len(skipped), skipped_examples=skipped[:5])

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from corp_deploy import CorpError
-from exporters.manifest import MANIFEST, read_manifest
+from exporters.manifest import MANIFEST, model_files, read_manifest
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
 
 from .data import EvalImages
 from .harness import BenchSettings
 from .latency import interleaved, speedup, summarize
+from .targets import check_made_from
 
 #: The four graphs, in timing order; the first is the reference of every speedup.
 VARIANTS = ("dense-fp32", "dense-int8", "compressed-fp32", "compressed-int8")
@@ -36,11 +37,12 @@ def int8_graphs(artifact: Path) -> dict[str, Path] | str | None:
         folder = Path(artifact) / f"export-{precision}"
         if not (folder / MANIFEST).is_file():
             return f"no {folder.name}/ beside export-int8/ (run `corp-deploy export ARTIFACT --dense`)"
-        models = read_manifest(folder)["models"]
+        manifest = read_manifest(folder)
+        check_made_from(Path(artifact), folder, manifest)
         for model, key in _MODEL_KEYS.items():
-            if key not in models:
+            if key not in manifest["models"]:
                 return f"{folder.name}/ has no dense graph (export it with --dense)"
-            graphs[f"{model}-{precision}"] = folder / models[key]["onnx"][0]
+            graphs[f"{model}-{precision}"] = model_files(folder, manifest, key)["onnx"]
     return {name: graphs[name] for name in VARIANTS}
 
 

@@ -1,7 +1,15 @@
 """Rendering a bench report: Markdown, a PNG plot, and the terminal table."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from corp_deploy import CorpError
+from corp_deploy.files import finite_or_none
+
+from .harness import FORMAT
+
+MARKDOWN_TITLE = "# corp-deploy bench"
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -41,7 +49,7 @@ def fidelity_summary(report: dict) -> str:
 def to_markdown(report: dict) -> str:
     m, machine = report["models"], report["machine"]
     lines = [
-        "# corp-deploy bench", "",
+        MARKDOWN_TITLE, "",
         f"{report['created']} on {machine['cpu']} ({machine['cpu_count']} CPUs, {machine['torch_threads']} "
         f"threads{', GPU ' + machine['gpu'] if machine['gpu'] else ''}).", "",
         "| model | params (M) | GMACs / image |", "|---|---|---|",
@@ -123,7 +131,7 @@ def plot(report: dict, path: str | Path) -> None:
     left.set_title("Throughput")
     right.set_title("Measured speedup (p10-p90) vs MAC-ideal")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png", metadata={"Software": PLOT_SOFTWARE})
     plt.close(fig)
 
 
@@ -162,26 +170,64 @@ def print_terminal(report: dict) -> None:
                       f"(compressed-fp32 {int8['fidelity']['compressed-fp32']['cosine_mean']:.4f})")
 
 
-def write_outputs(report: dict, *, json_path: Path | None = None, markdown_path: Path | None = None,
-                  plot_path: Path | None = None) -> list[Path]:
-    """Write the requested renderings, each atomically (temporary file, then rename)."""
-    import os
+#: The renderings of a bench report and their file names in an output folder (``bench -o DIR``).
+RENDERINGS = {"json": "bench.json", "markdown": "bench.md", "plot": "bench.png"}
+#: The PNG text chunk that marks a plot as bench's own (so a later run may replace it).
+PLOT_SOFTWARE = "corp-deploy bench"
 
-    from corp_deploy.files import write_json
 
+def check_report_file(path: str | Path, rendering: str) -> Path:
+    """CorpError, before any work, unless ``path`` can take the ``rendering`` (``json``,
+    ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
+    file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
+    bench marked); bench never overwrites anything else."""
+    from corp_deploy.outputs import check_creatable
+
+    given = Path(path)
+    path = given.resolve()
+    if rendering == "plot" and path.suffix.lower() != ".png":
+        raise CorpError(f"--plot writes a PNG image; {given} does not end in .png")
+    if path.is_dir():
+        raise CorpError(f"{given} is a directory; give a file path (or use -o DIR)")
+    if path.exists() and not _written_by_bench(path, rendering):
+        raise CorpError(f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
+                        "wrote; nothing was changed")
+    check_creatable(path, given)
+    return path
+
+
+def _written_by_bench(path: Path, rendering: str) -> bool:
+    try:
+        if rendering == "json":
+            return json.loads(path.read_text()).get("format") == FORMAT
+        if rendering == "markdown":
+            return path.read_text().startswith(MARKDOWN_TITLE)
+        from PIL import Image
+        with Image.open(path) as image:
+            return getattr(image, "text", {}).get("Software") == PLOT_SOFTWARE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_outputs(report: dict, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
+    """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
+    into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
+    from corp_deploy.files import atomic_file
+    from corp_deploy.outputs import staged_output
+
+    writers = {"json": lambda p: p.write_text(json.dumps(finite_or_none(report), indent=2, allow_nan=False) + "\n"),
+               "markdown": lambda p: p.write_text(to_markdown(report)), "plot": lambda p: plot(report, p)}
     written = []
-    for path, write in ((json_path, lambda p: write_json(p, report)),
-                        (markdown_path, lambda p: p.write_text(to_markdown(report))),
-                        (plot_path, lambda p: plot(report, p))):
-        if path is None:
-            continue
+    for rendering, path in files.items():
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-        try:
-            write(tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_file(path) as tmp:
+            writers[rendering](tmp)
         written.append(path)
+    if folder is not None:
+        with staged_output(folder, "bench") as tmp:
+            for rendering, name in RENDERINGS.items():
+                if rendering not in files:
+                    writers[rendering](tmp / name)
+        written += [Path(folder) / name for rendering, name in RENDERINGS.items() if rendering not in files]
     return written

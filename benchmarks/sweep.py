@@ -17,7 +17,8 @@ from torch import nn
 
 from corp_deploy import (METHODS, CalibrationImages, CompressConfig, CorpError, compress, model_transform,
                          save_artifact)
-from corp_deploy.files import staged_directory, write_json
+from corp_deploy.files import write_json
+from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
 
 from .backends import ModelFiles
@@ -54,7 +55,7 @@ class SweepSpec:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in SWEEP_METHODS]
         if unknown or not self.methods or len(set(self.methods)) != len(self.methods):
-            raise CorpError(f"methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
+            raise CorpError(f"--methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
                             f"got {', '.join(self.methods) or 'none'}")
         if bool(self.sparsities) == bool(self.budgets):
             raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
@@ -92,6 +93,7 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
     ``sweep.md`` and ``sweep.png``."""
+    check_output_dir(out_dir, "sweep")  # before any work
     transform, _ = model_transform(dense)
     calibration = CalibrationImages.from_source(spec.calib, transform, limit=spec.calib_samples, seed=spec.seed)
     calib_batches = list(calibration)
@@ -100,7 +102,7 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
     evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
     held_out = not (spec.data and spec.calib and Path(spec.data).resolve() == Path(spec.calib).resolve())
     rows, dense_onnx = [], None
-    with staged_directory(out_dir, SWEEP_FILE) as tmp:
+    with staged_output(out_dir, "sweep") as tmp:
         for method in spec.methods:
             for point in spec.points:
                 name = spec.run_name(method, point)

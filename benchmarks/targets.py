@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
-from corp_deploy.artifact import CONFIG_FILE
+from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
 from corp_deploy.files import sha256_file
-from exporters.manifest import MANIFEST, read_manifest
+from exporters.manifest import MANIFEST, model_files, read_manifest
 
 from .backends import ModelFiles
 
@@ -15,7 +15,8 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
     """``(artifact, export directory or None)`` for an artifact, an export directory, or None
     (the most recent artifact). An artifact's export is ``export-fp32`` inside it, else the
     first other ``export-*``; an export's artifact is the one it lies in, else the one its
-    manifest names, and it must still match that artifact's ``config.json``."""
+    manifest names. The export must have been made from exactly that artifact (its
+    ``config.json`` and weights have the SHA-256s the manifest recorded)."""
     if path is None:
         path = latest_artifact()
     path = Path(path)
@@ -24,23 +25,35 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
         # an export inside an artifact belongs to it (also after both were moved or copied)
         inside = (path.parent / CONFIG_FILE).is_file()
         artifact = path.parent if inside else Path(manifest["artifact"]["path"])
-        read_config(artifact)
-        if sha256_file(artifact / CONFIG_FILE) != manifest["artifact"]["config_sha256"]:
-            raise CorpError(f"{path} was exported from a different version of {artifact} (config.json changed); "
-                            "export it again")
+        check_made_from(artifact, path, manifest)
         return artifact, path
     read_config(path)
     exports = sorted(p for p in path.glob("export-*") if (p / MANIFEST).is_file())
     preferred = [p for p in exports if p.name == "export-fp32"] + exports
-    return path, preferred[0] if preferred else None
+    if not preferred:
+        return path, None
+    check_made_from(path, preferred[0], read_manifest(preferred[0]))
+    return path, preferred[0]
+
+
+def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
+    """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is now."""
+    read_config(artifact)
+    recorded = manifest["artifact"]
+    for name, key in ((CONFIG_FILE, "config_sha256"), (WEIGHTS_FILE, "weights_sha256")):
+        if not (artifact / name).is_file() or sha256_file(artifact / name) != recorded[key]:
+            raise CorpError(f"{export} was exported from a different version of {artifact} ({name} changed); "
+                            "export it again")
 
 
 def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:
-    """``(compressed, dense)``: PyTorch modules plus the export's ONNX files and engines."""
+    """``(compressed, dense)``: PyTorch modules plus the export's ONNX files and engines, every
+    file checked against its record first."""
     files = {"model": {}, "dense": {}}
     if export is not None:
-        for key, entry in read_manifest(export)["models"].items():
-            files[key] = {"onnx": export / entry["onnx"][0], "engine": export / entry["engine"] if entry["engine"] else None}
+        manifest = read_manifest(export)
+        for key in manifest["models"]:
+            files[key] = model_files(export, manifest, key)
     compressed = ModelFiles(load_compressed(artifact), **files["model"])
     dense = ModelFiles(load_base_model(artifact), **files["dense"])
     return compressed, dense

@@ -2,7 +2,9 @@
 
 No pickle: weights are safetensors, everything else JSON. A directory is written under
 a temporary name beside its destination and renamed into place only when complete, so a
-failed run never leaves a directory that looks like an artifact.
+failed run never leaves a directory that looks like an artifact; its record
+(:mod:`corp_deploy.outputs`) lists every file with its SHA-256, and every read checks the
+files it uses against it.
 """
 from __future__ import annotations
 
@@ -18,14 +20,18 @@ from torch import nn
 
 from .errors import CorpError
 from .families import blocks_of
-from .files import sha256_file, staged_directory, write_json
+from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import create_base_model
+from .outputs import staged_output, verify_files
 
 FORMAT = "corp-deploy-artifact"
-FORMAT_VERSION = 1
+#: 2: the artifact has a record with every file's SHA-256 (version 1 had none and is not read).
+FORMAT_VERSION = 2
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
 ALLOCATION_PLOT = "allocation.png"
+#: The record of the most recent artifact, in :func:`state_dir`.
+LATEST_FILE = "latest.json"
 
 
 def library_versions() -> dict[str, str]:
@@ -83,7 +89,8 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         report: diagnostics (from :func:`corp_deploy.compress`); a budget's allocation (its
             ``"budget"`` entry) is also recorded in ``config.json`` and, with ``plots``, drawn
             into ``allocation.png``.
-    An existing artifact at ``out_dir`` is replaced; any other non-empty directory is refused.
+    An existing artifact at ``out_dir`` is replaced (with the exports inside it) when its files
+    still match its record; anything else is refused (:func:`corp_deploy.outputs.check_output_dir`).
     """
     from safetensors.torch import save_file
     from .calibration import model_transform
@@ -109,7 +116,7 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
 
-    with staged_directory(out_dir, CONFIG_FILE) as tmp:
+    with staged_output(out_dir, "artifact") as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, report or {})
@@ -120,27 +127,33 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
 
 
 def read_config(path: str | Path) -> dict:
-    """The ``config.json`` of an artifact directory, validated."""
+    """The ``config.json`` of an artifact directory, checked against the artifact's record."""
     path = Path(path)
+    if not path.is_dir():
+        raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
+    if not (path / CONFIG_FILE).is_file():
+        raise CorpError(f"{path} is not a corp-deploy artifact (no {CONFIG_FILE})")
     cfg_file = path / CONFIG_FILE
-    if not path.is_dir() or not cfg_file.is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise CorpError(f"{path} is not a corp-deploy artifact (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         config = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CorpError(f"cannot read {cfg_file}: {exc}") from None
-    if config.get("format") != FORMAT:
+    except (OSError, ValueError):
+        config = None  # refused below: by its checksum, or as not an artifact config
+    version = config.get("format_version") if isinstance(config, dict) else None
+    if isinstance(config, dict) and config.get("format") == FORMAT and version != FORMAT_VERSION:
+        raise CorpError(f"{path}: artifact format version {version} is not supported by this corp-deploy "
+                        f"(reads version {FORMAT_VERSION}); compress the model again")
+    verify_files(path, "artifact", [CONFIG_FILE])
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise CorpError(f"{cfg_file} is not a corp-deploy artifact config")
-    if config.get("format_version") != FORMAT_VERSION:
-        raise CorpError(f"{path}: artifact format version {config.get('format_version')} is not "
-                        f"supported by this corp-deploy (reads version {FORMAT_VERSION})")
     return config
 
 
 def load_compressed(path: str | Path) -> nn.Module:
-    """Rebuild a compressed model from its artifact: no network, no calibration, strict load."""
+    """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
+    weights file must match the artifact's record."""
     from safetensors.torch import load_file
     config = read_config(path)
+    verify_files(path, "artifact", [WEIGHTS_FILE])
     model = build_skeleton(config)
     try:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
@@ -198,24 +211,41 @@ def state_dir() -> Path:
     return Path(base) / "corp-deploy"
 
 
-def record_latest(path: str | Path) -> None:
-    """Remember ``path`` as the most recent artifact (for commands run without a path)."""
-    folder = state_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json(folder / "latest.json", {"artifact": str(Path(path).resolve()),
-                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+def record_latest(path: str | Path) -> str | None:
+    """Remember ``path`` as the most recent artifact (for commands run without a path).
+
+    Atomic, under a unique temporary name, so concurrent runs never lose the record: the last
+    writer wins. Returns None, or why the record could not be written (the run itself is not
+    failed for that)."""
+    try:
+        folder = state_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / LATEST_FILE, {"artifact": str(Path(path).resolve()),
+                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    except OSError as exc:
+        return f"could not record {path} as the latest artifact in {state_dir() / LATEST_FILE}: {exc}"
+    return None
 
 
 def latest_artifact() -> Path:
     """The most recent artifact written by ``compress``; CorpError if none is known."""
-    record = state_dir() / "latest.json"
+    record = state_dir() / LATEST_FILE
     try:
-        path = Path(json.loads(record.read_text())["artifact"])
-    except (OSError, ValueError, KeyError):
+        text = record.read_text()
+    except FileNotFoundError:
         raise CorpError("no artifact given and none recorded; run `corp-deploy compress` first "
                         "or pass the artifact directory") from None
+    except OSError as exc:
+        raise CorpError(f"cannot read {record}: {exc.strerror or exc}") from None
+    try:
+        path = json.loads(text)["artifact"]
+        if not isinstance(path, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise CorpError(f"{record} is not a corp-deploy state record (malformed JSON); remove it and pass "
+                        "the artifact directory") from None
     read_config(path)
-    return path
+    return Path(path)
 
 
 def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import nn
@@ -40,8 +42,40 @@ def find_images(directory: str | Path) -> list[Path]:
     """Image files under ``directory`` (recursive, sorted), by extension."""
     root = Path(directory)
     if not root.is_dir():
-        raise CorpError(f"calibration directory not found: {root}")
+        raise CorpError(f"image directory {root}: {'not a directory' if root.exists() else 'not found'}")
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+
+
+#: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
+#: unsupported or oversized ("decompression bomb") files.
+UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, MemoryError, Image.DecompressionBombError,
+              Image.DecompressionBombWarning)
+
+
+def load_rgb(path: str | Path) -> Image.Image:
+    """An image file as 8-bit RGB. 16-bit and 32-bit integer greyscale is scaled to 8 bits (not
+    clipped, which would turn it white). Raises one of :data:`UNREADABLE`; an image above Pillow's
+    pixel limit (``Image.MAX_IMAGE_PIXELS``) is refused before it is decoded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(path) as image:
+            if image.mode.startswith("I;16") or image.mode == "I":
+                levels = np.asarray(image, dtype=np.float64)
+                if image.mode != "I" or levels.max(initial=0) > 255:
+                    levels = levels / 257.0
+                return Image.fromarray(np.clip(levels.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
+            return image.convert("RGB")
+
+
+def unreadable_reason(path: Path, exc: BaseException) -> str:
+    """``name: why`` for a skipped image file, in one line."""
+    if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        why = f"larger than {Image.MAX_IMAGE_PIXELS} pixels (decompression-bomb limit)"
+    elif isinstance(exc, UnidentifiedImageError):
+        why = "not an image Pillow can read"
+    else:
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:120] or type(exc).__name__
+    return f"{path}: {why}"
 
 
 def builtin_photo_paths(names: Sequence[str] = BUILTIN_PHOTOS) -> list[Path]:
@@ -90,7 +124,7 @@ class CalibrationImages:
         if not paths:
             raise CorpError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {directory}")
         random.Random(seed).shuffle(paths)
-        return cls(paths, transform, batch_size, {"source": "directory", "path": str(directory),
+        return cls(paths, transform, batch_size, {"source": "directory", "path": str(Path(directory).resolve()),
                                                   "files_found": len(paths)}, limit)
 
     @classmethod
@@ -119,13 +153,12 @@ class CalibrationImages:
             if self.used + len(batch) >= self._limit:
                 break
             try:
-                with Image.open(path) as im:
-                    im = im.convert("RGB")
-                    if self._crop_seed is not None:
-                        im = _random_crop_flip(im, rng)
-                    batch.append(self._transform(im))
-            except (OSError, UnidentifiedImageError, ValueError, SyntaxError):
-                self.skipped.append(str(path))
+                im = load_rgb(path)
+                if self._crop_seed is not None:
+                    im = _random_crop_flip(im, rng)
+                batch.append(self._transform(im))
+            except UNREADABLE as exc:
+                self.skipped.append(unreadable_reason(path, exc))
                 continue
             if len(batch) == self._batch_size:
                 yield torch.stack(batch)
@@ -135,12 +168,14 @@ class CalibrationImages:
             yield torch.stack(batch)
             self.used += len(batch)
         if self.used == 0:
-            raise CorpError(f"none of the {len(self.skipped)} calibration files could be read as an "
-                            f"image (e.g. {self.skipped[0] if self.skipped else '-'})")
+            raise CorpError(f"none of the {len(self.skipped)} image files could be read "
+                            f"(e.g. {self.skipped[0] if self.skipped else '-'})")
 
     def summary(self) -> dict:
-        return {**self._description, "images_used": self.used, "files_skipped": len(self.skipped),
-                "skipped_examples": self.skipped[:5]}
+        """Where the images came from, how many were asked for and used, and which files were
+        skipped (``path: reason``, the first five)."""
+        return {**self._description, "images_requested": self._limit, "images_used": self.used,
+                "files_skipped": len(self.skipped), "skipped_examples": self.skipped[:5]}
 
 
 def _random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
@@ -157,3 +192,28 @@ def _random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
     if rng.random() < 0.5:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return im
+
+
+class SpooledBatches:
+    """Image batches decoded once and kept on disk, read back one batch at a time.
+
+    For work that passes over the same calibration images several times (int8 range collection
+    and its checks): decoding happens once, and memory holds one batch however many images
+    there are. ``folder`` must exist and outlive the object (a temporary directory)."""
+
+    def __init__(self, batches: Iterable[torch.Tensor], folder: str | Path) -> None:
+        self._files: list[Path] = []
+        self.images = 0
+        for i, batch in enumerate(batches):
+            path = Path(folder) / f"batch-{i:05d}.npy"
+            np.save(path, batch.numpy())
+            self._files.append(path)
+            self.images += len(batch)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for path in self._files:
+            yield torch.from_numpy(np.load(path))
+
+    def __len__(self) -> int:
+        """The number of batches."""
+        return len(self._files)

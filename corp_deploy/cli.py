@@ -1,9 +1,17 @@
-"""The ``corp-deploy`` command line: a thin layer over the library."""
+"""The ``corp-deploy`` command line: a thin layer over the library.
+
+Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
+traceback: bad input and refusals are :class:`CorpError`; running out of memory and an
+interrupt (SIGINT, SIGTERM) are handled here, after the outputs in progress were removed.
+"""
 from __future__ import annotations
 
-import functools
 import json
+import logging
+import os
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -15,24 +23,56 @@ from exporters.tensorrt import BatchProfile
 
 from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
                      CompressConfig)
-from .errors import CorpError
+from .errors import CorpError, SettingError
 from .methods import METHODS, option_owners
 
 DEFAULTS = CompressConfig()
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
+#: Exit statuses of every command (README, "Guarantees").
+EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
+              3: "export: files written, a step needs TensorRT or a GPU to finish",
+              4: "a gate failed (export: nothing written; bench: reports written)",
+              130: "interrupted by SIGINT", 143: "terminated by SIGTERM"}
+#: Settings (CompressConfig fields) whose option is not ``--<field with dashes>``.
+_SETTING_OPTIONS = {"compensation": "--no-compensation"}
+#: The largest seed every random generator used here accepts.
+MAX_SEED = 2 ** 32 - 1
 
 
-def _user_errors(func):
-    """Turn CorpError into one clear message and its exit status (1 by default; no traceback)."""
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+def option_name(setting: str) -> str:
+    """The command-line option of a setting: ``s_mlp`` -> ``--s-mlp``."""
+    return _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
+
+
+class _Commands(click.Group):
+    """The command group: a :class:`CorpError` becomes its message and exit status, a setting's
+    name in it becomes its option, and running out of memory becomes one message too. Other
+    exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
+
+    def invoke(self, ctx):
         try:
-            return func(*args, **kwargs)
+            return super().invoke(ctx)
+        except SettingError as exc:
+            raise _click_error(exc.naming(option_name), exc.exit_code) from None
         except CorpError as exc:
-            error = click.ClickException(str(exc))
-            error.exit_code = exc.exit_code
-            raise error from None
-    return wrapper
+            raise _click_error(str(exc), exc.exit_code) from None
+        except MemoryError as exc:
+            raise _click_error(f"ran out of memory ({exc or 'no detail'}); use fewer images or smaller "
+                               "batches", 1) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if os.environ.get("CORP_DEPLOY_DEBUG"):
+                raise
+            raise _click_error(f"internal error ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else '-'}); "
+                               "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
+                               "and report it", 1) from None
+
+
+def _click_error(message: str, exit_code: int) -> click.ClickException:
+    error = click.ClickException(message)
+    error.exit_code = exit_code
+    return error
 
 
 def _keep_float_count(ctx, param, value: str) -> int | str:
@@ -82,7 +122,9 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
+                                                                    for code, meaning in EXIT_CODES.items()))
 @click.version_option(package_name="corp-deploy")
 def cli():
     """Compress timm Vision Transformers one-shot with CORP and ship them.
@@ -112,33 +154,52 @@ _model_source_options = _options(
     click.option("--calib", type=click.Path(path_type=Path), default=None,
                  help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
                       "Default: built-in photos from scikit-image."),
-    click.option("--calib-samples", type=int, default=256, show_default=True, help="Number of calibration images."),
+    click.option("--calib-samples", type=click.IntRange(min=1), default=256, show_default=True,
+                 help="Number of calibration images."),
     click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
                  help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0)."),
     click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
                  help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True)."),
     click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool)."),
-    click.option("--seed", type=int, default=0, show_default=True,
+    click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                  help="Seed for calibration sampling/augmentation and random weights."),
 )
 
 
+def input_dir(path: Path | None, option: str) -> Path | None:
+    """The absolute path of an input directory option (so that what is recorded resolves the same
+    from anywhere), or CorpError saying whether it is missing or not a directory."""
+    if path is None:
+        return None
+    if not path.exists():
+        raise CorpError(f"{option} {path}: not found")
+    if not path.is_dir():
+        raise CorpError(f"{option} {path}: not a directory")
+    return path.resolve()
+
+
 def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool,
-                 seed: int, calib: Path | None):
+                 seed: int):
     """Check the model-source options and build the dense model; returns it and its artifact record."""
     from .artifact import base_model_spec, weights_record
     from .models import create_base_model, resolve_model_name
 
     kwargs = _parse_model_args(model_args)
-    full_name = resolve_model_name(model, kwargs)
     if checkpoint is not None and no_pretrained:
         raise CorpError("--checkpoint and --no-pretrained exclude each other")
-    if calib is not None and not Path(calib).is_dir():
-        raise CorpError(f"calibration directory not found: {calib}")
+    if checkpoint is not None and not checkpoint.is_file():
+        raise CorpError(f"--checkpoint {checkpoint}: {'not a file' if checkpoint.exists() else 'not found'}")
+    full_name = resolve_model_name(model, kwargs)
     click.echo(f"building {full_name} ...", err=True)
     base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint, seed=seed)
     record = {**base_model_spec(base, full_name, kwargs), "weights": weights_record(checkpoint, not no_pretrained, seed)}
     return base, record
+
+
+def _check_device(device: str) -> None:
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CorpError("--device cuda was requested but no CUDA GPU is available; use --device cpu")
 
 
 @cli.command()
@@ -165,7 +226,8 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 @click.option("--equal-head-dims", is_flag=True,
               help="corp: as many value as query/key dims in every head (fused attention kernels need "
                    "equal head dims); needs --target all.")
-@click.option("--batch-size", type=int, default=32, show_default=True, help="Calibration batch size.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Calibration batch size.")
 @click.option("--ranker", type=click.Choice(RANKERS), default=None,
               help=f"corp: MLP hidden and value channel selection. [default: {UNIFORM_RANKER} with --s, "
                    f"{BUDGET_RANKER} with a budget]")
@@ -174,7 +236,7 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 @click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS.calibration,
               show_default=True, help="Statistics all from the dense model (independent, as in the "
                                       "paper) or from the partly compressed model (sequential).")
-@click.option("--round-to", type=int, default=1, show_default=True,
+@click.option("--round-to", type=click.IntRange(min=1), default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
 @click.option("--no-compensation", is_flag=True,
               help="Keep the same channels but only slice (ablation): no closed-form step (corp), no "
@@ -186,7 +248,6 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]")
-@_user_errors
 def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
              s_mlp, s_attn, s_vo, macs, speedup, unit_floor, equal_head_dims, batch_size, ranker, ridge, calibration,
              round_to, no_compensation, layer_floor, token_fraction, device, output):
@@ -207,6 +268,8 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .artifact import record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
+    from .memory import check_fits, compress_bytes
+    from .outputs import check_output_dir
 
     _check_method_options(METHODS[method], s_attn, s_vo)
     if (macs is not None or speedup is not None) and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
@@ -218,23 +281,41 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
         equal_head_dims=equal_head_dims, target=target, ranker=ranker, ridge=ridge, calibration=calibration,
         round_to=round_to, compensation=not no_compensation, device=device, method=method,
         layer_floor=layer_floor, token_fraction=token_fraction)
-    out_dir = output or default_output_dir(model, config)
-    base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
-    transform, _ = model_transform(base)
+    out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
+    calib = input_dir(calib, "--calib")
+    _check_device(device)
+    base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed)
+    transform, data_config = model_transform(base)
+    check_fits(f"compressing {base_model['name']} on {calib_samples} images",
+               compress_bytes(base, tuple(data_config["input_size"]), calib_samples, batch_size),
+               "use fewer --calib-samples or a smaller --batch-size")
     if calib is None:
         _warn_builtin_calibration()
     images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size,
                                            seed=seed)
     compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty())
     summary = images.summary()
-    if summary["files_skipped"]:
-        click.secho(f"warning: skipped {summary['files_skipped']} unreadable calibration files "
-                    f"(e.g. {summary['skipped_examples'][0]})", fg="yellow", err=True)
+    _warn_calibration_shortfall(summary, calib_samples)
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
     path = save_artifact(compressed, out_dir, base_model=base_model, settings=settings, calibration=summary,
                          report=report)
-    record_latest(path)
+    _warn(record_latest(path))
     _print_compress_summary(report, path)
+
+
+def _warn(message: str | None) -> None:
+    if message:
+        click.secho(f"warning: {message}", fg="yellow", err=True)
+
+
+def _warn_calibration_shortfall(summary: dict, requested: int) -> None:
+    """Say when calibration skipped unreadable files or used fewer images than asked for."""
+    if summary["files_skipped"]:
+        reasons = "; ".join(summary["skipped_examples"][:3])
+        _warn(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
+    if summary["images_used"] < requested:
+        _warn(f"calibrated on {summary['images_used']} images, fewer than the {requested} asked for "
+              "(--calib-samples): the directory has no more readable images")
 
 
 def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
@@ -337,7 +418,6 @@ def _allocation_table(budget: dict):
                    "0.98 int8]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
-@_user_errors
 def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float, calib,
            calib_samples, workspace_gb, timing_cache, atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
@@ -449,7 +529,6 @@ def _parse_sizes(text: str, option: str) -> tuple[int, ...]:
 @click.option("--min-cosine", type=float, default=None, help="Fail below this mean feature cosine to dense.")
 @click.option("--min-parity-cosine", type=float, default=0.999, show_default=True,
               help="Fail when any backend's output cosine to PyTorch (CPU) is below this.")
-@_user_errors
 def bench(target, backends, batches, threads, warmup, min_time, data, data_samples, json_path, markdown_path,
           plot_path, output, baseline, max_regression, min_agreement, max_kl, min_cosine, min_parity_cosine):
     """Latency, parity and fidelity of a compressed model against its dense base.
@@ -471,34 +550,50 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
       corp-deploy bench corp-deploy/deit_base-s0.5 --data val/ --json new.json --baseline main.json
     """
     from benchmarks.backends import parse_families
-    from benchmarks.data import eval_images
+    from benchmarks.data import check_labels, eval_images
     from benchmarks.gate import GateLimits, read_report, regressions
     from benchmarks.harness import BenchSettings, run_bench
     from benchmarks.int8 import int8_graphs, run_int8_bench
-    from benchmarks.report import print_terminal, write_outputs
+    from benchmarks.report import check_report_file, print_terminal, write_outputs
     from benchmarks.targets import calibration_overlap, load_models, resolve_target
 
     from .calibration import model_transform
+    from .memory import check_fits, inference_bytes
+    from .outputs import check_output_dir
 
     settings = BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
                              threads=threads, warmup=warmup, min_time=min_time)
+    ctx = click.get_current_context()
+    requested = tuple(name for name in ("min_agreement", "max_kl", "min_cosine", "min_parity_cosine")
+                      if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
     limits = GateLimits(max_regression=max_regression, min_agreement=min_agreement, max_kl=max_kl,
-                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine)
+                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine, requested=requested)
+    files = {rendering: check_report_file(path, rendering) for rendering, path in
+             (("json", json_path), ("markdown", markdown_path), ("plot", plot_path)) if path is not None}
+    folder = check_output_dir(output, "bench") if output is not None else None
+    data = input_dir(data, "--data")
     previous = read_report(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     click.echo(f"benchmarking {artifact}" + (f" with the export {export_dir}" if export_dir else
                                              " (no export found: ONNX Runtime and TensorRT need one)"), err=True)
     compressed, dense = load_models(artifact, export_dir)
-    transform, _ = model_transform(compressed.torch)
+    transform, data_config = model_transform(compressed.torch)
+    check_fits(f"timing at batch {max(settings.batches)}",
+               inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
+               "use smaller --batch sizes")
     evaluation = eval_images(data, transform, limit=data_samples)
+    check_labels(evaluation, data, compressed.torch.num_classes)
     held_out = not calibration_overlap(artifact, evaluation.description)
     if not held_out:
-        click.secho("warning: the evaluation images overlap the calibration images; fidelity is not held out",
-                    fg="yellow", err=True)
+        _warn("the evaluation images overlap the calibration images; fidelity is not held out")
+
     def log(message: str) -> None:
         click.echo(message, err=True)
 
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
+    skipped = report["fidelity"]["data"].get("files_skipped")
+    if skipped:
+        _warn(f"skipped {skipped} unreadable evaluation files ({'; '.join(report['fidelity']['data']['skipped_examples'][:3])})")
     graphs = int8_graphs(artifact) if "ort" in settings.backends else None
     if isinstance(graphs, str):
         report["int8"] = {"skipped": graphs}
@@ -507,11 +602,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     found = regressions(report, limits, previous)
     report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
                       "passed": not found, "regressions": found}
-    if output is not None:
-        json_path = json_path or output / "bench.json"
-        markdown_path = markdown_path or output / "bench.md"
-        plot_path = plot_path or output / "bench.png"
-    written = write_outputs(report, json_path=json_path, markdown_path=markdown_path, plot_path=plot_path)
+    written = write_outputs(report, files, folder)
     print_terminal(report)
     for path in written:
         click.echo(f"wrote {path}", err=True)
@@ -554,7 +645,6 @@ def _parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
               help="As for bench.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
-@_user_errors
 def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities, budgets,
           methods, data, data_samples, backends, batches, threads, min_time, output):
     """Compress with each method at several sparsities (or MAC budgets), export, benchmark, and compare.
@@ -576,17 +666,24 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
     from benchmarks.harness import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
+    from .outputs import check_output_dir
+
     if sparsities is not None and budgets is not None:
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
-    spec = SweepSpec(sparsities=() if budgets else _parse_values(sparsities or "0.1,0.3,0.5,0.7", "--s", "0.1,0.3,0.5"),
-                     budgets=_parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets else (), target=target,
-                     methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-                     calib=calib, calib_samples=calib_samples,
-                     data=data, data_samples=data_samples, seed=seed,
-                     bench=BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
-                                         threads=threads, min_time=min_time))
-    out_dir = output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}"
-    dense, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed, calib)
+    try:
+        spec = SweepSpec(
+            sparsities=() if budgets else _parse_values(sparsities or "0.1,0.3,0.5,0.7", "--s", "0.1,0.3,0.5"),
+            budgets=_parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets else (), target=target,
+            methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+            calib=input_dir(calib, "--calib"), calib_samples=calib_samples,
+            data=input_dir(data, "--data"), data_samples=data_samples, seed=seed,
+            bench=BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
+                                threads=threads, min_time=min_time))
+    except SettingError as exc:  # a sweep sets every sparsity with --s
+        raise CorpError(exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting)))
+    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}"
+                                         f"{f'-{target}' if target else ''}", "sweep")
+    dense, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed)
     if calib is None:
         _warn_builtin_calibration()
     run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
@@ -594,8 +691,37 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
     click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: raised in the main thread so that every ``with`` block on the way
+    out removes what it was writing (a BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def _raise_interrupted(signum, frame) -> None:
+    # later signals are ignored while the first one unwinds and cleans up
+    for held in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(held, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main() -> None:
-    cli()
+    """The ``corp-deploy`` entry point: the command group with library warnings and log lines kept
+    off the terminal and SIGINT / SIGTERM turned into a clean exit (130 / 143) after the outputs in
+    progress were removed; a previous output at the destination is untouched."""
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"(corp_deploy|exporters|benchmarks)(\.|$)")
+    logging.getLogger().setLevel(logging.ERROR)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_interrupted)
+    try:
+        cli(prog_name="corp-deploy")
+    except Interrupted as exc:
+        click.echo(f"\ncorp-deploy: stopped by {exc}; the output in progress was removed and nothing was "
+                   "replaced", err=True)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ from torch import nn
 from .blocks import BoundaryCache
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
-from .errors import CorpError
+from .dims import kept_count
+from .errors import CorpError, SettingError
 from .families import blocks_of, standard_form
+from .layers import head_dims
 from .methods import METHODS, BlockRun
-from .models import check_prunable, check_vit
+from .models import check_finite, check_prunable, check_vit
 
 
 def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
@@ -48,11 +50,13 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
+    check_finite(model, "the model to compress")
     dense_params = count_params(model)
     model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
     check_prunable(model, config.prunes_mlp, config.prunes_attn, config.prunes_vo)
     method = METHODS[config.method]
     method.check_model(model, config)
+    check_rounding(model, config)
     device = _resolve_device(config.device)
     timer = _PhaseTimer()
     model = model.to(device)
@@ -79,6 +83,36 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         "peak_memory_mb": peak_memory_mb(device),
     }
     return model, report
+
+
+#: Per part: what its dims are called, and the sparsity setting that prunes it.
+_PARTS = {"mlp": ("MLP hidden channels", "s_mlp"), "qk": ("query/key dims per head", "s_attn"),
+          "vo": ("value dims per head", "s_vo")}
+
+
+def check_rounding(model: nn.Module, config: CompressConfig) -> None:
+    """SettingError, before any calibration, when ``round_to`` cannot be honoured: it exceeds the dims
+    of a part to be pruned, or, at a sparsity above 0, rounding keeps every dim of a part (the
+    model would be labelled with a sparsity it does not have). VBP's sparsity is one global rate
+    whose per-layer counts vary, so only the first check applies to it."""
+    if config.round_to == 1:
+        return
+    for i, block in enumerate(blocks_of(model)):
+        qk, v = head_dims(block.attn) if config.prunes_attn or config.prunes_vo else (None, None)
+        totals = {"mlp": block.mlp.fc1.out_features if config.prunes_mlp else None, "qk": qk, "vo": v}
+        for part in config.parts:
+            label, setting = _PARTS[part]
+            total = totals[part]
+            if config.round_to > total:
+                raise SettingError(f"{{}} {config.round_to} is larger than the {total} {label} of block {i}: "
+                                   f"nothing could be pruned there; use {{}} {total} or less", "round_to", "round_to")
+            sparsity = getattr(config, setting)
+            if config.method == "vbp" or config.has_budget or not sparsity:
+                continue
+            if kept_count(total, sparsity, config.round_to) == total:
+                raise SettingError(f"{{}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
+                                   f"multiple of {config.round_to} ({{}}): nothing would be pruned; raise the "
+                                   "sparsity or lower the rounding", setting, "round_to")
 
 
 def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device,

@@ -52,15 +52,25 @@ def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) ->
     if not timm.is_model(base):
         raise CorpError(f"unknown model {name!r}; supported: {SUPPORTED_FAMILIES} "
                         f"(aliases: {', '.join(sorted(ALIASES))})")
-    try:
-        with torch.device("meta"):
-            skeleton = timm.create_model(base, pretrained=False, **(model_kwargs or {}))
-    except Exception:  # noqa: BLE001 - some models need creation arguments; checked after creation
-        return full
+    skeleton = _skeleton(base, model_kwargs or {})
     problem = structure_problem(skeleton)
     if problem is not None:
         raise CorpError(f"{name} cannot be compressed: {problem}. Supported: {SUPPORTED_FAMILIES}")
     return full
+
+
+def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """timm's ``name`` built with ``kwargs`` on the meta device (no weights, no memory); where a model
+    cannot be built there, on the CPU. CorpError, in one line, when timm refuses the arguments."""
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                return timm.create_model(name, pretrained=False, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - timm raises TypeError, ValueError, AssertionError, ...
+            error = exc
+    detail = (str(error).splitlines() or [""])[0][:200] or type(error).__name__
+    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
+    raise CorpError(f"timm cannot build {name} with {given}: {detail}")
 
 
 def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
@@ -98,7 +108,15 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     check_vit(model)
+    check_finite(model, f"the weights of {full}" + (f" from {checkpoint}" if checkpoint is not None else ""))
     return standard_form(model).eval()
+
+
+def check_finite(model: nn.Module, what: str) -> None:
+    """CorpError naming the first parameter or buffer of ``model`` that holds NaN or infinity."""
+    for key, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CorpError(f"{what}: {key} holds NaN or infinite values; these weights cannot be compressed")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -135,15 +153,23 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CorpError(f"checkpoint {path} does not hold a state dict of tensors")
-    result = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    reshaped = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
     problems = []
-    if result.missing_keys:
-        problems.append(f"missing {len(result.missing_keys)} keys (e.g. {result.missing_keys[:3]})")
-    if result.unexpected_keys:
-        problems.append(f"unexpected {len(result.unexpected_keys)} keys (e.g. {result.unexpected_keys[:3]})")
+    if missing:
+        problems.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:2])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:2])})")
+    if reshaped:
+        first = reshaped[0]
+        problems.append(f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in the "
+                        f"checkpoint, {list(own[first].shape)} in the model)")
     if problems:
         raise CorpError(f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
                         "Check the model name and --model-arg values (e.g. num_classes, img_size).")
+    model.load_state_dict(state, strict=True)
 
 
 def structure_problem(model: nn.Module) -> str | None:
@@ -156,6 +182,13 @@ def structure_problem(model: nn.Module) -> str | None:
     attention has no qk-norm, inner norm or gate, and a ``Cait`` (all three rewritten by
     :func:`~corp_deploy.families.standard_form`; which parts can be pruned: :func:`check_prunable`), and a
     ``SwinTransformer`` of timm's (shifted) window blocks with a fixed shift mask."""
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is not None and min(grid) < 1:
+        return (f"its patch grid is {tuple(grid)}: the patches are larger than the image "
+                "(check the img_size and patch_size --model-arg values)")
+    families = (VisionTransformer, VisionTransformerRelPos, beit.Beit, eva.Eva, cait.Cait, swin.SwinTransformer)
+    if isinstance(model, families) and not blocks_of(model):
+        return "it has no transformer blocks (depth 0)"
     if isinstance(model, VisionTransformerRelPos):
         return _relpos_problem(model)
     if isinstance(model, beit.Beit):

@@ -16,8 +16,9 @@ usual when no N within the ladder was enough.
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -35,36 +36,38 @@ HOLD_BACK_EVERY = 4
 MAX_FLOAT_SHARE = 0.25
 
 
-def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, batches: list[torch.Tensor],
+def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, batches: Iterable[torch.Tensor],
                            keep: int | str, method: str, tolerance: Tolerance,
                            log: Callable[[str], None] = lambda message: None) -> dict:
     """Quantize ``fp32_path`` (the float32 export of ``model``) to ``out_path`` with ``keep``
     (a count or :data:`AUTO`) Linear layers in float.
 
     Args:
-        batches: the calibration images, ``(B, C, H, W)`` float32 batches.
+        batches: the calibration images, ``(B, C, H, W)`` float32 batches; iterated several times
+            (a re-iterable such as :class:`~corp_deploy.calibration.SpooledBatches`), one batch in
+            memory at a time.
     Returns:
         :func:`quantize_int8`'s record plus ``kept_float`` (module paths) and, for ``auto``,
         ``keep_float_search``: the checked and held-back image counts and each try's numbers.
     """
     name = out_path.stem
 
-    def quantize(calibration: list[torch.Tensor], ranking: list[str], count: int) -> dict:
+    def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
         kept = set(ranking[:count])
-        log(f"{name}: quantizing to int8 ({method} ranges on {sum(map(len, calibration))} images, "
-            f"Linear layers in float: {count}) ...")
-        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept.__contains__)
+        log(f"{name}: quantizing to int8 ({method} ranges, Linear layers in float: {count}) ...")
+        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept)
         return {**int8, "kept_float": sorted(kept)}
 
-    def rank(calibration: list[torch.Tensor]) -> list[str]:
+    def rank(calibration: Iterable[torch.Tensor]) -> list[str]:
         log(f"{name}: ranking the Linear layers by their int8 rounding error ...")
         return linear_sensitivity(model, calibration)
 
     if keep != AUTO:
         return quantize(batches, rank(batches) if keep else [], keep)
-    fit, held_back = split_calibration(batches)
-    torch_runner, images = TorchRunner(model), sum(map(len, batches))
+    fit = HeldBack(batches)
+    torch_runner = TorchRunner(model)
     reference = np.concatenate([torch_runner.infer(batch.numpy()) for batch in batches])
+    images, held_back = len(reference), fit.held_back(len(reference))
     linears = sum(isinstance(module, nn.Linear) for module in model.modules())
     ranking, tries = [], []
     for count in keep_float_ladder(linears):
@@ -73,6 +76,7 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         runner = OnnxRuntimeRunner(out_path, "cpu")
         result = compare_outputs(reference, np.concatenate([runner.infer(batch.numpy()) for batch in batches]),
                                  top1=model.num_classes > 0)
+        del runner
         failed = tolerance.violations(result)
         tries.append({"kept": count, "cosine": result["cosine"], "top1_agreement": result["top1_agreement"],
                       "passed": not failed})
@@ -96,15 +100,25 @@ def keep_float_ladder(linear_layers: int) -> list[int]:
     return ladder
 
 
-def split_calibration(batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    """The range-calibration batches, without every :data:`HOLD_BACK_EVERY`-th image counted
-    across ``batches``, and the number of images held back."""
-    fit, start = [], 0
-    for batch in batches:
-        held = torch.arange(start, start + len(batch)) % HOLD_BACK_EVERY == HOLD_BACK_EVERY - 1
-        fit.append(batch[~held])
-        start += len(batch)
-    return [batch for batch in fit if len(batch)], start - sum(map(len, fit))
+class HeldBack:
+    """The range-calibration view of ``batches``: every :data:`HOLD_BACK_EVERY`-th image (counted
+    across the batches) left out. Re-iterable like ``batches`` itself."""
+
+    def __init__(self, batches: Iterable[torch.Tensor]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        start = 0
+        for batch in self._batches:
+            held = torch.arange(start, start + len(batch)) % HOLD_BACK_EVERY == HOLD_BACK_EVERY - 1
+            start += len(batch)
+            if (~held).any():
+                yield batch[~held]
+
+    @staticmethod
+    def held_back(images: int) -> int:
+        """How many of ``images`` images are held back."""
+        return images // HOLD_BACK_EVERY
 
 
 def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_batches: int = 2) -> list[str]:
@@ -115,7 +129,6 @@ def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_
     Local errors, not the model output's: they find the layers whose inputs carry outliers that
     a per-tensor range clips or crushes."""
     linears = {module: name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    batches = list(batches)
     peak: dict[str, float] = {}
     errors: dict[str, list[float]] = {name: [0.0, 0.0] for name in linears.values()}
 
@@ -133,7 +146,7 @@ def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_
         errors[name][1] += float(exact.double().square().sum())
 
     with torch.no_grad():
-        for hook, used in ((record_peak, batches), (record_error, batches[:error_batches])):
+        for hook, used in ((record_peak, batches), (record_error, itertools.islice(batches, error_batches))):
             handles = [module.register_forward_hook(hook) for module in linears]
             try:
                 for batch in used:

@@ -1,4 +1,8 @@
-"""``export.json``: what an export directory holds, how it was made and how well it matched."""
+"""``export.json``: what an export directory holds, how it was made and how well it matched.
+
+Every reader checks ``export.json`` and the graph and engine files it uses against the export's
+record (:mod:`corp_deploy.outputs`) before anything runs; file names in the manifest are plain
+names inside the export folder."""
 from __future__ import annotations
 
 import json
@@ -7,10 +11,12 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.files import sha256_file
+from corp_deploy.outputs import verify_files
 
 MANIFEST = "export.json"
 FORMAT = "corp-deploy-export"
-FORMAT_VERSION = 1
+#: 2: the export folder has a record of every file (version 1 had none and is not read).
+FORMAT_VERSION = 2
 
 
 def file_entries(folder: Path) -> list[dict]:
@@ -36,15 +42,31 @@ def versions() -> dict:
 
 
 def read_manifest(folder: str | Path) -> dict:
-    """The validated ``export.json`` of an export directory."""
-    path = Path(folder) / MANIFEST
+    """The ``export.json`` of an export directory, checked against the export's record."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
     try:
         manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CorpError(f"cannot read {path}: {exc}") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CorpError(f"{path} is not a corp-deploy export manifest of version {FORMAT_VERSION}")
+    except (OSError, ValueError):
+        manifest = None  # refused below: by its checksum, or as not a manifest
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT and version != FORMAT_VERSION:
+        raise CorpError(f"{path}: export format version {version} is not supported by this corp-deploy "
+                        f"(reads version {FORMAT_VERSION}); export the artifact again")
+    verify_files(folder, "export", [MANIFEST])
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CorpError(f"{path} is not a corp-deploy export manifest")
     return manifest
 
+
+def model_files(folder: str | Path, manifest: dict, key: str) -> dict[str, Path | None]:
+    """``{"onnx": graph path, "engine": engine path or None}`` of the manifest's model ``key``
+    (``model`` or ``dense``), every file (the graph's external weights too) checked against the
+    export's record."""
+    folder = Path(folder)
+    entry = manifest["models"][key]
+    names = [*entry["onnx"], *([entry["engine"]] if entry["engine"] else [])]
+    verify_files(folder, "export", names)
+    return {"onnx": folder / entry["onnx"][0], "engine": folder / entry["engine"] if entry["engine"] else None}

@@ -6,6 +6,7 @@ Exporter and opset defaults come from measurements on dense and pruned DeiT
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import tempfile
@@ -83,13 +84,42 @@ def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, 
 
 
 def check_settings(opset: int, exporter: str) -> None:
-    """CorpError unless ``exporter`` is known and ``opset`` is one it can write."""
-    import onnx
+    """CorpError unless ``exporter`` is known and ``opset`` is one it can write and ONNX Runtime (the
+    parity gate's runtime) can load."""
     if exporter not in EXPORTERS:
         raise CorpError(f"exporter must be one of {', '.join(EXPORTERS)}; got {exporter!r}")
-    max_opset = onnx.defs.onnx_opset_version()
-    if not MIN_OPSET <= opset <= max_opset:
-        raise CorpError(f"opset must be between {MIN_OPSET} and {max_opset} (this onnx package); got {opset}")
+    highest = max_opset(exporter)
+    if not (isinstance(opset, int) and MIN_OPSET <= opset <= highest):
+        raise CorpError(f"--opset must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
+                        f"highest that it and this ONNX Runtime support); got {opset}")
+
+
+@functools.lru_cache(maxsize=None)
+def max_opset(exporter: str) -> int:
+    """The highest ONNX opset ``exporter`` writes here that this ONNX Runtime also loads."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    if exporter == "torchscript":
+        from torch.onnx import _constants
+        highest = getattr(_constants, "ONNX_MAX_OPSET", _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+    else:
+        highest = onnx.defs.onnx_opset_version()
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    value = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    for opset in range(highest, MIN_OPSET, -1):
+        imports = [helper.make_opsetid("", opset)]
+        probe = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
+                                                    [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]),
+                                  opset_imports=imports, ir_version=helper.find_min_ir_version_for(imports))
+        try:
+            ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            return opset
+        except Exception:  # noqa: BLE001 - ORT refuses an opset it does not know with its own error types
+            continue
+    return MIN_OPSET
 
 
 def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: int, exporter: str) -> None:

@@ -5,6 +5,7 @@ turns two outputs into numbers; :class:`Tolerance` decides whether those numbers
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -46,10 +47,10 @@ class Tolerance:
     min_top1: float | None = None
 
     def __post_init__(self) -> None:
-        if self.atol is not None and not self.atol >= 0:
-            raise CorpError(f"atol must be >= 0; got {self.atol}")
+        if self.atol is not None and not (self.atol >= 0 and math.isfinite(self.atol)):
+            raise CorpError(f"--atol must be a finite number >= 0; got {self.atol}")
         if self.min_cosine is not None and not -1 <= self.min_cosine <= 1:
-            raise CorpError(f"the minimum cosine must be in [-1, 1]; got {self.min_cosine}")
+            raise CorpError(f"--min-cosine must be in [-1, 1]; got {self.min_cosine}")
         if self.min_top1 is not None and not 0 <= self.min_top1 <= 1:
             raise CorpError(f"the minimum top-1 agreement must be in [0, 1]; got {self.min_top1}")
 

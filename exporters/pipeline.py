@@ -8,6 +8,7 @@ gated against the float32 PyTorch model on held-out images.
 """
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -15,14 +16,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 from torch import nn
 
 from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
                          load_compressed, model_transform, read_config)
 from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
-from corp_deploy.calibration import HELD_OUT_PHOTOS
-from corp_deploy.files import sha256_file, staged_directory, write_json
+from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
+from corp_deploy.files import sha256_file, write_json
+from corp_deploy.outputs import check_output_dir, staged_output
 
 from . import tensorrt as trt_backend
 from .keep_float import AUTO, quantize_keeping_float
@@ -90,14 +91,21 @@ class ExportOptions:
         if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
             raise CorpError(f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, "
                             f"got {self.int8_keep_float!r}")
-        if self.calib is not None and not Path(self.calib).is_dir():
-            raise CorpError(f"calibration directory not found: {self.calib}")
+        if self.calib is not None:
+            calib = Path(self.calib)
+            if not calib.is_dir():
+                raise CorpError(f"--calib {calib}: {'not a directory' if calib.exists() else 'not found'}")
+            object.__setattr__(self, "calib", calib.resolve())  # recorded: resolves the same from anywhere
         if self.calib_samples is not None and self.calib_samples < 1:
             raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
-        if self.workspace_gb is not None and not self.workspace_gb > 0:
-            raise CorpError(f"workspace must be > 0 GB; got {self.workspace_gb}")
-        if self.timing_cache is not None and not Path(self.timing_cache).parent.is_dir():
-            raise CorpError(f"the folder of the timing cache {self.timing_cache} does not exist")
+        if self.workspace_gb is not None and not (self.workspace_gb > 0 and math.isfinite(self.workspace_gb)):
+            raise CorpError(f"--workspace must be a finite number of GB > 0; got {self.workspace_gb}")
+        if self.timing_cache is not None:
+            cache = Path(self.timing_cache)
+            if cache.is_dir() or not cache.parent.is_dir():
+                raise CorpError(f"--timing-cache {cache}: " + ("a directory, not a file" if cache.is_dir() else
+                                                              f"its folder {cache.parent} does not exist"))
+            object.__setattr__(self, "timing_cache", cache.resolve())
 
 
 @dataclass
@@ -115,7 +123,7 @@ def default_export_dir(artifact: str | Path, precision: str) -> Path:
 
 
 def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
-                    options: ExportOptions = ExportOptions(), *, dense_model: nn.Module | None = None,
+                    options: ExportOptions | None = None, *, dense_model: nn.Module | None = None,
                     log: Callable[[str], None] = lambda message: None) -> ExportResult:
     """Export the compressed model of ``artifact`` (and its dense base with ``options.dense``).
 
@@ -124,9 +132,11 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     ``export.json``. ``dense_model`` replaces the dense base rebuilt from the artifact's record.
     Raises :class:`ParityError` (nothing written) when a parity gate fails.
     """
+    options = options or ExportOptions()
     artifact = Path(artifact)
     config = read_config(artifact)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
+    check_output_dir(out_dir, "export")  # before any work
     tolerance = options.tolerance or Tolerance.for_precision(options.precision)
     models = {"model": load_compressed(artifact)}
     if options.dense:
@@ -139,10 +149,12 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
     images = parity_images(models["model"], n_images, held_out=options.precision == "int8")
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
-    calibration = int8_calibration_images(models["model"], config, options) if options.precision == "int8" else None
 
     entries, graph, onnxruntime = {}, {}, {}
-    with staged_directory(out_dir, MANIFEST) as tmp:
+    with tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch, \
+            staged_output(out_dir, "export") as tmp:
+        calibration = (int8_calibration_images(models["model"], config, options, Path(scratch))
+                       if options.precision == "int8" else None)
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
                 f"{options.precision}) ...")
@@ -150,7 +162,8 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
                                         log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
-            onnxruntime[name] = runner
+            if options.trt and not trt_missing:
+                onnxruntime[name] = runner  # the engine's reference, later
             if runner is None:
                 parity = {"skipped": reason}
                 incomplete.append(f"{name}.onnx not checked: {reason}")
@@ -166,7 +179,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
             _write_build_script(tmp, list(models), options, input_size)
             if not trt_missing:
                 for name, model in models.items():
-                    reference = onnxruntime[name] or TorchRunner(model)
+                    reference = onnxruntime.get(name) or TorchRunner(model)
                     _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
                                             engine_batches, tolerance, classifier, log)
         manifest = _manifest(artifact, config, graph, entries, options, tolerance, trt_missing, tmp)
@@ -185,7 +198,7 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
 
 
 def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions,
-                  calibration: tuple[list[torch.Tensor], dict] | None, tolerance: Tolerance,
+                  calibration: tuple[SpooledBatches, dict] | None, tolerance: Tolerance,
                   log: Callable[[str], None]) -> tuple[dict, dict | None]:
     """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
     int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed).
@@ -203,11 +216,11 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
     return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
 
 
-def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions
-                            ) -> tuple[list[torch.Tensor], dict]:
-    """The batches int8 ranges are calibrated on, loaded once for every graph and step, and their
-    summary: ``options.calib`` or the artifact's own calibration source (a directory, or the
-    built-in photos with the same seed)."""
+def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions, folder: Path
+                            ) -> tuple[SpooledBatches, dict]:
+    """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
+    step (one batch in memory at a time), and their summary: ``options.calib`` or the artifact's own
+    calibration source (a directory, or the built-in photos with the same seed)."""
     recorded, settings = config.get("calibration", {}), config.get("settings", {})
     directory = options.calib
     if directory is None and recorded.get("source") == "directory":
@@ -218,7 +231,7 @@ def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptio
     transform, _ = model_transform(model)
     images = CalibrationImages.from_source(directory, transform, limit=options.calib_samples or
                                            settings.get("calib_samples", 256), seed=settings.get("seed", 0))
-    return list(images), images.summary()
+    return SpooledBatches(images, folder), images.summary()
 
 
 def check_parity(label: str, reference, candidate, images: np.ndarray, batches, tolerance: Tolerance,
@@ -256,9 +269,11 @@ def _onnxruntime_runner(path: Path, precision: str) -> tuple[OnnxRuntimeRunner |
 
 
 def _write_build_script(folder: Path, names: list[str], options: ExportOptions, input_size) -> None:
+    graphs = [f"{name}.onnx" for name in names]
+    files = [f for graph in graphs for f in (graph, f"{graph}.data") if (folder / f).is_file()]
     script = folder / trt_backend.SCRIPT_NAME
     script.write_text(trt_backend.build_script(
-        [f"{n}.onnx" for n in names], batch=options.batch, image_shape=input_size,
+        graphs, {f: sha256_file(folder / f) for f in files}, batch=options.batch, image_shape=input_size,
         precision=options.precision, workspace_gb=options.workspace_gb, timing_cache=options.timing_cache))
     script.chmod(0o755)
 

@@ -129,12 +129,16 @@ class TensorRTRunner:
         return np.array(outputs[OUTPUT_NAME], copy=True)  # the runner reuses its host buffers
 
 
-def build_script(onnx_files: list[str], *, batch: BatchProfile, image_shape: tuple[int, ...],
-                 precision: str, workspace_gb: float | None = None,
+def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: BatchProfile,
+                 image_shape: tuple[int, ...], precision: str, workspace_gb: float | None = None,
                  timing_cache: str | Path | None = None) -> str:
     """A bash script that builds ``<name>.engine`` from each ``<name>.onnx`` with ``trtexec``:
     the same profile, workspace, timing cache and strongly typed precision as
-    :func:`build_engine`."""
+    :func:`build_engine`. It first checks every file of ``checksums`` (name -> SHA-256: the graphs
+    and their external weights) and refuses to build from a file that changed.
+
+    User-given values (the timing cache path) appear once, as a single-quoted variable
+    assignment, and nowhere in comments: no value can break out into a command."""
     dims = "x".join(str(d) for d in image_shape)
     sizes = dict(zip(("min", "opt", "max"), (batch.min, batch.opt, batch.max)))
     trtexec = [f"--{kind}Shapes={INPUT_NAME}:{b}x{dims}" for kind, b in sizes.items()]
@@ -143,10 +147,10 @@ def build_script(onnx_files: list[str], *, batch: BatchProfile, image_shape: tup
     if workspace_gb:
         trtexec.append(f"--memPoolSize=workspace:{int(workspace_gb * 1024)}M")
         polygraphy.append(f"--pool-limit workspace:{int(workspace_gb * 1024)}M")
+    cache = shlex.quote(str(Path(timing_cache).resolve())) if timing_cache else "''"
     if timing_cache:
-        cache = shlex.quote(str(Path(timing_cache).resolve()))
-        trtexec.append(f"--timingCacheFile={cache}")
-        polygraphy.append(f"--load-timing-cache {cache} --save-timing-cache {cache}")
+        polygraphy.append('--load-timing-cache "$TIMING_CACHE" --save-timing-cache "$TIMING_CACHE"')
+    verifications = "\n".join(f"verify {shlex.quote(name)} {digest}" for name, digest in sorted(checksums.items()))
     builds = "\n".join(f"build {shlex.quote(name)} {shlex.quote(Path(name).with_suffix('.engine').name)}"
                        for name in onnx_files)
     int8_note = ("\n#   int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built\n"
@@ -158,10 +162,20 @@ def build_script(onnx_files: list[str], *, batch: BatchProfile, image_shape: tup
 #   input {INPUT_NAME}: batch profile MIN:OPT:MAX = {batch} of {dims} images
 #   precision {precision}: taken from the ONNX graph (strongly typed build), TF32 off{int8_note}
 # Usage: bash {SCRIPT_NAME}     (trtexec from TensorRT >= 10 on PATH, or TRTEXEC=/path/to/trtexec)
-# The same build with Polygraphy instead, per file:
+# The same build with Polygraphy instead, per file (TIMING_CACHE as set below):
 #   polygraphy convert model.onnx --convert-to trt -o model.engine --strongly-typed {' '.join(polygraphy)}
 set -euo pipefail
 cd "$(dirname "$0")"
+TIMING_CACHE={cache}
+verify() {{  # the file as corp-deploy export wrote it, or no build
+  local got
+  if command -v sha256sum >/dev/null; then got="$(sha256sum "$1" | cut -d' ' -f1)"; else got="$(shasum -a 256 "$1" | cut -d' ' -f1)"; fi
+  if [ "$got" != "$2" ]; then
+    echo "$1 does not match the SHA-256 that corp-deploy export recorded (changed or corrupted): export again" >&2
+    exit 1
+  fi
+}}
+{verifications}
 TRTEXEC="${{TRTEXEC:-$(command -v trtexec || true)}}"
 if [ -z "$TRTEXEC" ] && [ -x /usr/src/tensorrt/bin/trtexec ]; then TRTEXEC=/usr/src/tensorrt/bin/trtexec; fi
 if [ -z "$TRTEXEC" ]; then
@@ -170,6 +184,7 @@ if [ -z "$TRTEXEC" ]; then
 fi
 help="$("$TRTEXEC" --help 2>&1 || true)"
 flags=({' '.join(trtexec)})
+if [ -n "$TIMING_CACHE" ]; then flags+=("--timingCacheFile=$TIMING_CACHE"); fi
 # TensorRT 10 takes the precision from the graph only with --stronglyTyped; TensorRT 11 always does.
 if grep -q -- "--stronglyTyped" <<<"$help"; then flags+=(--stronglyTyped); fi
 if grep -q -- "--noTF32" <<<"$help"; then flags+=(--noTF32); fi

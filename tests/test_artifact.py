@@ -37,9 +37,10 @@ def test_round_trip_is_bit_exact(compressed, tmp_path):
 def test_config_describes_the_model(compressed, tmp_path):
     dense, model, report = compressed
     path = save(model, report, tmp_path / "art")
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "report.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "corp-deploy-record.json", "model.safetensors",
+                                                      "report.json"]
     cfg = read_config(path)
-    assert cfg["format_version"] == 1 and cfg["settings"]["method"] == "corp"
+    assert cfg["format_version"] == 2 and cfg["settings"]["method"] == "corp"
     assert "method" not in cfg  # recorded once, in the settings
     assert cfg["base_model"]["name"] == "deit_tiny_patch16_224"
     assert cfg["blocks"][0] == {"mlp_hidden": 96, "num_heads": 3, "qk_head_dim": 8, "v_head_dim": 16,
@@ -91,11 +92,11 @@ def test_corrupt_or_foreign_artifacts_are_refused(compressed, tmp_path):
     with pytest.raises(CorpError, match="not a corp-deploy artifact"):
         load_compressed(tmp_path)
     (path / "config.json").write_text("{not json")
-    with pytest.raises(CorpError, match="cannot read"):
+    with pytest.raises(CorpError, match="config.json does not match the SHA-256"):
         load_compressed(path)
     path = save(model, report, tmp_path / "art2")
     (path / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(CorpError, match="cannot read weights"):
+    with pytest.raises(CorpError, match="model.safetensors does not match the SHA-256"):
         load_compressed(path)
 
 

@@ -126,10 +126,10 @@ def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run
     assert found[0].startswith("latency: ort-cpu, batch 1: compressed p50") and "+100.0% > 5%" in found[0]
     assert found[1].startswith("speedup: ort-cpu, batch 3:")
     assert any(f.startswith("fidelity: feature cosine") for f in found)
-    assert regressions(report, GateLimits(min_agreement=1.01, max_kl=-1.0, min_cosine=1.01)) == [
-        f"fidelity: top-1 agreement {report['fidelity']['top1_agreement']:.4f} < 1.01",
-        f"fidelity: mean KL {report['fidelity']['kl_mean']:.4g} > -1.0",
-        f"fidelity: feature cosine {report['fidelity']['feature_cosine']:.4f} < 1.01"]
+    worse = copy.deepcopy(report)
+    worse["fidelity"].update(top1_agreement=0.5, kl_mean=0.25, feature_cosine=0.75)
+    assert regressions(worse, GateLimits(min_agreement=0.9, max_kl=0.1, min_cosine=0.8)) == [
+        "fidelity: top-1 agreement 0.5000 < 0.9", "fidelity: mean KL 0.25 > 0.1", "fidelity: feature cosine 0.7500 < 0.8"]
     # the CLI: exit 4, every regression printed, the reports still written
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(doctored))
@@ -209,8 +209,8 @@ def test_targets_and_bad_inputs(artifact, tmp_path):
         (["bench", artifact, "--batch", "0,8"], "--batch takes comma-separated positive integers"),
         (["bench", artifact, "--baseline", not_a_report], "is not a corp-deploy bench report"),
         (["bench", artifact, "--baseline", tmp_path / "missing.json"], "not found"),
-        (["bench", artifact, "--data", tmp_path / "nope"], "evaluation data directory not found"),
-        (["bench", artifact, "--max-regression", "1.5"], "--max-regression must be in [0, 1)"),
+        (["bench", artifact, "--data", tmp_path / "nope"], "--data " + str(tmp_path / "nope") + ": not found"),
+        (["bench", artifact, "--max-regression", "1.5"], "--max-regression must be a finite number in [0, 1)"),
         (["bench", tmp_path], "is not a corp-deploy artifact"),
     ]
     for args, message in cases:
@@ -222,6 +222,14 @@ def test_targets_and_bad_inputs(artifact, tmp_path):
     config = json.loads((moved / "config.json").read_text())
     config["settings"]["seed"] = 99
     (moved / "config.json").write_text(json.dumps(config))
+    for load in (lambda: resolve_target(moved / "export-fp32"), lambda: load_compressed(moved)):
+        with pytest.raises(CorpError, match="config.json does not match the SHA-256"):
+            load()
+    # an export moved into another artifact is not taken for that artifact's export
+    other = tmp_path / "other"
+    result, text = run(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8,
+                        "--seed", 1, "-o", other], tmp_path / "state")
+    assert result.exit_code == 0, text
+    shutil.copytree(artifact / "export-fp32", other / "export-fp32")
     with pytest.raises(CorpError, match="different version"):
-        resolve_target(moved / "export-fp32")
-    assert load_compressed(moved) is not None
+        resolve_target(other)

@@ -105,17 +105,17 @@ def bad_inputs(tmp_path):
         ([*base, "--s", "1.0"], "must be in [0, 1)"),
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
         ([*base, "--ridge", "-1"], "ridge"),
-        ([*base, "--round-to", "0"], "round_to"),
-        ([*base, "--calib-samples", "0"], "must be >= 1"),
+        ([*base, "--round-to", "0"], "'--round-to': 0 is not in the range x>=1"),
+        ([*base, "--calib-samples", "0"], "'--calib-samples': 0 is not in the range x>=1"),
         ([*base, "--calib", str(empty)], "no images"),
         ([*base, "--calib", str(tmp_path / "missing")], "not found"),
         ([*base, "--calib", str(unreadable)], "could be read"),
-        (["compress", "deit_tiny", *TINY, "--checkpoint", str(tmp_path / "nope.pth")], "checkpoint not found"),
+        (["compress", "deit_tiny", *TINY, "--checkpoint", str(tmp_path / "nope.pth")], "nope.pth: not found"),
         (["compress", "deit_tiny", *TINY, "--checkpoint", str(corrupt)], "cannot read checkpoint"),
         (["compress", "deit_tiny", *TINY, "--checkpoint", str(other)], "does not match the model"),
         ([*base, "--checkpoint", str(other)], "exclude each other"),
         ([*base, "--model-arg", "oops"], "KEY=VALUE"),
-        ([*base, "--model-arg", "no_such_argument=3"], "bad model argument"),
+        ([*base, "--model-arg", "no_such_argument=3"], "timm cannot build deit_tiny_patch16_224 with"),
         (["compress", "deit_tiny", *TINY, "--calib-samples", "4"], "cannot reach the Hugging Face hub"),
     ]
 
@@ -142,16 +142,16 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("args, message, status", [
-    (["--macs", "0"], "MAC budget must be a fraction of the dense MACs in (0, 1]", 1),
-    (["--macs", "1.5"], "MAC budget must be a fraction of the dense MACs in (0, 1]", 1),
-    (["--speedup", "0.5"], "speedup budget must be a finite number >= 1", 1),
-    (["--macs", "0.6", "--speedup", "2"], "as macs or as speedup, not both", 1),
+    (["--macs", "0"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
+    (["--macs", "1.5"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
+    (["--speedup", "0.5"], "speedup budget --speedup must be a finite number >= 1", 1),
+    (["--macs", "0.6", "--speedup", "2"], "as --macs or as --speedup, not both", 1),
     (["--macs", "0.6", "--s", "0.5"], "exclude each other", 2),
     (["--speedup", "2", "--s-vo", "0.5"], "exclude each other", 2),
     (["--macs", "0.02"], "below what the floors allow", 1),
-    (["--macs", "0.5", "--unit-floor", "1.5"], "unit_floor must be in [0, 1]", 1),
+    (["--macs", "0.5", "--unit-floor", "1.5"], "--unit-floor must be in [0, 1]", 1),
     (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 1),
-    (["--s", "0.5", "--equal-head-dims"], "needs target all", 1),
+    (["--s", "0.5", "--equal-head-dims"], "--equal-head-dims ties value dims to query/key dims; it needs --target all", 1),
     (["--target", "all", "--s-attn", "0.5", "--s-vo", "0.25", "--equal-head-dims"], "must then be equal", 1),
 ])
 def test_bad_budgets_give_one_message_and_leave_nothing(tmp_path, args, message, status):

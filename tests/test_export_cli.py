@@ -45,7 +45,8 @@ def sha256(path):
 
 def test_export_writes_checked_onnx_files_and_a_manifest(artifact, dense_export):
     out, text = dense_export
-    assert sorted(p.name for p in out.iterdir()) == ["dense.onnx", "export.json", "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["corp-deploy-record.json", "dense.onnx", "export.json",
+                                                     "model.onnx"]
     assert "│ dense.onnx │ pytorch" in text and "fp32, dynamo exporter, opset 18" in text
     manifest = read_manifest(out)
     assert [f["name"] for f in manifest["files"]] == ["dense.onnx", "model.onnx"]
@@ -94,7 +95,8 @@ def test_trt_without_tensorrt_writes_onnx_and_script_and_exits_3(trt_export):
     assert result.exit_code == EXIT_INCOMPLETE, text
     assert "TensorRT engines not built" in text and NO_TENSORRT in text
     assert "pip install 'corp-deploy[trt]'" in text and f"bash {out / 'build_engine.sh'}" in text
-    assert sorted(p.name for p in out.iterdir()) == ["build_engine.sh", "export.json", "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["build_engine.sh", "corp-deploy-record.json", "export.json",
+                                                     "model.onnx"]
     assert os.stat(out / "build_engine.sh").st_mode & stat.S_IXUSR
     manifest = read_manifest(out)
     assert manifest["tensorrt"] == {
@@ -171,12 +173,12 @@ def test_bad_inputs_give_one_message_and_leave_nothing(artifact, tmp_path):
         (["export"], "none recorded"),
         (["export", artifact, "--batch", "8:4:2"], "1 <= MIN <= OPT <= MAX"),
         (["export", artifact, "--batch", "big"], "--batch expects MIN:OPT:MAX"),
-        (["export", artifact, "--opset", 12], "opset must be between 17"),
-        (["export", artifact, "--workspace", 0], "workspace must be > 0"),
-        (["export", artifact, "--atol", -1], "atol must be >= 0"),
-        (["export", artifact, "--min-cosine", 2], "minimum cosine must be in [-1, 1]"),
+        (["export", artifact, "--opset", 12], "--opset must be between 17"),
+        (["export", artifact, "--workspace", 0], "--workspace must be a finite number of GB > 0"),
+        (["export", artifact, "--atol", -1], "--atol must be a finite number >= 0"),
+        (["export", artifact, "--min-cosine", 2], "--min-cosine must be in [-1, 1]"),
         (["export", artifact, "--timing-cache", tmp_path / "nowhere" / "c"], "does not exist"),
-        (["export", artifact, "-o", foreign], "refusing to overwrite"),
+        (["export", artifact, "-o", foreign], "refusing to write an export to"),
     ]
     for args, message in cases:
         if "-o" not in args:

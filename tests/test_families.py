@@ -9,6 +9,7 @@ import pytest
 import timm
 import torch
 from safetensors import safe_open
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from corp_deploy import (CompressConfig, CorpError, GatedLinear, PrunedAttention, blocks_of, compress, count_macs,
@@ -84,12 +85,29 @@ def family_config(family: str, kind: str) -> CompressConfig:
 
 
 def independent_macs(model: torch.nn.Module, image_size: int) -> int:
+    """torch's own count of the matmuls and convolutions one image runs through. Counted under
+    SDPA's math kernel, which computes attention with counted matmuls on every CPU: which fused
+    kernel torch picks otherwise depends on the CPU, and FlopCounterMode does not count every one
+    (``_scaled_dot_product_flash_attention_for_cpu``, picked on AVX2 machines, counted 0 in torch 2.14)."""
     # (a frozen copy: FlopCounterMode's module tracker fails on CaiT's class token otherwise, and
     # freezing the parameters changes CaiT's float32 output in the last bits, measured)
     model = copy.deepcopy(model).requires_grad_(False)
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.zeros(1, 3, image_size, image_size))
     return counter.get_total_flops() // 2
+
+
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+def test_mac_counts_do_not_depend_on_the_attention_kernel(backend):
+    """The product's count (hooks and formulas) and the test oracle (pinned to the math kernel) give
+    the same number whichever SDPA kernel the surrounding code would pick, and it includes the
+    attention matmuls (2 blocks x 3 heads x 17^2 tokens x (64 + 64) dims for this ViT)."""
+    dense = create_dense("vit")
+    with sdpa_kernel([backend]):
+        counted, oracle = count_macs(dense, (3, 32, 32)), independent_macs(dense, 32)
+    linear_and_conv = sum(m.in_features * m.out_features * 17 for m in dense.modules()
+                          if isinstance(m, torch.nn.Linear) and m is not dense.head) + 192 * 3 * 8 * 8 * 16 + 192 * 10
+    assert counted == oracle == linear_and_conv + 2 * 3 * 17 ** 2 * (64 + 64)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -14,7 +14,7 @@ from corp_deploy import (CalibrationImages, CompressConfig, load_base_model, loa
 from corp_deploy import compress as compress_model
 from exporters import ExportOptions, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
-from exporters.keep_float import keep_float_ladder, linear_sensitivity, quantize_keeping_float, split_calibration
+from exporters.keep_float import HeldBack, keep_float_ladder, linear_sensitivity, quantize_keeping_float
 from exporters.onnx_export import export_onnx
 from exporters.parity import Tolerance
 from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
@@ -120,10 +120,13 @@ def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path):
     assert not any("--int8" in line for line in script.splitlines() if not line.lstrip().startswith("#"))
 
 
-def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path):
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, exporter):
+    """With either exporter (module paths from the dynamo exporter's metadata or the TorchScript
+    exporter's scoped node names), the layers named in export.json really stay float."""
     artifact = compress(tmp_path, "--s", 0.5)
     result, text = run(["export", artifact, "--precision", "int8", "--int8-keep-float", 3, "--calib-samples", 8,
-                        "-o", tmp_path / "out"], tmp_path / "state")
+                        "--exporter", exporter, "-o", tmp_path / "out"], tmp_path / "state")
     assert result.exit_code == 0, text
     int8 = read_manifest(tmp_path / "out")["models"]["model"]["int8"]
     model = load_compressed(artifact)
@@ -210,9 +213,72 @@ def test_auto_keep_float_tries_doubling_counts_up_to_a_quarter(layers, ladder):
 
 def test_auto_keep_float_holds_back_every_fourth_calibration_image():
     images = torch.arange(13.0).reshape(13, 1, 1, 1)
-    fit, held_back = split_calibration([images[:5], images[5:10], images[10:]])
-    assert torch.cat(fit).flatten().tolist() == [i for i in range(13) if i % 4 != 3] and held_back == 3
-    assert split_calibration([images[:3]])[1] == 0
+    fit = HeldBack([images[:5], images[5:10], images[10:]])
+    for _ in range(2):  # re-iterable, like the spooled calibration batches it views
+        assert torch.cat(list(fit)).flatten().tolist() == [i for i in range(13) if i % 4 != 3]
+    assert HeldBack.held_back(13) == 3 and HeldBack.held_back(3) == 0
+
+
+def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tmp_path, monkeypatch):
+    """Streaming range collection: ONNX Runtime's calibrator runs at most CALIBRATION_CHUNK images at a
+    time and keeps nothing between runs (so memory does not grow with the number of images), and the
+    merged min/max of every Linear layer's input equal its extremes over all images, computed
+    independently with PyTorch hooks."""
+    import onnxruntime.quantization.calibrate as ort_calibrate
+    from onnxruntime.quantization import CalibrationMethod
+
+    from exporters import quantize
+
+    model = load_compressed(compress(tmp_path, "--s", 0.5))
+    export_onnx(model, tmp_path / "m.onnx", (3, 32, 32))
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(7, 3, 32, 32, generator=generator) for _ in range(5)]
+    seen, held = [], []
+    original = ort_calibrate.MinMaxCalibrater.collect_data
+
+    def spied(self, reader):
+        original(self, _Counting(reader, seen))
+        held.append(len(self.intermediate_outputs))
+    monkeypatch.setattr(ort_calibrate.MinMaxCalibrater, "collect_data", spied)
+    ranges, images = quantize.calibrate_ranges(tmp_path / "m.onnx", (b.numpy() for b in batches),
+                                               CalibrationMethod.MinMax, tmp_path)
+    assert images == 35 and sum(seen) == 35 and max(seen) <= quantize.CALIBRATION_CHUNK and set(held) == {0}
+
+    extremes = {}
+    def record(module, args, out):
+        low, high = extremes.get(module, (float("inf"), -float("inf")))
+        extremes[module] = (min(low, float(args[0].min())), max(high, float(args[0].max())))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    handles = [m.register_forward_hook(record) for m in linears.values()]
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    weights = {t.name for t in graph.initializer}
+    checked = 0
+    for node in graph.node:
+        name = quantize.module_path(node)
+        if node.op_type in quantize.QUANTIZED_OPS and name in linears and node.input[1] in weights:
+            low, high = (np.asarray(v, dtype=np.float64).reshape(-1) for v in ranges[node.input[0]].range_value)
+            assert low.size == high.size == 1  # one range per tensor
+            np.testing.assert_allclose([low[0], high[0]], extremes[linears[name]], rtol=1e-5, atol=1e-5)
+            checked += 1
+    assert checked == len(linears)
+
+
+class _Counting:
+    """A calibration reader that records how many images each of its inputs holds."""
+
+    def __init__(self, reader, seen):
+        self._reader, self._seen = reader, seen
+
+    def get_next(self):
+        feed = self._reader.get_next()
+        if feed:
+            self._seen.append(len(next(iter(feed.values()))))
+        return feed
 
 
 @pytest.mark.parametrize("args", [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5],
@@ -282,7 +348,7 @@ def test_auto_keep_float_makes_the_dense_real_dinov2_pass_the_gate(tmp_path):
     (["--int8-keep-float", 2], "apply only with --precision int8"),
     (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
     (["--precision", "int8", "--int8-keep-float", "all"], "expected 'auto' or a number >= 0"),
-    (["--precision", "int8", "--calib", "/nonexistent/dir"], "calibration directory not found"),
+    (["--precision", "int8", "--calib", "/nonexistent/dir"], "--calib /nonexistent/dir: not found"),
     (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
     (["--precision", "int4"], "Invalid value for '--precision'"),
 ])

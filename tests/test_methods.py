@@ -86,7 +86,7 @@ def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method):
     (["--method", "toast", "--ridge", "0.1"], "--ridge applies to --method corp only"),
     (["--method", "corp", "--layer-floor", "0.2"], "--layer-floor applies to --method vbp only"),
     (["--method", "vbp", "--token-fraction", "0.05"], "--token-fraction applies to --method toast only"),
-    (["--method", "toast", "--token-fraction", "0"], "token_fraction must be in (0, 1]"),
+    (["--method", "toast", "--token-fraction", "0"], "--token-fraction must be in (0, 1]"),
 ])
 def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, message):
     out = tmp_path / "out"

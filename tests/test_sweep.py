@@ -18,7 +18,7 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path):
                             "--backends", "ort", "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
     runs = [f"{m}-s{s}" for m in ("corp", "vbp", "toast", "uncompensated") for s in ("0.25", "0.5")]
-    assert sorted(p.name for p in out.iterdir()) == sorted(runs + ["sweep.json", "sweep.md", "sweep.png"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(runs + ["corp-deploy-record.json", "sweep.json", "sweep.md", "sweep.png"])
     sweep = json.loads((out / "sweep.json").read_text())
     assert [(row["method"], row["sparsity"]) for row in sweep["rows"]] == [
         (m, s) for m in ("corp", "vbp", "toast", "uncompensated") for s in (0.25, 0.5)]
@@ -59,7 +59,7 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--s", "0.3,1.2"], "s_mlp must be in [0, 1)"),
+    (["--s", "0.3,1.2"], "--s must be in [0, 1)"),
     (["--s", "a,b"], "--s takes comma-separated"),
     (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
     (["--methods", "corp,corp"], "methods must be distinct"),

@@ -57,7 +57,7 @@ def main() -> None:
         for keep in (int(k) for k in args.keep.split(",")):
             path = Path(scratch) / f"keep{keep}.onnx"
             kept = set(ranking[:keep])
-            quantize_int8(fp32, path, (b.numpy() for b in calibration), float_modules=kept.__contains__)
+            quantize_int8(fp32, path, (b.numpy() for b in calibration), float_modules=kept)
             runners[f"keep {keep}"] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
             out = runner.infer(images).astype(np.float64)
             cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))

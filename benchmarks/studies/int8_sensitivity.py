@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from corp_deploy import CalibrationImages, load_base_model, model_transform
 from exporters.manifest import read_manifest
@@ -42,9 +43,10 @@ def main() -> None:
     images = parity_images(model, args.images, held_out=True)
     reference = OnnxRuntimeRunner(fp32, "cpu").infer(images)
     blocks = len(model.blocks)
-    groups = {"none (every Linear int8)": lambda path: False,
-              **{f"{kind} float": (lambda path, k=kind: path.endswith(k)) for kind in KINDS},
-              **{f"block {b} float": (lambda path, b=b: path.startswith(f"blocks.{b}.")) for b in range(blocks)}}
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    groups = {"none (every Linear int8)": set(),
+              **{f"{kind} float": {p for p in linears if p.endswith(kind)} for kind in KINDS},
+              **{f"block {b} float": {p for p in linears if p.startswith(f"blocks.{b}.")} for b in range(blocks)}}
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, float_modules in groups.items():

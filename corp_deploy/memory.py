@@ -1,0 +1,85 @@
+"""Refusing up front what cannot fit in memory: a lower bound on what a run needs, against what
+the machine has available.
+
+The bounds are deliberately low (what is certainly held at once, not what the allocators add),
+so a run is refused only when it could not possibly fit; anything they let through can still run
+out of memory, which the CLI reports as one message.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .errors import CorpError
+
+FLOAT32 = 4
+
+
+def available_bytes() -> int | None:
+    """Memory available to new allocations (Linux ``MemAvailable``; elsewhere the free physical
+    pages), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def largest_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
+    """Bytes (float32) of the largest output of any module of ``model`` for one image of
+    ``input_size`` ``(C, H, W)``, measured on one forward pass of a blank image."""
+    largest = 0
+
+    def record(module, args, output):
+        nonlocal largest
+        for tensor in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(tensor, torch.Tensor):
+                largest = max(largest, tensor.numel() * FLOAT32)
+
+    parameter = next(model.parameters())
+    handles = [m.register_forward_hook(record) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return largest
+
+
+def inference_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -> int:
+    """A lower bound on the memory of one inference at ``batch``: the weights, the input batch, and
+    the largest activation together with the one it is computed from."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    image = FLOAT32
+    for size in input_size:
+        image *= size
+    return weights + batch * (image + 2 * largest_activation_bytes(model, input_size))
+
+
+def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
+    """A lower bound on the memory of compressing ``model`` on ``images`` images in batches of
+    ``batch``: the dense model and its working copy, the hidden states of every image at a block
+    boundary (the calibration cache, :mod:`corp_deploy.engine`), and one batch's inference."""
+    from .engine import embed_tokens
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return weights + images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, batch)
+
+
+def check_fits(what: str, needed: int, hint: str) -> None:
+    """CorpError when ``needed`` bytes (a lower bound) exceed the memory available now."""
+    available = available_bytes()
+    if available is not None and needed > available:
+        raise CorpError(f"{what} needs at least {needed / 2 ** 30:.1f} GiB of memory (estimated) and "
+                        f"{available / 2 ** 30:.1f} GiB are available; {hint}")

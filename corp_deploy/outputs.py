@@ -1,0 +1,339 @@
+"""Output directories that corp-deploy owns: written atomically, recorded, verified.
+
+Every directory the tool writes (an artifact, an export, a sweep, a bench report folder) is
+built under a temporary name beside its destination and holds, when complete, a record
+(:data:`RECORD_FILE`) listing every file in it with its size and SHA-256. The record is what
+makes an output *recognisably the tool's own*:
+
+- an existing destination is replaced only when it is empty, or when it is an output of the
+  same kind whose files all still match its record (folders inside it must be outputs of their
+  own, e.g. an artifact's ``export-fp32/``); anything else is refused with one message naming
+  what is in the way, and nothing is touched;
+- the old output is deleted file by file from its record, never by a recursive delete;
+- readers verify the files they use against the record (:func:`verify_files`), so a flipped
+  byte, files from another output or an edited ``config.json`` are refused, naming the file.
+
+The record is an integrity check against corruption and mix-ups, not a signature: whoever
+can rewrite the files can rewrite the record too.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import CorpError
+from .files import current_umask, sha256_file, write_json
+
+RECORD_FILE = "corp-deploy-record.json"
+RECORD_FORMAT, RECORD_VERSION = "corp-deploy-record", 1
+#: The kinds of output and what they are called in messages.
+KINDS = {"artifact": "an artifact", "export": "an export", "sweep": "a sweep", "bench": "a bench report"}
+#: Staging and old-output names carry at most this much of the destination's name, so that a
+#: destination name near the file system's limit still leaves room for the suffix.
+_NAME_IN_TEMP = 64
+
+
+def check_output_dir(dest: str | Path, kind: str) -> Path:
+    """Where an output of ``kind`` would be written for ``-o dest``: the resolved path (a symlinked
+    ``dest`` is followed, so the link keeps pointing at the new output).
+
+    CorpError, before any work is done, when the output could not be written or would replace
+    something the tool did not write: a file or a foreign directory in the way, a parent that is a
+    file or cannot be written, a name the file system refuses, the file system root, or the current
+    directory (or one that contains it).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}")
+    given = Path(dest)
+    path = given.resolve()
+    if path == Path(path.anchor):
+        raise CorpError(f"output directory {given} is the file system root; choose a folder for the output")
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        raise CorpError(f"output directory {given} is the current directory or contains it; choose another "
+                        "folder (the output replaces the whole directory)")
+    check_creatable(path, given)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISDIR(mode):
+        raise CorpError(f"output path {given} exists and is not a directory; refusing to replace it")
+    with _directory_lock(path.parent):  # a consistent view while another corp-deploy run swaps it
+        problem = foreign_content(path, kind)
+    if problem is not None:
+        raise CorpError(f"refusing to write {KINDS[kind]} to {given}: {problem}; nothing was changed. "
+                        "Move it away or choose another -o")
+    return path
+
+
+@contextmanager
+def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
+    """Build an output of ``kind`` beside ``dest`` and move it to ``dest`` only when the block succeeds.
+
+    Yields the staging directory to write into (flat files; folders inside it must be outputs of
+    their own). On success the record is written, permissions are set from the umask, and the
+    staging directory replaces ``dest`` (see :func:`check_output_dir` for what may be replaced;
+    checked again at the swap, under a lock that serialises concurrent corp-deploy writers: the
+    last one wins). On any exception, including an interrupt, the staging directory is removed
+    and ``dest`` is left as it was.
+    """
+    dest = check_output_dir(dest, kind)
+    created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:_NAME_IN_TEMP]}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        write_record(tmp, kind)
+        _apply_umask(tmp)
+        with _signals_deferred(), _directory_lock(dest.parent):
+            _swap_into_place(tmp, dest, kind)
+    except BaseException:
+        with _signals_deferred():
+            shutil.rmtree(tmp, ignore_errors=True)
+            for folder in created:  # the parents this run made, innermost first, if still empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+
+
+def write_record(folder: Path, kind: str) -> dict:
+    """Write ``folder``'s record: every file in it (not in the folders inside it, which must be
+    outputs with records of their own) with its size and SHA-256."""
+    files = {}
+    for entry in sorted(folder.iterdir()):
+        if entry.name == RECORD_FILE:
+            continue
+        if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+            raise CorpError(f"{entry} is not a regular file; an output holds files and outputs only")
+        if entry.is_dir():
+            if read_record(entry) is None:
+                raise CorpError(f"{entry} is a folder without a corp-deploy record inside an output")
+            continue
+        files[entry.name] = {"bytes": entry.stat().st_size, "sha256": sha256_file(entry)}
+    record = {"format": RECORD_FORMAT, "format_version": RECORD_VERSION, "kind": kind,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+    write_json(folder / RECORD_FILE, record)
+    return record
+
+
+def read_record(folder: Path) -> dict | None:
+    """``folder``'s record, or None when it has none that this corp-deploy can read."""
+    path = Path(folder) / RECORD_FILE
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    files = record.get("files") if isinstance(record, dict) else None
+    if (record.get("format") != RECORD_FORMAT or record.get("format_version") != RECORD_VERSION
+            or record.get("kind") not in KINDS or not isinstance(files, dict)
+            or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+                       for v in files.values())):
+        return None
+    return record
+
+
+def verify_files(folder: str | Path, kind: str, names: list[str] | tuple[str, ...] | None = None) -> dict:
+    """Check that ``folder`` is an output of ``kind`` and that the files ``names`` (default: every
+    recorded file) are present, plain files inside it, and match their recorded SHA-256.
+
+    Returns the record; CorpError naming the first file that fails."""
+    folder = Path(folder)
+    record = read_record(folder)
+    if record is None:
+        raise CorpError(f"{folder} has no readable {RECORD_FILE}: it was not written by this version of "
+                        f"corp-deploy, or the record is damaged; write it again")
+    if record["kind"] != kind:
+        raise CorpError(f"{folder} is {KINDS[record['kind']]}, not {KINDS[kind]}")
+    for name in record["files"] if names is None else names:
+        entry = record["files"].get(name)
+        if entry is None or not _plain_name(name):
+            raise CorpError(f"{folder / name} is not listed in {folder / RECORD_FILE}")
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            raise CorpError(f"{path} is missing (it is listed in {RECORD_FILE})")
+        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise CorpError(f"{path} does not match the SHA-256 that corp-deploy recorded when it wrote it "
+                            "(changed or corrupted since); write it again")
+    return record
+
+
+def foreign_content(folder: Path, kind: str) -> str | None:
+    """Why ``folder`` is not an output of ``kind`` that may be replaced, or None when it may (it is
+    empty or gone, or every file in it is recorded and unchanged and every folder in it is an output
+    too)."""
+    try:
+        if not any(folder.iterdir()):
+            return None
+    except FileNotFoundError:  # another writer is swapping it right now: checked again at the swap
+        return None
+    record = read_record(folder)
+    if record is None:
+        return f"it is not empty and holds no {RECORD_FILE} (corp-deploy did not write it)"
+    if record["kind"] != kind:
+        return f"it holds {KINDS[record['kind']]}, not {KINDS[kind]}"
+    return _unrecorded(folder, record)
+
+
+def _unrecorded(folder: Path, record: dict) -> str | None:
+    """The first thing in ``folder`` that its record does not account for, in words; None if none."""
+    for entry in sorted(folder.iterdir()):
+        if entry.name == RECORD_FILE:
+            continue
+        if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+            return f"{entry} is not a file corp-deploy wrote"
+        if entry.is_dir():
+            inner = read_record(entry)
+            problem = f"{entry} is a folder corp-deploy did not write" if inner is None else _unrecorded(entry, inner)
+            if problem is not None:
+                return problem
+            continue
+        recorded = record["files"].get(entry.name)
+        if recorded is None:
+            return f"{entry} was not written by corp-deploy"
+        if entry.stat().st_size != recorded["bytes"] or sha256_file(entry) != recorded["sha256"]:
+            return f"{entry} has changed since corp-deploy wrote it"
+    return None
+
+
+def _remove_output(folder: Path) -> None:
+    """Delete an output that :func:`foreign_content` accepted: its recorded files, its inner outputs,
+    its record and the folder itself. Anything that appeared meanwhile is left, with a warning."""
+    record = read_record(folder)
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink() and read_record(entry) is not None:
+            _remove_output(entry)
+    for name in (record or {}).get("files", {}):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        (folder / RECORD_FILE).unlink()
+    try:
+        folder.rmdir()
+    except OSError:
+        warnings.warn(f"left {folder}: files that corp-deploy did not write appeared in it while it was replaced",
+                      stacklevel=2)
+
+
+def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
+    if dest.is_dir() and not any(dest.iterdir()):
+        os.rename(new, dest)  # replaces the empty directory atomically
+        return
+    if dest.exists() or dest.is_symlink():
+        problem = "it is not a directory" if dest.is_symlink() or not dest.is_dir() else foreign_content(dest, kind)
+        if problem is not None:
+            raise CorpError(f"refusing to replace {dest}: {problem} (it changed while this run worked); "
+                            "nothing was changed")
+        old = dest.with_name(f".{dest.name[:_NAME_IN_TEMP]}.old-{os.getpid()}-{time.time_ns()}")
+        os.rename(dest, old)
+        try:
+            os.rename(new, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+        _remove_output(old)
+        return
+    os.rename(new, dest)
+
+
+@contextmanager
+def _directory_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` (serialises corp-deploy writers swapping outputs in it);
+    no lock where the file system does not support one."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while files are moved or removed, so that an interrupt never
+    leaves half a swap or half a cleanup: a signal that arrives meanwhile is remembered and raised
+    again when the block ends. (Python runs signal handlers in the main thread whichever thread
+    received the signal, so the handlers are swapped here rather than the threads' signal masks.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def check_creatable(path: Path, given: str | Path | None = None) -> None:
+    """CorpError unless ``path`` (resolved) could be created: every existing ancestor is a directory,
+    the nearest one is writable (checked by creating and removing a folder there), and the name is
+    within the file system's limit. ``given``: the path as the user wrote it, for messages."""
+    given = path if given is None else given
+    existing = _nearest_existing(path.parent)
+    if not existing.is_dir():
+        raise CorpError(f"cannot create {given}: {existing} is a file, not a directory")
+    limit = _name_max(existing)
+    if len(path.name.encode()) > limit:
+        raise CorpError(f"cannot create {given}: the name is {len(path.name.encode())} bytes long and the file "
+                        f"system allows {limit}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".corp-deploy-probe-", dir=existing))
+    except OSError as exc:
+        raise CorpError(f"cannot create {given}: {existing} is not writable "
+                        f"({exc.strerror or type(exc).__name__})") from None
+
+
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` is one file name (no folder, no ``..``): paths from records and manifests
+    never point outside their folder."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give the finished tree ordinary permissions (mkdtemp creates it 0700); files that were
+    made executable stay executable."""
+    umask = current_umask()
+    for root, _, files in os.walk(folder):
+        Path(root).chmod(0o777 & ~umask)
+        for name in files:
+            file = Path(root) / name
+            mode = 0o777 if file.stat().st_mode & 0o100 else 0o666
+            file.chmod(mode & ~umask)

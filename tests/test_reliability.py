@@ -1,0 +1,748 @@
+"""Reliability: adversarial inputs and faults over compress, export, bench and sweep.
+
+Every case asserts the exit status, exactly one message and no traceback, that nothing the user
+had was changed (every file under the case's folder is compared byte for byte before and after),
+and that nothing was left behind: no staging or old-output folders beside an output, no files in
+the temporary directory. docs/reliability.md lists every case; a test keeps the two in step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from corp_deploy import load_compressed
+from corp_deploy.calibration import load_rgb
+from corp_deploy.cli import cli
+from corp_deploy.files import write_json
+from corp_deploy.outputs import RECORD_FILE, staged_output, verify_files, write_record
+from tests.conftest import SMALL_VIT_CLI_ARGS as TINY
+from tests.conftest import small_vit
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "reliability.md"
+BASE = ["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4"]
+BENCH = ["--batch", "1", "--min-time", "0.01", "--warmup", "0", "--data-samples", "2"]
+
+
+# ---------------------------------------------------------------- helpers
+
+def invoke(args, state: Path):
+    """``corp-deploy ARGS`` in-process: (exit status, everything it printed, the exception if any)."""
+    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state)})
+    return result.exit_code, result.output, result.exception
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file and folder under ``root`` with its content hash (folders: ``dir``)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        key = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[key] = "link:" + os.readlink(path)
+        elif path.is_dir():
+            out[key] = "dir"
+        else:
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def debris(root: Path) -> list[str]:
+    """Staging or old-output folders and temporary files anywhere under ``root``."""
+    return [p.relative_to(root).as_posix() for p in root.rglob("*")
+            if re.match(r"\..*\.(tmp|old)-", p.name) or p.name.startswith(".corp-deploy-probe-")]
+
+
+def assert_one_message(code: int, text: str, exception, expected_code: int, message: str) -> None:
+    assert code == expected_code, text
+    assert message in text, text
+    assert "Traceback" not in text, text
+    assert isinstance(exception, (SystemExit, type(None))), repr(exception)
+    if expected_code in (1, 2):
+        assert text.count("Error:") == 1, text
+
+
+def png(path: Path, size=(40, 50), seed=0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def image_folder(path: Path, count: int = 4) -> Path:
+    for i in range(count):
+        png(path / f"{i}.png", seed=i)
+    return path
+
+
+def bomb(path: Path) -> Path:
+    """A 20000 x 20000 PNG of a few kilobytes: above Pillow's decompression-bomb limit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("1", (20000, 20000)).save(path)
+    return path
+
+
+def rewrite(path: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def rerecord(folder: Path, kind: str) -> None:
+    """Rewrite ``folder``'s record to match its files: what someone who edits files and record alike does."""
+    (folder / RECORD_FILE).unlink()
+    write_record(folder, kind)
+
+
+def flip_byte(path: Path, offset: int = 4000) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A compressed tiny ViT with its dense fp32 export inside, and a second artifact of the same
+    shapes (another seed)."""
+    root = tmp_path_factory.mktemp("built")
+    for args in ([*BASE, "-o", root / "art"], ["export", root / "art", "--dense"],
+                 [*BASE, "--seed", "1", "-o", root / "other"]):
+        code, text, _ = invoke(args, root / "state")
+        assert code == 0, text
+    return root
+
+
+@pytest.fixture
+def work(tmp_path, built, monkeypatch):
+    """The case's folder: a copy of the built artifacts, the current directory, and the temporary
+    directory of everything run in-process (checked empty afterwards)."""
+    w = tmp_path / "w"
+    w.mkdir()
+    for name in ("art", "other"):
+        shutil.copytree(built / name, w / name)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.chdir(w)
+    yield w
+    assert list(temp.iterdir()) == [], "temporary files left behind"
+
+
+# ---------------------------------------------------------------- refused inputs
+# Each case: the command line (built in the case's folder ``w``), the exit status, a part of the
+# one message. Every file under ``w`` must be unchanged afterwards and nothing may be added.
+
+class Refusal(NamedTuple):
+    args: Callable[[Path], list]
+    code: int
+    message: str
+
+
+def _checkpoint(w: Path, change: Callable[[dict], dict], suffix=".safetensors") -> Path:
+    from safetensors.torch import save_file
+    state = small_vit().state_dict()
+    path = w / f"weights{suffix}"
+    state = change(state)
+    if suffix == ".safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    return path
+
+
+def _other_size(state):
+    import timm
+    return timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=96, depth=2,
+                             num_heads=3).state_dict()
+
+
+def _nan_weight(state):
+    state["blocks.0.mlp.fc1.weight"][0, 0] = float("nan")
+    return state
+
+
+class _Exploit:
+    """A pickle that would create a file when unpickled (``weights_only=True`` must refuse it)."""
+
+    def __reduce__(self):
+        return (os.mkdir, ("pwned",))
+
+
+def _malicious(w: Path) -> Path:
+    path = w / "weights.pth"
+    torch.save({"model": _Exploit()}, path)
+    return path
+
+
+def _foreign(w: Path, marker: str) -> Path:
+    folder = w / "mine"
+    folder.mkdir()
+    (folder / marker).write_text("{}")
+    (folder / "thesis.tex").write_text("years of work")
+    return folder
+
+
+def _with_user_file(folder: Path) -> Path:
+    (folder / "notes.txt").write_text("mine")
+    return folder
+
+
+def _old_format(w: Path) -> Path:
+    art = w / "art"
+    (art / RECORD_FILE).unlink()
+    rewrite(art / "config.json", lambda c: c.update(format_version=1))
+    return art
+
+
+def _escaping_manifest(w: Path) -> Path:
+    export = w / "art" / "export-fp32"
+    shutil.copy(export / "model.onnx", w / "model.onnx")
+    rewrite(export / "export.json", lambda m: m["models"]["model"].update(onnx=["../../model.onnx"]))
+    rerecord(export, "export")
+    return w / "art"
+
+
+def _moved_export(w: Path) -> Path:
+    shutil.copytree(w / "art" / "export-fp32", w / "other" / "export-fp32")
+    return w / "other"
+
+
+def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str | None = None) -> Path:
+    path = w / "baseline.json"
+    report = {"format": "corp-deploy-bench", "latency": [
+        {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.2}}],
+        "fidelity": {"top1_agreement": 0.9, "feature_cosine": 0.95, "accuracy": None}}
+    if change:
+        change(report)
+    path.write_text(text if text is not None else json.dumps(report))
+    return path
+
+
+def _labelled(w: Path, mapping: dict | str) -> Path:
+    root = w / "val"
+    image_folder(root / "cats", 2)
+    (root / "class_index.json").write_text(mapping if isinstance(mapping, str) else json.dumps(mapping))
+    return root
+
+
+def _latest(w: Path, text: str) -> None:
+    state = w.parent / "state"
+    state.mkdir(exist_ok=True)
+    (state / "latest.json").write_text(text)
+
+
+def _broken_images(w: Path) -> Path:
+    folder = w / "broken"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"\x89PNG not really")
+    (folder / "b.jpg").write_bytes(b"")
+    return folder
+
+
+def _recorded_calib_gone(w: Path) -> Path:
+    calib = image_folder(w / "calib")
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", w / "calibrated"], w.parent / "state")
+    assert code == 0, text
+    shutil.rmtree(calib)
+    return w / "calibrated"
+
+
+REFUSALS: dict[str, Refusal] = {
+    # compress: settings
+    "compress-unknown-model": Refusal(lambda w: ["compress", "no_such_vit", "-o", w / "o"], 1, "unknown model"),
+    "compress-sparsity-out-of-range": Refusal(lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1,
+                                              "--s-mlp must be in [0, 1), got 1.5"),
+    "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 1, "--s-mlp must be in [0, 1)"),
+    "compress-macs-inf": Refusal(lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 1,
+                                 "--macs must be a fraction of the dense MACs"),
+    "compress-speedup-nan": Refusal(lambda w: [*BASE, "--speedup", "nan", "-o", w / "o"], 1,
+                                    "--speedup must be a finite number >= 1"),
+    "compress-ridge-nan": Refusal(lambda w: [*BASE, "--ridge", "nan", "-o", w / "o"], 1,
+                                  "--ridge must be a finite number >= 0"),
+    "compress-unit-floor-nan": Refusal(lambda w: [*BASE, "--macs", 0.5, "--unit-floor", "nan", "-o", w / "o"], 1,
+                                       "--unit-floor must be in [0, 1]"),
+    "compress-round-to-larger-than-a-layer": Refusal(lambda w: [*BASE, "--round-to", 64, "-o", w / "o"], 1,
+                                                     "--round-to 64 is larger than the 16 query/key dims per head"),
+    "compress-round-to-prunes-nothing": Refusal(lambda w: [*BASE, "--s", 0.1, "--round-to", 8, "-o", w / "o"], 1,
+                                                "--s-attn 0.1 keeps all 16 query/key dims per head of block 0"),
+    "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2 ** 70, "-o", w / "o"], 2, "--seed"),
+    "compress-zero-calibration-samples": Refusal(lambda w: [*BASE, "--calib-samples", 0, "-o", w / "o"], 2,
+                                                 "--calib-samples"),
+    "compress-zero-batch-size": Refusal(lambda w: [*BASE, "--batch-size", 0, "-o", w / "o"], 2, "--batch-size"),
+    "compress-budget-and-sparsity": Refusal(lambda w: [*BASE, "--macs", 0.6, "--s", 0.5, "-o", w / "o"], 2,
+                                            "exclude each other"),
+    "compress-option-of-another-method": Refusal(lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"],
+                                                 1, "--s-attn has no meaning"),
+    "compress-memory-that-cannot-fit": Refusal(lambda w: [*BASE[:-1], 10 ** 9, "-o", w / "o"], 1,
+                                               "needs at least"),
+    # compress: calibration images
+    "compress-calib-missing": Refusal(lambda w: [*BASE, "--calib", w / "nope", "-o", w / "o"], 1, "nope: not found"),
+    "compress-calib-is-a-file": Refusal(lambda w: [*BASE, "--calib", png(w / "a.png"), "-o", w / "o"], 1,
+                                        "a.png: not a directory"),
+    "compress-calib-empty": Refusal(lambda w: [*BASE, "--calib", (w / "empty").mkdir() or w / "empty", "-o", w / "o"],
+                                    1, "no images"),
+    "compress-calib-all-unreadable": Refusal(lambda w: [*BASE, "--calib", _broken_images(w), "-o", w / "o"], 1,
+                                             "none of the 2 image files could be read"),
+    "compress-calib-only-a-decompression-bomb": Refusal(lambda w: [*BASE, "--calib", bomb(w / "b" / "big.png").parent,
+                                                                   "-o", w / "o"], 1, "decompression-bomb limit"),
+    # compress: weights and models
+    "compress-checkpoint-missing": Refusal(lambda w: [*BASE[:2], *TINY, "--checkpoint", w / "w.pth", "-o", w / "o"], 1,
+                                           "w.pth: not found"),
+    "compress-checkpoint-of-another-size": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _other_size), "-o", w / "o"], 1,
+        "tensors of other shapes (e.g. cls_token: [1, 1, 96] in the checkpoint, [1, 1, 48] in the model)"),
+    "compress-checkpoint-with-nan": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _nan_weight), "-o", w / "o"], 1,
+        "blocks.0.mlp.fc1.weight holds NaN or infinite values"),
+    "compress-checkpoint-garbage": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", (w / "g.safetensors").write_bytes(b"xx") and w / "g.safetensors",
+                   "-o", w / "o"], 1, "cannot read checkpoint"),
+    "compress-checkpoint-pickle-exploit": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _malicious(w), "-o", w / "o"], 1, "cannot read checkpoint"),
+    "compress-checkpoint-and-random-weights": Refusal(
+        lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 1, "exclude each other"),
+    "compress-model-arg-depth-0": Refusal(lambda w: [*BASE, "--model-arg", "depth=0", "-o", w / "o"], 1,
+                                          "no transformer blocks"),
+    "compress-model-arg-patch-larger-than-image": Refusal(lambda w: [*BASE, "--model-arg", "patch_size=1000",
+                                                                     "-o", w / "o"], 1, "patch grid is (0, 0)"),
+    "compress-model-arg-timm-refuses": Refusal(lambda w: [*BASE, "--model-arg", "embed_dim=50", "-o", w / "o"], 1,
+                                               "timm cannot build deit_tiny_patch16_224 with"),
+    "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 1, "KEY=VALUE"),
+    # compress: outputs
+    "compress-o-foreign-folder-with-config-json": Refusal(lambda w: [*BASE, "-o", _foreign(w, "config.json")], 1,
+                                                          "holds no corp-deploy-record.json"),
+    "compress-o-is-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png")], 1, "exists and is not a directory"),
+    "compress-o-below-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png") / "out"], 1,
+                                       "a.png is a file, not a directory"),
+    "compress-o-current-directory": Refusal(lambda w: [*BASE, "-o", "."], 1, "is the current directory"),
+    "compress-o-name-too-long": Refusal(lambda w: [*BASE, "-o", w / ("x" * 300)], 1, "the name is 300 bytes long"),
+    "compress-o-not-writable": Refusal(lambda w: [*BASE, "-o", "/proc/corp-deploy-test"], 1, "cannot create"),
+    "compress-o-own-artifact-with-a-user-file": Refusal(lambda w: [*BASE, "-o", _with_user_file(w / "art")], 1,
+                                                        "notes.txt was not written by corp-deploy"),
+    "compress-o-own-artifact-changed": Refusal(
+        lambda w: [*BASE, "-o", (w / "art" / "report.json").write_text("{}") and w / "art"], 1,
+        "report.json has changed since corp-deploy wrote it"),
+    "compress-o-own-export": Refusal(lambda w: [*BASE, "-o", w / "art" / "export-fp32"], 1,
+                                     "it holds an export, not an artifact"),
+    "compress-o-export-with-a-user-file-inside": Refusal(
+        lambda w: [*BASE, "-o", _with_user_file(w / "art" / "export-fp32").parent], 1,
+        "notes.txt was not written by corp-deploy"),
+    # export: the artifact read
+    "export-flipped-weight-byte": Refusal(lambda w: flip_byte(w / "art" / "model.safetensors") or
+                                          ["export", w / "art", "-o", w / "o"], 1,
+                                          "model.safetensors does not match the SHA-256"),
+    "export-edited-config": Refusal(lambda w: rewrite(w / "art" / "config.json",
+                                                      lambda c: c["blocks"][0].update(scale=0.5)) or
+                                    ["export", w / "art", "-o", w / "o"], 1, "config.json does not match the SHA-256"),
+    "export-weights-of-another-artifact": Refusal(
+        lambda w: shutil.copy(w / "other" / "model.safetensors", w / "art" / "model.safetensors") and
+        ["export", w / "art", "-o", w / "o"], 1, "model.safetensors does not match the SHA-256"),
+    "export-record-removed": Refusal(lambda w: (w / "art" / RECORD_FILE).unlink() or
+                                     ["export", w / "art", "-o", w / "o"], 1, "has no readable corp-deploy-record.json"),
+    "export-artifact-of-format-1": Refusal(lambda w: ["export", _old_format(w), "-o", w / "o"], 1,
+                                           "artifact format version 1 is not supported"),
+    "export-artifact-is-a-file": Refusal(lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1,
+                                         "is not a corp-deploy artifact (not a directory)"),
+    "export-latest-record-malformed": Refusal(lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"], 1,
+                                              "latest.json is not a corp-deploy state record"),
+    "export-latest-record-points-nowhere": Refusal(lambda w: _latest(w, json.dumps({"artifact": str(w / "gone")})) or
+                                                   ["export", "-o", w / "o"], 1, "gone is not a corp-deploy artifact"),
+    # export: settings and outputs
+    "export-o-foreign-folder-with-export-json": Refusal(lambda w: ["export", w / "art", "-o", _foreign(w, "export.json")],
+                                                        1, "holds no corp-deploy-record.json"),
+    "export-default-folder-with-a-user-file": Refusal(
+        lambda w: _with_user_file(w / "art" / "export-fp32") and ["export", w / "art"], 1,
+        "notes.txt was not written by corp-deploy"),
+    "export-o-own-artifact": Refusal(lambda w: ["export", w / "art", "-o", w / "other"], 1,
+                                     "it holds an artifact, not an export"),
+    "export-opset-too-high": Refusal(lambda w: ["export", w / "art", "--opset", 99, "-o", w / "o"], 1,
+                                     "--opset must be between 17 and"),
+    "export-opset-beyond-torchscript": Refusal(lambda w: ["export", w / "art", "--exporter", "torchscript", "--opset",
+                                                          24, "-o", w / "o"], 1, "with the torchscript exporter"),
+    "export-int8-calib-missing": Refusal(lambda w: ["export", w / "art", "--precision", "int8", "--calib", w / "nope",
+                                                    "-o", w / "o"], 1, "--calib " + "{w}/nope: not found"),
+    "export-int8-option-without-int8": Refusal(lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 1,
+                                               "apply only with --precision int8"),
+    "export-int8-recorded-calibration-gone": Refusal(
+        lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"], 1,
+        "which is not there any more"),
+    "export-workspace-nan": Refusal(lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"], 1,
+                                    "--workspace must be a finite number of GB > 0"),
+    "export-atol-nan": Refusal(lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 1,
+                               "--atol must be a finite number >= 0"),
+    "export-min-cosine-out-of-range": Refusal(lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 1,
+                                              "--min-cosine must be in [-1, 1]"),
+    "export-timing-cache-is-a-directory": Refusal(lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "art",
+                                                             "-o", w / "o"], 1, "a directory, not a file"),
+    "export-batch-profile-backwards": Refusal(lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 1,
+                                              "1 <= MIN <= OPT <= MAX"),
+    # bench
+    "bench-corrupted-onnx": Refusal(lambda w: flip_byte(w / "art" / "export-fp32" / "model.onnx") or
+                                    ["bench", w / "art", *BENCH, "--json", w / "r.json"], 1,
+                                    "model.onnx does not match the SHA-256"),
+    "bench-manifest-path-outside-the-export": Refusal(lambda w: ["bench", _escaping_manifest(w), *BENCH], 1,
+                                                      "../../model.onnx is not listed"),
+    "bench-export-manifest-malformed": Refusal(lambda w: (w / "art" / "export-fp32" / "export.json").write_text("{oops")
+                                               and ["bench", w / "art", *BENCH], 1,
+                                               "export.json does not match the SHA-256"),
+    "bench-export-of-another-artifact": Refusal(lambda w: ["bench", _moved_export(w), *BENCH], 1,
+                                                "was exported from a different version"),
+    "bench-baseline-malformed-json": Refusal(lambda w: ["bench", w / "art", *BENCH, "--baseline",
+                                                        _baseline(w, text="{not json")], 1, "cannot read baseline"),
+    "bench-baseline-zero-latency": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline",
+                   _baseline(w, lambda r: r["latency"][0]["compressed"].update(p50_s=0))], 1,
+        "latency row 0 needs a backend name, a batch size and positive finite times"),
+    "bench-baseline-missing-keys": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, lambda r: r["latency"][0].pop("speedup"))], 1,
+        "latency row 0 lacks"),
+    "bench-baseline-is-a-directory": Refusal(lambda w: ["bench", w / "art", *BENCH, "--baseline", w / "art"], 1,
+                                             "is a directory, not a bench JSON report"),
+    "bench-baseline-nothing-measured": Refusal(lambda w: ["bench", w / "art", *BENCH, "--backends", "trt",
+                                                          "--baseline", _baseline(w)], 4,
+                                               "latency: ort-cpu, batch 1 is in the baseline but was not measured"),
+    "bench-limit-nothing-measured": Refusal(lambda w: ["bench", w / "art", *BENCH, "--backends", "torch",
+                                                       "--min-parity-cosine", 0.99], 4,
+                                            "--min-parity-cosine was given but no backend other than torch-cpu ran"),
+    "bench-min-agreement-nan": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-agreement", "nan"], 1,
+                                       "--min-agreement must be a finite number in [0, 1]"),
+    "bench-max-kl-negative": Refusal(lambda w: ["bench", w / "art", *BENCH, "--max-kl", -1], 1,
+                                     "--max-kl must be a finite number >= 0"),
+    "bench-min-cosine-inf": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-cosine", "inf"], 1,
+                                    "--min-cosine must be a finite number in [-1, 1]"),
+    "bench-json-over-a-user-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--json",
+                                                      (w / "notes.json").write_text("{}") and w / "notes.json"], 1,
+                                           "notes.json: it is not a bench json file that corp-deploy wrote"),
+    "bench-plot-not-png": Refusal(lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 1,
+                                  "does not end in .png"),
+    "bench-o-foreign-folder": Refusal(lambda w: ["bench", w / "art", *BENCH, "-o", _foreign(w, "bench.json")], 1,
+                                      "holds no corp-deploy-record.json"),
+    "bench-data-missing": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", w / "nope"], 1, "nope: not found"),
+    "bench-data-is-a-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", png(w / "a.png")], 1,
+                                    "a.png: not a directory"),
+    "bench-class-index-names-a-missing-folder": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 1, "dogs": 2})], 1,
+        "names classes that have no folder"),
+    "bench-class-index-beyond-the-outputs": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 5000})], 1,
+        "maps a class to output 5000, but the model has 1000 outputs"),
+    "bench-class-index-malformed": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, "{oops")], 1,
+                                           "cannot read"),
+    "bench-batch-that-cannot-fit": Refusal(lambda w: ["bench", w / "art", *BENCH, "--batch", 10 ** 9], 1,
+                                           "timing at batch 1000000000 needs at least"),
+    # sweep
+    "sweep-o-foreign-folder-with-sweep-json": Refusal(lambda w: ["sweep", *BASE[1:], "--s", 0.5,
+                                                                 "-o", _foreign(w, "sweep.json")], 1,
+                                                      "holds no corp-deploy-record.json"),
+    "sweep-sparsity-out-of-range": Refusal(lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 1,
+                                           "--s must be in [0, 1), got 1.5"),
+    "sweep-unknown-method": Refusal(lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 1,
+                                    "--methods must be distinct names"),
+    "sweep-budget-with-vbp": Refusal(lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 1,
+                                     "--macs applies to"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refused_with_one_message_and_nothing_changed(name, work):
+    case = REFUSALS[name]
+    args = case.args(work)
+    before = snapshot(work)
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, case.code, case.message.replace("{w}", str(work)))
+    after = snapshot(work)
+    if name.startswith("bench") and case.code == 4:  # a failed gate still writes the reports it was asked for
+        after = {k: v for k, v in after.items() if k not in ("r.json",)}
+    assert after == before
+    assert not debris(work) and not (work / "pwned").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_requested_without_a_gpu(work):
+    code, text, exception = invoke([*BASE, "--device", "cuda", "-o", work / "o"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "no CUDA GPU is available")
+    assert not (work / "o").exists()
+
+
+# ---------------------------------------------------------------- accepted with a warning, or replaced
+
+def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
+    calib = image_folder(work / "calib", 3)
+    bomb(calib / "big.png")
+    (calib / "broken.jpg").write_bytes(b"no")
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", work / "o"], work.parent / "state")
+    assert code == 0 and "Traceback" not in text, text
+    assert "skipped 2 unreadable calibration files" in text and "decompression-bomb limit" in text
+    assert "calibrated on 3 images, fewer than the 4 asked for" in text
+    config = json.loads((work / "o" / "config.json").read_text())["calibration"]
+    assert (config["images_used"], config["files_skipped"], config["images_requested"]) == (3, 2, 4)
+    assert not debris(work)
+
+
+def test_a_decompression_bomb_in_bench_data_is_skipped_and_counted(work):
+    data = image_folder(work / "val", 2)
+    bomb(data / "big.png")
+    code, text, _ = invoke(["bench", work / "art", *BENCH, "--backends", "torch", "--data", data,
+                            "--json", work / "r.json"], work.parent / "state")
+    assert code == 0 and "skipped 1 unreadable evaluation files" in text, text
+    report = json.loads((work / "r.json").read_text())
+    assert report["fidelity"]["images"] == 2 and report["fidelity"]["data"]["files_skipped"] == 1
+
+
+def test_16_bit_greyscale_is_scaled_not_whitened(tmp_path):
+    levels = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(levels).save(tmp_path / "g16.png")
+    rgb = np.asarray(load_rgb(tmp_path / "g16.png"))
+    assert rgb.shape == (64, 64, 3) and rgb.dtype == np.uint8
+    np.testing.assert_array_equal(rgb[..., 0], np.clip(np.round(levels / 257.0), 0, 255).astype(np.uint8))
+    assert 120 < rgb.mean() < 135  # mid-grey on average, as the 16-bit image is; clipping gave ~254
+
+
+def test_a_relative_calib_is_recorded_so_it_resolves_from_anywhere(work, monkeypatch):
+    image_folder(work / "calib", 4)
+    code, text, _ = invoke([*BASE, "--calib", "calib", "-o", "rel"], work.parent / "state")
+    assert code == 0, text
+    assert json.loads((work / "rel" / "config.json").read_text())["calibration"]["path"] == str(work / "calib")
+    monkeypatch.chdir(work.parent)  # another directory: int8 export reads the recorded images
+    code, text, _ = invoke(["export", work / "rel", "--precision", "int8", "--int8-keep-float", 0, "--min-cosine", 0.5],
+                           work.parent / "state")  # (4 random images: a loose gate; this is about paths)
+    assert code == 0, text
+    int8 = json.loads((work / "rel" / "export-int8" / "export.json").read_text())["models"]["model"]["int8"]
+    assert int8["source"]["path"] == str(work / "calib") and int8["calibration_images"] == 4
+
+
+def test_the_tools_own_output_is_replaced_with_the_exports_inside_it(work):
+    assert (work / "art" / "export-fp32").is_dir()
+    code, text, _ = invoke([*BASE, "--seed", 3, "-o", work / "art"], work.parent / "state")
+    assert code == 0, text
+    assert sorted(p.name for p in (work / "art").iterdir()) == ["config.json", RECORD_FILE, "model.safetensors",
+                                                                "report.json"]
+    assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 3
+    assert not debris(work)
+
+
+def test_a_symlinked_output_is_written_through_the_link(work):
+    (work / "link").symlink_to(work / "art")
+    code, text, _ = invoke([*BASE, "--seed", 3, "-o", work / "link"], work.parent / "state")
+    assert code == 0, text
+    assert (work / "link").is_symlink() and os.readlink(work / "link") == str(work / "art")
+    assert json.loads((work / "link" / "config.json").read_text())["settings"]["seed"] == 3
+    assert load_compressed(work / "link") is not None and not debris(work)
+
+
+def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
+    blocker = work.parent / "state-file"
+    blocker.write_text("not a directory")
+    result = CliRunner().invoke(cli, [str(a) for a in [*BASE, "-o", work / "o"]],
+                                env={"CORP_DEPLOY_STATE_DIR": str(blocker / "state")})
+    assert result.exit_code == 0, result.output
+    assert "warning: could not record" in result.output and load_compressed(work / "o") is not None
+
+
+def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):
+    code, text, _ = invoke([*BASE, "--model-arg", "num_classes=0", "-o", work / "backbone"], work.parent / "state")
+    assert code == 0, text
+    code, text, _ = invoke(["bench", work / "backbone", *BENCH, "--backends", "torch", "--min-agreement", 0.9],
+                           work.parent / "state")
+    assert code == 4 and "--min-agreement was given but top-1 agreement was not measured" in text, text
+
+
+def test_bench_replaces_its_own_report_folder_and_json(work):
+    for _ in range(2):
+        code, text, _ = invoke(["bench", work / "art", *BENCH, "--backends", "torch", "-o", work / "b",
+                                "--json", work / "r.json"], work.parent / "state")
+        assert code == 0, text
+    assert sorted(p.name for p in (work / "b").iterdir()) == ["bench.md", "bench.png", RECORD_FILE]
+    verify_files(work / "b", "bench")
+    assert json.loads((work / "r.json").read_text())["format"] == "corp-deploy-bench" and not debris(work)
+
+
+def test_reports_write_null_for_nan_never_bare_nan(tmp_path):
+    write_json(tmp_path / "r.json", {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -math.inf}})
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}}
+
+
+def test_the_build_script_quotes_a_timing_cache_path_with_a_newline(work):
+    cache = work / "cache\ntouch INJECTED\n#"
+    code, text, _ = invoke(["export", work / "art", "--trt", "--timing-cache", cache, "-o", work / "trt"],
+                           work.parent / "state")
+    assert code in (0, 3), text
+    done = subprocess.run(["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True,
+                          cwd=work, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 127 and "trtexec not found" in done.stderr  # it ran up to the missing trtexec
+    assert not list(work.rglob("INJECTED")) and not list((work / "trt").glob("INJECTED"))
+
+
+def test_the_build_script_refuses_a_changed_graph(work):
+    code, text, _ = invoke(["export", work / "art", "--trt", "-o", work / "trt"], work.parent / "state")
+    assert code in (0, 3), text
+    flip_byte(work / "trt" / "model.onnx")
+    done = subprocess.run(["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1 and "model.onnx does not match the SHA-256" in done.stderr
+
+
+# ---------------------------------------------------------------- concurrency
+
+def _write_state(args) -> int:
+    path, writer = args
+    for i in range(25):
+        write_json(path, {"writer": writer, "i": i})
+    return writer
+
+
+def _stage_output(args) -> int:
+    dest, writer = args
+    for i in range(5):
+        with staged_output(dest, "bench") as tmp:
+            (tmp / "bench.json").write_text(json.dumps({"writer": writer, "i": i}))
+    return writer
+
+
+def test_concurrent_state_writers_lose_nothing_and_leave_no_temporary_files(tmp_path):
+    context = multiprocessing.get_context("fork")
+    with context.Pool(8) as pool:
+        done = pool.map(_write_state, [(tmp_path / "latest.json", w) for w in range(32)])
+    assert sorted(done) == list(range(32))  # no writer failed (800 writes)
+    assert json.loads((tmp_path / "latest.json").read_text())["i"] == 24
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.json"]
+
+
+def test_concurrent_writers_of_one_output_leave_the_last_one_whole_and_no_siblings(tmp_path):
+    context = multiprocessing.get_context("fork")
+    with context.Pool(4) as pool:
+        assert sorted(pool.map(_stage_output, [(tmp_path / "out", w) for w in range(4)])) == [0, 1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    verify_files(tmp_path / "out", "bench")
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["i"] == 4
+
+
+# ---------------------------------------------------------------- faults: interrupted runs
+
+FAULT_RUNNER = """
+import os, signal, sys, importlib
+module = importlib.import_module(sys.argv[1])
+name, call, signum = sys.argv[2], int(sys.argv[3]), getattr(signal, sys.argv[4])
+original, calls = getattr(module, name), [0]
+def patched(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == call:
+        os.kill(os.getpid(), signum)
+    return original(*args, **kwargs)
+setattr(module, name, patched)
+sys.argv = ["corp-deploy", *sys.argv[5:]]
+from corp_deploy.cli import main
+main()
+"""
+
+
+class Fault(NamedTuple):
+    """Send ``signal`` to the run when ``module.function`` is called the ``call``-th time."""
+    module: str
+    function: str
+    call: int
+    signal: str
+    args: Callable[[Path], list]
+    output: str
+
+
+FAULTS = {
+    "compress-sigterm-while-calibrating": Fault("corp_deploy.engine", "embed_tokens", 2, "SIGTERM",
+                                                lambda w: [*BASE, "-o", w / "art"], "art"),
+    "compress-sigint-while-saving-the-weights": Fault("safetensors.torch", "save_file", 1, "SIGINT",
+                                                      lambda w: [*BASE, "-o", w / "art"], "art"),
+    "compress-sigint-while-saving-into-new-folders": Fault("safetensors.torch", "save_file", 1, "SIGINT",
+                                                           lambda w: [*BASE, "-o", w / "new" / "deeper" / "art"],
+                                                           "new"),
+    "compress-sigterm-while-the-output-is-swapped": Fault("os", "rename", 1, "SIGTERM",
+                                                          lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"),
+    "export-sigterm-while-exporting-onnx": Fault("exporters.pipeline", "export_onnx", 2, "SIGTERM",
+                                                 lambda w: ["export", w / "art", "--dense"], "art/export-fp32"),
+    "export-int8-sigterm-while-calibrating-ranges": Fault(
+        "onnxruntime.quantization.calibrate", "save_tensors_data", 1, "SIGTERM",
+        lambda w: ["export", w / "art", "--precision", "int8", "--int8-keep-float", 0, "--calib-samples", 4,
+                   "-o", w / "art" / "export-fp32"], "art/export-fp32"),
+    "bench-sigterm-while-timing": Fault("benchmarks.harness", "interleaved", 1, "SIGTERM",
+                                        lambda w: ["bench", w / "art", *BENCH, "-o", w / "b"], "b"),
+    "sweep-sigint-after-the-first-run": Fault("benchmarks.sweep", "export_artifact", 2, "SIGINT",
+                                              lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.5", "--backends", "torch",
+                                                         "--batch", 1, "--min-time", 0.01, "--data-samples", 2,
+                                                         "-o", w / "sweep"], "sweep"),
+}
+
+
+@pytest.fixture(scope="module")
+def import_leftovers(tmp_path_factory) -> set[str]:
+    """What importing the libraries leaves in the temporary directory by itself (ONNX Runtime's
+    ``.ses``, torch's inductor cache folder): not the run's debris."""
+    temp = tmp_path_factory.mktemp("imports")
+    subprocess.run([sys.executable, "-c", "import corp_deploy.cli, exporters.pipeline, benchmarks.sweep, "
+                    "onnxruntime.quantization"], check=True, env={**os.environ, "TMPDIR": str(temp)})
+    return {p.name for p in temp.iterdir()}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name, tmp_path, built, import_leftovers):
+    fault = FAULTS[name]
+    work, temp = tmp_path / "w", tmp_path / "temp"
+    temp.mkdir()
+    shutil.copytree(built / "art", work / "art")
+    with staged_output(work / "b", "bench") as previous:  # an earlier bench report, to be left intact
+        (previous / "bench.json").write_text("{}")
+    before = snapshot(work)
+    env = {**os.environ, "TMPDIR": str(temp), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")}
+    done = subprocess.run([sys.executable, "-c", FAULT_RUNNER, fault.module, fault.function, str(fault.call),
+                           fault.signal, *map(str, fault.args(work))], capture_output=True, text=True, cwd=work,
+                          env=env, timeout=600)
+    code = 128 + getattr(signal, fault.signal)
+    assert done.returncode == code, done.stderr
+    assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not debris(work) and {p.name for p in temp.iterdir()} <= import_leftovers
+    after = snapshot(work)
+    if name == "compress-sigterm-while-the-output-is-swapped":
+        # the swap is held together: the signal waits for it, so the new artifact is complete
+        assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
+        verify_files(work / "art", "artifact")
+        assert load_compressed(work / "art") is not None
+    else:
+        assert after == before, f"{fault.output} changed"
+
+
+def test_library_warnings_stay_off_the_terminal(tmp_path, built):
+    """The exporters, timm and ONNX Runtime warn a lot; through the command only corp-deploy speaks."""
+    shutil.copytree(built / "art", tmp_path / "art")
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.cli", "export", str(tmp_path / "art"),
+                           "--dense", "--exporter", "torchscript", "-o", str(tmp_path / "out")], capture_output=True,
+                          text=True, env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
+    assert done.returncode == 0, done.stderr
+    assert not re.search(r"warn|deprecat", done.stderr, flags=re.I), done.stderr
+
+
+# ---------------------------------------------------------------- the documented table
+
+def test_docs_list_every_case():
+    text = DOC.read_text()
+    documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", text, flags=re.M))
+    cases = set(REFUSALS) | set(FAULTS) | {name[len("test_"):].replace("_", "-") for name in globals()
+                                           if name.startswith("test_") and name not in (
+                                               "test_refused_with_one_message_and_nothing_changed",
+                                               "test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris",
+                                               "test_docs_list_every_case")}
+    assert documented == cases, (sorted(cases - documented), sorted(documented - cases))
