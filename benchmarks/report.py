@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from corp_deploy import CorpError
-from corp_deploy.files import finite_or_none
+from corp_deploy.files import json_text
 
 from .harness import FORMAT
 
@@ -215,7 +215,7 @@ def write_outputs(report: dict, files: dict[str, Path], folder: Path | None = No
     from corp_deploy.files import atomic_file
     from corp_deploy.outputs import staged_output
 
-    writers = {"json": lambda p: p.write_text(json.dumps(finite_or_none(report), indent=2, allow_nan=False) + "\n"),
+    writers = {"json": lambda p: p.write_text(json_text(report)),
                "markdown": lambda p: p.write_text(to_markdown(report)), "plot": lambda p: plot(report, p)}
     written = []
     for rendering, path in files.items():

@@ -23,7 +23,7 @@ from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import create_base_model
-from .outputs import staged_output, verify_files
+from .outputs import read_recorded_json, staged_output, verify_files
 
 FORMAT = "corp-deploy-artifact"
 #: 2: the artifact has a record with every file's SHA-256 (version 1 had none and is not read).
@@ -133,19 +133,7 @@ def read_config(path: str | Path) -> dict:
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
         raise CorpError(f"{path} is not a corp-deploy artifact (no {CONFIG_FILE})")
-    cfg_file = path / CONFIG_FILE
-    try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, ValueError):
-        config = None  # refused below: by its checksum, or as not an artifact config
-    version = config.get("format_version") if isinstance(config, dict) else None
-    if isinstance(config, dict) and config.get("format") == FORMAT and version != FORMAT_VERSION:
-        raise CorpError(f"{path}: artifact format version {version} is not supported by this corp-deploy "
-                        f"(reads version {FORMAT_VERSION}); compress the model again")
-    verify_files(path, "artifact", [CONFIG_FILE])
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise CorpError(f"{cfg_file} is not a corp-deploy artifact config")
-    return config
+    return read_recorded_json(path, CONFIG_FILE, "artifact", FORMAT, FORMAT_VERSION, "compress the model again")
 
 
 def load_compressed(path: str | Path) -> nn.Module:

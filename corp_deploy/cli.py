@@ -333,8 +333,8 @@ def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> N
 
 
 def _warn_builtin_calibration() -> None:
-    click.secho("warning: no --calib given; calibrating on built-in photos. Images from your "
-                "deployment distribution give better accuracy.", fg="yellow", err=True)
+    _warn("no --calib given; calibrating on built-in photos. Images from your deployment distribution give "
+          "better accuracy.")
 
 
 def _print_compress_summary(report: dict, path: Path) -> None:

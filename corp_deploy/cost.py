@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import resource
 import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -50,22 +51,31 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
         queries = 1 if isinstance(mod, ClassAttn) else tokens  # CaiT's class attention: the class token asks
         total += batch * mod.num_heads * queries * tokens * sum(head_dims(mod))
 
-    hooks = []
-    for mod in model.modules():
+    def hook_of(mod):
         if isinstance(mod, nn.Linear):
-            hooks.append(mod.register_forward_hook(linear))
-        elif isinstance(mod, nn.Conv2d):
-            hooks.append(mod.register_forward_hook(conv))
-        elif isinstance(mod, (Attention, RelPosAttention, PrunedAttention, TalkingHeadAttn, ClassAttn)):
-            hooks.append(mod.register_forward_hook(attention))
+            return linear
+        if isinstance(mod, nn.Conv2d):
+            return conv
+        if isinstance(mod, (Attention, RelPosAttention, PrunedAttention, TalkingHeadAttn, ClassAttn)):
+            return attention
+        return None
+
+    forward_blank_image(model, input_size, hook_of)
+    return total
+
+
+def forward_blank_image(model: nn.Module, input_size: tuple[int, ...],
+                        hook_of: Callable[[nn.Module], Callable | None]) -> None:
+    """Run ``model`` on one all-zero image of ``input_size`` ``(C, H, W)`` with the forward hook
+    ``hook_of(module)`` (None: no hook) on each of its modules; the hooks are removed afterwards."""
+    hooks = [mod.register_forward_hook(hook) for mod in model.modules() if (hook := hook_of(mod)) is not None]
     param = next(model.parameters())
     try:
         with torch.inference_mode():
             model(torch.zeros(1, *input_size, device=param.device, dtype=param.dtype))
     finally:
-        for h in hooks:
-            h.remove()
-    return total
+        for hook in hooks:
+            hook.remove()
 
 
 def peak_memory_mb(device: torch.device) -> dict:

@@ -31,11 +31,15 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically. NaN and infinities, which JSON cannot hold,
-    are written as ``null``."""
-    text = json.dumps(finite_or_none(data), indent=2, allow_nan=False) + "\n"
+    """Write ``data`` as :func:`json_text`, atomically."""
+    text = json_text(data)
     with atomic_file(path) as tmp:
         tmp.write_text(text)
+
+
+def json_text(data: Any) -> str:
+    """``data`` as indented JSON. NaN and infinities, which JSON cannot hold, are written as ``null``."""
+    return json.dumps(finite_or_none(data), indent=2, allow_nan=False) + "\n"
 
 
 def finite_or_none(value: Any) -> Any:

@@ -7,11 +7,13 @@ out of memory, which the CLI reports as one message.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 from torch import nn
 
+from .cost import forward_blank_image
 from .errors import CorpError
 
 FLOAT32 = 4
@@ -44,25 +46,20 @@ def largest_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> i
             if isinstance(tensor, torch.Tensor):
                 largest = max(largest, tensor.numel() * FLOAT32)
 
-    parameter = next(model.parameters())
-    handles = [m.register_forward_hook(record) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_blank_image(model, input_size, lambda module: record)
     return largest
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def inference_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -> int:
     """A lower bound on the memory of one inference at ``batch``: the weights, the input batch, and
     the largest activation together with the one it is computed from."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    image = FLOAT32
-    for size in input_size:
-        image *= size
-    return weights + batch * (image + 2 * largest_activation_bytes(model, input_size))
+    image = FLOAT32 * math.prod(input_size)
+    return weight_bytes(model) + batch * (image + 2 * largest_activation_bytes(model, input_size))
 
 
 def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
@@ -73,8 +70,7 @@ def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, b
     parameter = next(model.parameters())
     with torch.no_grad():
         tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return weights + images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, batch)
+    return weight_bytes(model) + images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, batch)
 
 
 def check_fits(what: str, needed: int, hint: str) -> None:

@@ -172,6 +172,27 @@ def verify_files(folder: str | Path, kind: str, names: list[str] | tuple[str, ..
     return record
 
 
+def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: str, version: int,
+                       again: str) -> dict:
+    """The JSON file ``name`` of the output ``folder`` of ``kind``, checked against its record and
+    of format ``format_name`` at ``version``. ``again`` tells the user what to do with another
+    version (``compress the model again``). CorpError naming the file otherwise."""
+    folder = Path(folder)
+    path = folder / name
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None  # refused below: by its checksum, or as not this format
+    found = data.get("format_version") if isinstance(data, dict) else None
+    if isinstance(data, dict) and data.get("format") == format_name and found != version:
+        raise CorpError(f"{folder}: {kind} format version {found} is not supported by this corp-deploy (reads "
+                        f"version {version}); {again}")
+    verify_files(folder, kind, [name])
+    if not isinstance(data, dict) or data.get("format") != format_name:
+        raise CorpError(f"{path} is not the {name} of a corp-deploy {kind}")
+    return data
+
+
 def foreign_content(folder: Path, kind: str) -> str | None:
     """Why ``folder`` is not an output of ``kind`` that may be replaced, or None when it may (it is
     empty or gone, or every file in it is recorded and unchanged and every folder in it is an output

@@ -5,13 +5,12 @@ record (:mod:`corp_deploy.outputs`) before anything runs; file names in the mani
 names inside the export folder."""
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.files import sha256_file
-from corp_deploy.outputs import verify_files
+from corp_deploy.outputs import read_recorded_json, verify_files
 
 MANIFEST = "export.json"
 FORMAT = "corp-deploy-export"
@@ -47,18 +46,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
         raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
-        manifest = None  # refused below: by its checksum, or as not a manifest
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if isinstance(manifest, dict) and manifest.get("format") == FORMAT and version != FORMAT_VERSION:
-        raise CorpError(f"{path}: export format version {version} is not supported by this corp-deploy "
-                        f"(reads version {FORMAT_VERSION}); export the artifact again")
-    verify_files(folder, "export", [MANIFEST])
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorpError(f"{path} is not a corp-deploy export manifest")
-    return manifest
+    return read_recorded_json(folder, MANIFEST, "export", FORMAT, FORMAT_VERSION, "export the artifact again")
 
 
 def model_files(folder: str | Path, manifest: dict, key: str) -> dict[str, Path | None]:

@@ -23,6 +23,7 @@ from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params,
 from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
 from corp_deploy.files import sha256_file, write_json
+from corp_deploy.memory import check_fits, inference_bytes, weight_bytes
 from corp_deploy.outputs import check_output_dir, staged_output
 
 from . import tensorrt as trt_backend
@@ -143,6 +144,8 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         log("rebuilding the dense base model ...")
         models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
     input_size = tuple(config["input"]["input_size"])
+    check_fits("the export", sum(export_bytes(model, input_size) for model in models.values()),
+               "export on a machine with more memory")
     classifier = models["model"].num_classes > 0
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
@@ -185,6 +188,13 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         manifest = _manifest(artifact, config, graph, entries, options, tolerance, trt_missing, tmp)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, incomplete)
+
+
+def export_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
+    """A lower bound on the memory that exporting ``model`` holds at once: the PyTorch model running
+    the parity batch, its ONNX graph and the ONNX Runtime session of that graph (a copy of the
+    weights each)."""
+    return inference_bytes(model, input_size, max(PARITY_BATCHES)) + 2 * weight_bytes(model)
 
 
 def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np.ndarray:
