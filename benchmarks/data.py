@@ -84,7 +84,7 @@ def labelled_samples(root: Path) -> tuple[dict[str, int], list[tuple[Path, int]]
     """The class index and every ``(image path, label)`` of a labelled folder, sorted. CorpError
     unless every class folder is in ``class_index.json`` and every entry there is a folder."""
     mapping = read_class_index(root)
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
     unknown = [name for name in folders if name not in mapping]
     if unknown:
         raise CorpError(f"class folders missing from {root / CLASS_INDEX_FILE}: {unknown[:5]}")

@@ -15,6 +15,9 @@ from corp_deploy import CorpError
 
 from .harness import FORMAT
 
+#: The int8 graph a baseline's int8 numbers are compared on (:mod:`benchmarks.int8`).
+INT8_GRAPH = "compressed-int8"
+
 #: The absolute fidelity limits: option, key in the report's ``fidelity``, label, number format, bound side.
 _FIDELITY_LIMITS = (("min_agreement", "top1_agreement", "top-1 agreement", ".4f", "min"),
                     ("max_kl", "kl_mean", "mean KL", ".4g", "max"),
@@ -96,6 +99,15 @@ def _baseline_problem(report: dict) -> str | None:
     if accuracy is not None and not (isinstance(accuracy, dict) and all(
             isinstance(accuracy.get(m), dict) and _finite(accuracy[m].get("top1")) for m in accuracy)):
         return "fidelity.accuracy needs a numeric top1 per model"
+    int8 = report.get("int8")
+    if int8 is not None and "skipped" not in int8:
+        try:
+            usable = (all(isinstance(row["batch"], int) and _positive(_int8_speedup(row)) for row in int8["latency"])
+                      and _finite(int8["fidelity"][INT8_GRAPH]["cosine_mean"]))
+        except (KeyError, TypeError):
+            usable = False
+        if not usable:
+            return f"int8 needs latency rows with a batch and the {INT8_GRAPH} speedup, and its fidelity's cosine_mean"
     return None
 
 
@@ -105,6 +117,7 @@ def regressions(report: dict, limits: GateLimits, baseline: dict | None = None) 
     found = _absolute(report, limits)
     if baseline is not None:
         found += _against_baseline(report, baseline, limits.max_regression)
+        found += _int8_against_baseline(report.get("int8"), baseline.get("int8"), limits.max_regression)
     if (baseline is not None or limits.requested) and not report["latency"]:
         skipped = "; ".join(f"{name}: {v['reason']}" for name, v in report["backends"].items()
                             if v["status"] == "skipped")
@@ -171,6 +184,33 @@ def _against_baseline(report: dict, baseline: dict, tolerance: float) -> list[st
         elif not new >= old["top1"] * (1 - tolerance):
             found.append(f"accuracy: {model} top-1 {new:.4f} vs baseline {old['top1']:.4f}")
     return found
+
+
+def _int8_against_baseline(new: dict | None, old: dict | None, tolerance: float) -> list[str]:
+    """The compressed int8 graph's speedup over dense fp32 (per batch) and its cosine to dense fp32
+    may not shrink by more than ``tolerance``; a baseline's int8 numbers must be measured again."""
+    if old is None or "skipped" in old:
+        return []
+    if new is None or "skipped" in new:
+        why = new["skipped"] if new else "no export-int8/ beside export-fp32/, or ort not among the backends"
+        return [f"int8: in the baseline but not measured ({why})"]
+    found = []
+    rows = {row["batch"]: row for row in new["latency"]}
+    for old_row in old["latency"]:
+        row = rows.get(old_row["batch"])
+        if row is None:
+            found.append(f"int8: batch {old_row['batch']} is in the baseline but was not measured")
+        elif not _int8_speedup(row) >= _int8_speedup(old_row) * (1 - tolerance):
+            found.append(f"int8: batch {row['batch']}: {INT8_GRAPH} {_int8_speedup(row):.3f}x over dense fp32 vs "
+                         f"baseline {_int8_speedup(old_row):.3f}x")
+    new_cos, old_cos = new["fidelity"][INT8_GRAPH]["cosine_mean"], old["fidelity"][INT8_GRAPH]["cosine_mean"]
+    if not new_cos >= old_cos * (1 - tolerance):
+        found.append(f"int8: {INT8_GRAPH} cosine to dense fp32 {new_cos:.4f} vs baseline {old_cos:.4f}")
+    return found
+
+
+def _int8_speedup(row: dict) -> float:
+    return row["speedup_over_dense_fp32"][INT8_GRAPH]["median"]
 
 
 def _finite(value) -> bool:

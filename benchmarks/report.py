@@ -181,10 +181,10 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
     file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
     bench marked); bench never overwrites anything else."""
-    from corp_deploy.outputs import check_creatable
+    from corp_deploy.outputs import RECORD_FILE, check_creatable, resolve
 
     given = Path(path)
-    path = given.resolve()
+    path = resolve(given)
     if rendering == "plot" and path.suffix.lower() != ".png":
         raise CorpError(f"--plot writes a PNG image; {given} does not end in .png")
     if path.is_dir():
@@ -192,6 +192,10 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     if path.exists() and not _written_by_bench(path, rendering):
         raise CorpError(f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
                         "wrote; nothing was changed")
+    owner = next((folder for folder in path.parents if (folder / RECORD_FILE).is_file()), None)
+    if owner is not None:
+        raise CorpError(f"{given} lies inside {owner}, an output of corp-deploy, which holds only the files its "
+                        "record lists; write it elsewhere")
     check_creatable(path, given)
     return path
 
@@ -212,18 +216,18 @@ def _written_by_bench(path: Path, rendering: str) -> bool:
 def write_outputs(report: dict, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
-    from corp_deploy.files import atomic_file
+    from corp_deploy.files import atomic_files
     from corp_deploy.outputs import staged_output
 
     writers = {"json": lambda p: p.write_text(json_text(report)),
                "markdown": lambda p: p.write_text(to_markdown(report)), "plot": lambda p: plot(report, p)}
-    written = []
-    for rendering, path in files.items():
-        path = Path(path)
+    files = {rendering: Path(path) for rendering, path in files.items()}
+    for path in files.values():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path) as tmp:
-            writers[rendering](tmp)
-        written.append(path)
+    with atomic_files(files.values()) as temporary:  # the files replaced together, or none
+        for rendering, path in files.items():
+            writers[rendering](temporary[path])
+    written = list(files.values())
     if folder is not None:
         with staged_output(folder, "bench") as tmp:
             for rendering, name in RENDERINGS.items():

@@ -59,6 +59,11 @@ class SweepSpec:
                             f"got {', '.join(self.methods) or 'none'}")
         if bool(self.sparsities) == bool(self.budgets):
             raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
+        names = [self.run_name(method, point) for method in self.methods for point in self.points]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise CorpError(f"{'--s' if self.sparsities else '--macs'} gives the same run twice ({repeated[0]}); "
+                            "give distinct points")
         for method in self.methods:
             for point in self.points:
                 self.config(method, point)  # CorpError for a value out of range or a bad combination

@@ -4,8 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
-from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
-from corp_deploy.files import sha256_file
+from corp_deploy.artifact import CONFIG_FILE, artifact_checksums
 from exporters.manifest import MANIFEST, model_files, read_manifest
 
 from .backends import ModelFiles
@@ -39,11 +38,9 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
 def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
     """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is now."""
     read_config(artifact)
-    recorded = manifest["artifact"]
-    for name, key in ((CONFIG_FILE, "config_sha256"), (WEIGHTS_FILE, "weights_sha256")):
-        if not (artifact / name).is_file() or sha256_file(artifact / name) != recorded[key]:
-            raise CorpError(f"{export} was exported from a different version of {artifact} ({name} changed); "
-                            "export it again")
+    current = artifact_checksums(artifact)
+    if {key: manifest["artifact"].get(key) for key in current} != current:
+        raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
 
 
 def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:

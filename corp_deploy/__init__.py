@@ -9,21 +9,35 @@ Public API::
 """
 __version__ = "0.1.0"
 
-from .artifact import latest_artifact, load_base_model, load_compressed, read_config, save_artifact
-from .calibration import CalibrationImages, model_transform
-from .config import CompressConfig
-from .cost import count_macs, count_params
-from .dims import kept_count
-from .engine import compress
-from .errors import CorpError
-from .families import blocks_of, standard_form
-from .layers import BlockDims, GatedLinear, PrunedAttention, head_dims
-from .methods import METHODS, Method
-from .models import create_base_model, is_plain_attention, is_prunable_attention, resolve_model_name
+import importlib
 
-__all__ = [
-    "BlockDims", "CalibrationImages", "CompressConfig", "CorpError", "GatedLinear", "METHODS", "Method",
-    "PrunedAttention", "blocks_of", "compress", "count_macs", "count_params", "create_base_model", "head_dims",
-    "is_plain_attention", "is_prunable_attention", "kept_count", "latest_artifact", "load_base_model",
-    "load_compressed", "model_transform", "read_config", "resolve_model_name", "save_artifact", "standard_form",
-]
+#: The public API and the module each name lives in. Imported on first use, so that importing the
+#: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
+_API = {
+    "latest_artifact": "artifact", "load_base_model": "artifact", "load_compressed": "artifact",
+    "read_config": "artifact", "save_artifact": "artifact",
+    "CalibrationImages": "calibration", "model_transform": "calibration",
+    "CompressConfig": "config",
+    "count_macs": "cost", "count_params": "cost",
+    "kept_count": "dims",
+    "compress": "engine",
+    "CorpError": "errors",
+    "blocks_of": "families", "standard_form": "families",
+    "BlockDims": "layers", "GatedLinear": "layers", "PrunedAttention": "layers", "head_dims": "layers",
+    "METHODS": "methods", "Method": "methods",
+    "create_base_model": "models", "is_plain_attention": "models", "is_prunable_attention": "models",
+    "resolve_model_name": "models",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import CorpError
+from .errors import SettingError
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ def check_feasible(shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_ma
     unit's ``(total, macs_per_dim)``."""
     lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
     if lowest > budget_macs:
-        raise CorpError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with every "
-                        f"unit at its floor ({floor:g} of its dims) the model still needs {lowest / 1e9:.4g} "
-                        "GMACs; raise the budget or lower unit_floor")
+        raise SettingError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with "
+                           f"every unit at its floor ({floor:g} of its dims) the model still needs "
+                           f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{}}", "unit_floor")
 
 
 def allocate(units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to: int = 1,

@@ -23,7 +23,7 @@ from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import create_base_model
-from .outputs import read_recorded_json, staged_output, verify_files
+from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 FORMAT = "corp-deploy-artifact"
 #: 2: the artifact has a record with every file's SHA-256 (version 1 had none and is not read).
@@ -133,7 +133,43 @@ def read_config(path: str | Path) -> dict:
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
         raise CorpError(f"{path} is not a corp-deploy artifact (no {CONFIG_FILE})")
-    return read_recorded_json(path, CONFIG_FILE, "artifact", FORMAT, FORMAT_VERSION, "compress the model again")
+    config = read_recorded_json(path, CONFIG_FILE, "artifact", FORMAT, FORMAT_VERSION, "compress the model again")
+    problem = _config_problem(config)
+    if problem is not None:
+        raise CorpError(f"{path / CONFIG_FILE} is malformed: {problem}")
+    return config
+
+
+def _config_problem(config: dict) -> str | None:
+    """What in a ``config.json`` (its record matching, i.e. edited along with the record) this
+    corp-deploy cannot interpret, or None."""
+    base, size, blocks = config.get("base_model"), (config.get("input") or {}), config.get("blocks")
+    if not (isinstance(base, dict) and isinstance(base.get("name"), str) and isinstance(base.get("model_kwargs"), dict)
+            and isinstance(base.get("weights", {}), dict)):
+        return "base_model needs a name, model_kwargs and a weights record"
+    size = size.get("input_size") if isinstance(size, dict) else None
+    if not (isinstance(size, list) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size)):
+        return "input.input_size needs three positive integers"
+    if not (isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks)):
+        return "blocks needs one object per block"
+    for key in ("fc2_bias", "proj_bias"):
+        flags = config.get(key)
+        if flags is not None and not (isinstance(flags, list) and len(flags) == len(blocks)):
+            return f"{key} needs one entry per block"
+    if not all(isinstance(config.get(key, {}), dict) for key in ("settings", "calibration")):
+        return "settings and calibration must be objects"
+    return None
+
+
+def artifact_checksums(path: str | Path, *, verify: bool = True) -> dict[str, str] | None:
+    """``{"config_sha256", "weights_sha256"}`` of an artifact from its record, the files checked
+    against it first (``verify``): what an export records as the artifact it was made from. Without
+    ``verify``, what the record says now (None without a readable record)."""
+    record = verify_files(path, "artifact", [CONFIG_FILE, WEIGHTS_FILE]) if verify else read_record(Path(path))
+    files = (record or {}).get("files", {})
+    if CONFIG_FILE not in files or WEIGHTS_FILE not in files:
+        return None
+    return {"config_sha256": files[CONFIG_FILE]["sha256"], "weights_sha256": files[WEIGHTS_FILE]["sha256"]}
 
 
 def load_compressed(path: str | Path) -> nn.Module:
@@ -142,7 +178,11 @@ def load_compressed(path: str | Path) -> nn.Module:
     from safetensors.torch import load_file
     config = read_config(path)
     verify_files(path, "artifact", [WEIGHTS_FILE])
-    model = build_skeleton(config)
+    try:
+        model = build_skeleton(config)
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
+        raise CorpError(f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: "
+                        f"{(str(exc).splitlines() or [''])[0][:200] or type(exc).__name__}") from None
     try:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:

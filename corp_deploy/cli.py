@@ -1,17 +1,15 @@
 """The ``corp-deploy`` command line: a thin layer over the library.
 
 Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
-traceback: bad input and refusals are :class:`CorpError`; running out of memory and an
-interrupt (SIGINT, SIGTERM) are handled here, after the outputs in progress were removed.
+traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
+and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
 """
 from __future__ import annotations
 
 import json
-import logging
+import math
 import os
-import signal
 import sys
-import warnings
 from pathlib import Path
 
 import click
@@ -37,6 +35,24 @@ EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing 
 _SETTING_OPTIONS = {"compensation": "--no-compensation"}
 #: The largest seed every random generator used here accepts.
 MAX_SEED = 2 ** 32 - 1
+
+
+class _FiniteFloatRange(click.FloatRange):
+    """A float range that refuses NaN and infinities (click's ranges let NaN through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
+
+
+#: How many images an option may ask for (a decoded 224 px image is 0.6 MB).
+IMAGE_COUNT = click.IntRange(1, 10_000_000)
+#: CPU threads: at most four per core (more only slows the run, and far more crashes the runtimes).
+THREADS = click.IntRange(1, 4 * (os.cpu_count() or 1))
+#: A positive, finite number of seconds.
+SECONDS = _FiniteFloatRange(min=0, min_open=True)
 
 
 def option_name(setting: str) -> str:
@@ -154,7 +170,7 @@ _model_source_options = _options(
     click.option("--calib", type=click.Path(path_type=Path), default=None,
                  help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
                       "Default: built-in photos from scikit-image."),
-    click.option("--calib-samples", type=click.IntRange(min=1), default=256, show_default=True,
+    click.option("--calib-samples", type=IMAGE_COUNT, default=256, show_default=True,
                  help="Number of calibration images."),
     click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
                  help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0)."),
@@ -176,6 +192,21 @@ def input_dir(path: Path | None, option: str) -> Path | None:
     if not path.is_dir():
         raise CorpError(f"{option} {path}: not a directory")
     return path.resolve()
+
+
+def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
+    """CorpError when an output path lies inside an input folder (the next run would read the tool's
+    own files as images) or, for a command that ``records_state`` (compress), the state folder lies
+    inside its output (it would become a file the output's record does not list)."""
+    from .artifact import state_dir
+    for output in outputs:
+        for option, folder in inputs.items():
+            if folder is not None and (output == folder or folder in output.parents):
+                raise CorpError(f"{output} lies inside {option} {folder}; write outputs outside the image folders")
+        state = state_dir().resolve()
+        if records_state and (state == output or output in state.parents):
+            raise CorpError(f"the state folder {state} lies inside {output}; choose another -o (or set "
+                            "CORP_DEPLOY_STATE_DIR elsewhere)")
 
 
 def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool,
@@ -268,7 +299,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .artifact import record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
     from .engine import compress as run_compress
-    from .memory import check_fits, compress_bytes
+    from .resources import check_fits, compress_bytes
     from .outputs import check_output_dir
 
     _check_method_options(METHODS[method], s_attn, s_vo)
@@ -283,6 +314,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
         layer_floor=layer_floor, token_fraction=token_fraction)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calib = input_dir(calib, "--calib")
+    check_apart([out_dir], {"--calib": calib}, records_state=True)
     _check_device(device)
     base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed)
     transform, data_config = model_transform(base)
@@ -404,7 +436,7 @@ def _allocation_table(budget: dict):
                    "quarter of them held back from the ranges.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int8: calibration image directory. [default: what compress used, from config.json]")
-@click.option("--calib-samples", type=click.IntRange(min=1), default=None,
+@click.option("--calib-samples", type=IMAGE_COUNT, default=None,
               help="int8: number of calibration images. [default: as many as compress used]")
 @click.option("--workspace", "workspace_gb", type=float, default=None, metavar="GB",
               help="TensorRT builder workspace limit. [default: TensorRT's]")
@@ -503,17 +535,17 @@ def _parse_sizes(text: str, option: str) -> tuple[int, ...]:
 @click.option("--backends", default="torch,ort,trt", show_default=True,
               help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines).")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=THREADS, default=None,
               help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]")
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+@click.option("--warmup", type=click.IntRange(0, 10_000), default=3, show_default=True,
               help="Untimed rounds before timing.")
-@click.option("--min-time", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--min-time", type=SECONDS, default=2.0, show_default=True,
               help="Seconds each model is timed per backend and batch size (at least 5 rounds).")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
                    "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
                    "calibration]")
-@click.option("--data-samples", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--data-samples", type=IMAGE_COUNT, default=256, show_default=True,
               help="At most this many evaluation images.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the full report.")
 @click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write tables.")
@@ -558,7 +590,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     from benchmarks.targets import calibration_overlap, load_models, resolve_target
 
     from .calibration import model_transform
-    from .memory import check_fits, inference_bytes
+    from .resources import check_fits, inference_bytes
     from .outputs import check_output_dir
 
     settings = BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
@@ -571,7 +603,12 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     files = {rendering: check_report_file(path, rendering) for rendering, path in
              (("json", json_path), ("markdown", markdown_path), ("plot", plot_path)) if path is not None}
     folder = check_output_dir(output, "bench") if output is not None else None
+    inside = [path for path in files.values() if folder is not None and folder in path.parents]
+    if inside or len(set(files.values())) < len(files):
+        raise CorpError(f"{inside[0]} lies inside -o {output}; write it there without --json/--markdown/--plot, "
+                        "or elsewhere" if inside else "--json, --markdown and --plot must name different files")
     data = input_dir(data, "--data")
+    check_apart([*files.values(), *([folder] if folder else [])], {"--data": data})
     previous = read_report(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     click.echo(f"benchmarking {artifact}" + (f" with the export {export_dir}" if export_dir else
@@ -637,11 +674,11 @@ def _parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Held-out evaluation images (see `bench --help`). [default: bundled photos kept out "
                    "of calibration]")
-@click.option("--data-samples", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--data-samples", type=IMAGE_COUNT, default=256, show_default=True)
 @click.option("--backends", default="torch,ort,trt", show_default=True, help="As for bench.")
 @click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="As for bench.")
-@click.option("--min-time", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--threads", type=THREADS, default=None, help="As for bench.")
+@click.option("--min-time", type=SECONDS, default=2.0, show_default=True,
               help="As for bench.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
@@ -683,46 +720,10 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
         raise CorpError(exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting)))
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}"
                                          f"{f'-{target}' if target else ''}", "sweep")
+    check_apart([out_dir], {"--calib": spec.calib, "--data": spec.data})
     dense, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed)
     if calib is None:
         _warn_builtin_calibration()
     run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
     click.echo((out_dir / "sweep.md").read_text())
     click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived: raised in the main thread so that every ``with`` block on the way
-    out removes what it was writing (a BaseException, so no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
-
-
-def _raise_interrupted(signum, frame) -> None:
-    # later signals are ignored while the first one unwinds and cleans up
-    for held in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(held, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-def main() -> None:
-    """The ``corp-deploy`` entry point: the command group with library warnings and log lines kept
-    off the terminal and SIGINT / SIGTERM turned into a clean exit (130 / 143) after the outputs in
-    progress were removed; a previous output at the destination is untouched."""
-    warnings.filterwarnings("ignore")
-    warnings.filterwarnings("default", module=r"(corp_deploy|exporters|benchmarks)(\.|$)")
-    logging.getLogger().setLevel(logging.ERROR)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _raise_interrupted)
-    try:
-        cli(prog_name="corp-deploy")
-    except Interrupted as exc:
-        click.echo(f"\ncorp-deploy: stopped by {exc}; the output in progress was removed and nothing was "
-                   "replaced", err=True)
-        sys.exit(exc.exit_code)
-
-
-if __name__ == "__main__":
-    main()

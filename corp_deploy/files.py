@@ -7,27 +7,65 @@ import hashlib
 import json
 import math
 import os
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 @contextmanager
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` (a unique name, so concurrent writers never share it);
     when the block succeeds it replaces ``path`` in one rename, otherwise it is removed."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name[:64]}.tmp-", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    with atomic_files([path]) as temporary:
+        yield temporary[Path(path)]
+
+
+@contextmanager
+def atomic_files(paths: Iterable[str | Path]) -> Iterator[dict[Path, Path]]:
+    """Yield ``{path: temporary path beside it}``; when the block succeeds every temporary file
+    replaces its path, all of them together (an interrupt waits until the last one is in place);
+    otherwise they are all removed and no path is touched."""
+    temporary = {}
     try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
+        for path in map(Path, paths):
+            fd, name = tempfile.mkstemp(prefix=f".{path.name[:64]}.tmp-", suffix=path.suffix, dir=path.parent)
+            os.close(fd)
+            temporary[path] = Path(name)
+        yield temporary
+        with signals_deferred():
+            for path, tmp in temporary.items():
+                os.chmod(tmp, 0o666 & ~current_umask())
+                os.replace(tmp, path)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        with signals_deferred():
+            for tmp in temporary.values():
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while files are moved or removed, so that an interrupt never
+    leaves half a swap or half a cleanup: a signal that arrives meanwhile is remembered and raised
+    again when the block ends. (Python runs signal handlers in the main thread whichever thread
+    received the signal, so the handlers are swapped here rather than the threads' signal masks.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
 
 
 def write_json(path: str | Path, data: Any) -> None:

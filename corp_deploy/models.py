@@ -109,7 +109,23 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
         load_checkpoint(model, checkpoint)
     check_vit(model)
     check_finite(model, f"the weights of {full}" + (f" from {checkpoint}" if checkpoint is not None else ""))
-    return standard_form(model).eval()
+    model = standard_form(model).eval()
+    _check_runs(model, full, kwargs)
+    return model
+
+
+def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
+    """CorpError, in one line, when ``model`` cannot run one blank image of its input size (timm
+    accepts some arguments it cannot run with, e.g. a NaN drop rate)."""
+    from .calibration import model_transform
+    _, data_config = model_transform(model)
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *data_config["input_size"]))
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises, the arguments are the cause
+        detail = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
+        raise CorpError(f"{name} built with {given} cannot run on an image: {detail}") from None
 
 
 def check_finite(model: nn.Module, what: str) -> None:
@@ -151,8 +167,9 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     for key in ("state_dict", "model", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CorpError(f"checkpoint {path} does not hold a state dict of tensors")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) and v.layout == torch.strided
+                                              for v in state.values()):
+        raise CorpError(f"checkpoint {path} does not hold a state dict of dense tensors")
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]

@@ -23,10 +23,8 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -34,7 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import CorpError
-from .files import current_umask, sha256_file, write_json
+from .files import current_umask, sha256_file, signals_deferred, write_json
 
 RECORD_FILE = "corp-deploy-record.json"
 RECORD_FORMAT, RECORD_VERSION = "corp-deploy-record", 1
@@ -57,7 +55,7 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     given = Path(dest)
-    path = given.resolve()
+    path = resolve(given)
     if path == Path(path.anchor):
         raise CorpError(f"output directory {given} is the file system root; choose a folder for the output")
     cwd = Path.cwd().resolve()
@@ -98,10 +96,10 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
         yield tmp
         write_record(tmp, kind)
         _apply_umask(tmp)
-        with _signals_deferred(), _directory_lock(dest.parent):
+        with signals_deferred(), _directory_lock(dest.parent):
             _swap_into_place(tmp, dest, kind)
     except BaseException:
-        with _signals_deferred():
+        with signals_deferred():
             shutil.rmtree(tmp, ignore_errors=True)
             for folder in created:  # the parents this run made, innermost first, if still empty
                 with contextlib.suppress(OSError):
@@ -130,7 +128,8 @@ def write_record(folder: Path, kind: str) -> dict:
 
 
 def read_record(folder: Path) -> dict | None:
-    """``folder``'s record, or None when it has none that this corp-deploy can read."""
+    """``folder``'s record, or None when it has none that this corp-deploy can read. A record whose
+    file names are not plain names inside the folder is not read: it could point anywhere."""
     path = Path(folder) / RECORD_FILE
     if path.is_symlink() or not path.is_file():
         return None
@@ -138,11 +137,14 @@ def read_record(folder: Path) -> dict | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    files = record.get("files")
     if (record.get("format") != RECORD_FORMAT or record.get("format_version") != RECORD_VERSION
             or record.get("kind") not in KINDS or not isinstance(files, dict)
-            or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
-                       for v in files.values())):
+            or not all(_plain_name(name) and name != RECORD_FILE and isinstance(entry, dict)
+                       and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)
+                       for name, entry in files.items())):
         return None
     return record
 
@@ -204,7 +206,7 @@ def foreign_content(folder: Path, kind: str) -> str | None:
         return None
     record = read_record(folder)
     if record is None:
-        return f"it is not empty and holds no {RECORD_FILE} (corp-deploy did not write it)"
+        return f"it is not empty and holds no {RECORD_FILE} that corp-deploy can read (corp-deploy did not write it)"
     if record["kind"] != kind:
         return f"it holds {KINDS[record['kind']]}, not {KINDS[kind]}"
     return _unrecorded(folder, record)
@@ -212,6 +214,8 @@ def foreign_content(folder: Path, kind: str) -> str | None:
 
 def _unrecorded(folder: Path, record: dict) -> str | None:
     """The first thing in ``folder`` that its record does not account for, in words; None if none."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} cannot be changed (not writable), so the old output could not be removed"
     for entry in sorted(folder.iterdir()):
         if entry.name == RECORD_FILE:
             continue
@@ -231,23 +235,28 @@ def _unrecorded(folder: Path, record: dict) -> str | None:
     return None
 
 
-def _remove_output(folder: Path) -> None:
+def _remove_output(folder: Path) -> list[str]:
     """Delete an output that :func:`foreign_content` accepted: its recorded files, its inner outputs,
-    its record and the folder itself. Anything that appeared meanwhile is left, with a warning."""
+    its record and the folder itself. Returns what could not be removed (the file system refused,
+    or it appeared meanwhile), which is left in place."""
     record = read_record(folder)
+    problems = []
     for entry in folder.iterdir():
         if entry.is_dir() and not entry.is_symlink() and read_record(entry) is not None:
-            _remove_output(entry)
-    for name in (record or {}).get("files", {}):
-        with contextlib.suppress(FileNotFoundError):
-            (folder / name).unlink()
-    with contextlib.suppress(FileNotFoundError):
-        (folder / RECORD_FILE).unlink()
+            problems += _remove_output(entry)
+    for name in [*(record or {}).get("files", {}), RECORD_FILE]:
+        path = folder / name
+        if path.is_symlink() or path.is_file():
+            try:
+                path.unlink()
+            except OSError as exc:
+                problems.append(f"{path.relative_to(folder.parent)}: {exc.strerror or exc}")
     try:
         folder.rmdir()
-    except OSError:
-        warnings.warn(f"left {folder}: files that corp-deploy did not write appeared in it while it was replaced",
-                      stacklevel=2)
+    except OSError as exc:
+        if not problems:
+            problems.append(f"{folder.name}: {exc.strerror or exc}")
+    return problems
 
 
 def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
@@ -266,7 +275,10 @@ def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
         except BaseException:
             os.rename(old, dest)
             raise
-        _remove_output(old)
+        problems = _remove_output(old)
+        if problems:
+            warnings.warn(f"the new output is in place, but the old one could not be removed completely: {old} is "
+                          f"left ({'; '.join(problems[:3])}); delete it once you have checked it", stacklevel=2)
         return
     os.rename(new, dest)
 
@@ -288,28 +300,6 @@ def _directory_lock(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while files are moved or removed, so that an interrupt never
-    leaves half a swap or half a cleanup: a signal that arrives meanwhile is remembered and raised
-    again when the block ends. (Python runs signal handlers in the main thread whichever thread
-    received the signal, so the handlers are swapped here rather than the threads' signal masks.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    for signum in previous:
-        signal.signal(signum, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if received:
-            signal.raise_signal(received[0])
-
-
 def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -323,6 +313,14 @@ def _name_max(folder: Path) -> int:
         return 255
 
 
+def resolve(path: str | Path) -> Path:
+    """``path`` made absolute with its symlinks followed; CorpError for a symlink loop."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as exc:
+        raise CorpError(f"{path} cannot be resolved ({getattr(exc, 'strerror', None) or exc})") from None
+
+
 def check_creatable(path: Path, given: str | Path | None = None) -> None:
     """CorpError unless ``path`` (resolved) could be created: every existing ancestor is a directory,
     the nearest one is writable (checked by creating and removing a folder there), and the name is
@@ -332,9 +330,9 @@ def check_creatable(path: Path, given: str | Path | None = None) -> None:
     if not existing.is_dir():
         raise CorpError(f"cannot create {given}: {existing} is a file, not a directory")
     limit = _name_max(existing)
-    if len(path.name.encode()) > limit:
-        raise CorpError(f"cannot create {given}: the name is {len(path.name.encode())} bytes long and the file "
-                        f"system allows {limit}")
+    length = len(os.fsencode(path.name))
+    if length > limit:
+        raise CorpError(f"cannot create {given}: the name is {length} bytes long and the file system allows {limit}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".corp-deploy-probe-", dir=existing))
     except OSError as exc:

@@ -46,7 +46,28 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
         raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
-    return read_recorded_json(folder, MANIFEST, "export", FORMAT, FORMAT_VERSION, "export the artifact again")
+    manifest = read_recorded_json(folder, MANIFEST, "export", FORMAT, FORMAT_VERSION, "export the artifact again")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise CorpError(f"{path} is malformed: {problem}")
+    return manifest
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What in an ``export.json`` (its record matching, i.e. edited along with the record) a reader
+    cannot use, or None."""
+    artifact, models = manifest.get("artifact"), manifest.get("models")
+    if not (isinstance(artifact, dict) and all(isinstance(artifact.get(key), str)
+                                               for key in ("path", "config_sha256", "weights_sha256"))):
+        return "artifact needs its path and the SHA-256 of its config and weights"
+    if not (isinstance(models, dict) and "model" in models):
+        return "models needs the compressed model"
+    for key, entry in models.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("onnx"), list) and entry["onnx"]
+                and all(isinstance(name, str) for name in entry["onnx"])
+                and (entry.get("engine") is None or isinstance(entry["engine"], str))):
+            return f"models.{key} needs a list of ONNX file names and an engine name or null"
+    return None
 
 
 def model_files(folder: str | Path, manifest: dict, key: str) -> dict[str, Path | None]:

@@ -20,10 +20,10 @@ from torch import nn
 
 from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
                          load_compressed, model_transform, read_config)
-from corp_deploy.artifact import CONFIG_FILE, WEIGHTS_FILE
+from corp_deploy.artifact import artifact_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
 from corp_deploy.files import sha256_file, write_json
-from corp_deploy.memory import check_fits, inference_bytes, weight_bytes
+from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, weight_bytes
 from corp_deploy.outputs import check_output_dir, staged_output
 
 from . import tensorrt as trt_backend
@@ -40,6 +40,8 @@ EXIT_INCOMPLETE = 3
 #: Exit status when a parity gate failed (nothing is written).
 EXIT_PARITY = 4
 TRACE_BATCH = 2
+#: The TensorRT workspace limits ``--workspace`` accepts, in GB (trtexec takes whole MiB).
+MIN_WORKSPACE_GB, MAX_WORKSPACE_GB = 1 / 1024, 1e6
 #: ONNX parity batch sizes, both different from ``TRACE_BATCH``; their images are disjoint.
 PARITY_BATCHES = (1, 8)
 
@@ -99,8 +101,9 @@ class ExportOptions:
             object.__setattr__(self, "calib", calib.resolve())  # recorded: resolves the same from anywhere
         if self.calib_samples is not None and self.calib_samples < 1:
             raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
-        if self.workspace_gb is not None and not (self.workspace_gb > 0 and math.isfinite(self.workspace_gb)):
-            raise CorpError(f"--workspace must be a finite number of GB > 0; got {self.workspace_gb}")
+        if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
+            raise CorpError(f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
+                            f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}")
         if self.timing_cache is not None:
             cache = Path(self.timing_cache)
             if cache.is_dir() or not cache.parent.is_dir():
@@ -136,6 +139,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     options = options or ExportOptions()
     artifact = Path(artifact)
     config = read_config(artifact)
+    made_from = artifact_checksums(artifact)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
     check_output_dir(out_dir, "export")  # before any work
     tolerance = options.tolerance or Tolerance.for_precision(options.precision)
@@ -185,7 +189,9 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
                     reference = onnxruntime.get(name) or TorchRunner(model)
                     _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
                                             engine_batches, tolerance, classifier, log)
-        manifest = _manifest(artifact, config, graph, entries, options, tolerance, trt_missing, tmp)
+        if artifact_checksums(artifact, verify=False) != made_from:
+            raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
+        manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing, tmp)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, incomplete)
 
@@ -238,9 +244,11 @@ def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptio
         if not directory.is_dir():
             raise CorpError(f"the artifact was calibrated on {directory}, which is not there any more; "
                             "pass the int8 calibration images with --calib DIR")
-    transform, _ = model_transform(model)
-    images = CalibrationImages.from_source(directory, transform, limit=options.calib_samples or
-                                           settings.get("calib_samples", 256), seed=settings.get("seed", 0))
+    transform, data_config = model_transform(model)
+    limit = options.calib_samples or settings.get("calib_samples", 256)
+    check_disk(f"decoding {limit} int8 calibration images", limit * FLOAT32 * math.prod(data_config["input_size"]),
+               folder, "use fewer --calib-samples, or point TMPDIR at a larger disk")
+    images = CalibrationImages.from_source(directory, transform, limit=limit, seed=settings.get("seed", 0))
     return SpooledBatches(images, folder), images.summary()
 
 
@@ -305,14 +313,13 @@ def _build_and_check_engine(folder: Path, name: str, entry: dict, reference, opt
             f"{name}.engine on TensorRT vs {ref_name}", reference, engine, images, batches, tolerance, classifier)
 
 
-def _manifest(artifact: Path, config: dict, graph: dict, models: dict, options: ExportOptions,
-              tolerance: Tolerance, trt_missing: str | None, folder: Path) -> dict:
+def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: dict, models: dict,
+              options: ExportOptions, tolerance: Tolerance, trt_missing: str | None, folder: Path) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "artifact": {"path": str(artifact.resolve()), "base_model": config["base_model"]["name"],
-                     "method": config["settings"].get("method"), "config_sha256": sha256_file(artifact / CONFIG_FILE),
-                     "weights_sha256": sha256_file(artifact / WEIGHTS_FILE)},
+                     "method": config["settings"].get("method"), **made_from},
         "precision": options.precision, "exporter": graph["exporter"], "opset": graph["opset"],
         "inputs": graph["inputs"], "outputs": graph["outputs"], "dynamic_axes": graph["dynamic_axes"],
         "data_config": config["input"]["data_config"],

@@ -106,7 +106,7 @@ def bad_inputs(tmp_path):
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
         ([*base, "--ridge", "-1"], "ridge"),
         ([*base, "--round-to", "0"], "'--round-to': 0 is not in the range x>=1"),
-        ([*base, "--calib-samples", "0"], "'--calib-samples': 0 is not in the range x>=1"),
+        ([*base, "--calib-samples", "0"], "'--calib-samples': 0 is not in the range 1<=x<=10000000"),
         ([*base, "--calib", str(empty)], "no images"),
         ([*base, "--calib", str(tmp_path / "missing")], "not found"),
         ([*base, "--calib", str(unreadable)], "could be read"),

@@ -217,6 +217,33 @@ def _escaping_manifest(w: Path) -> Path:
     return w / "art"
 
 
+def _record_naming_outside_files(w: Path) -> Path:
+    """An artifact whose record also lists files outside it (a crafted record): replacing it must not
+    delete them."""
+    (w / "victim.txt").write_text("precious")
+    rewrite(w / "art" / RECORD_FILE, lambda r: r["files"].update({
+        "../victim.txt": {"bytes": 8, "sha256": "0" * 64}, str(w / "victim.txt"): {"bytes": 8, "sha256": "0" * 64}}))
+    return w / "art"
+
+
+def _sparse_checkpoint(w: Path) -> Path:
+    path = w / "sparse.pth"
+    torch.save({k: v.to_sparse() if v.ndim == 2 else v for k, v in small_vit().state_dict().items()}, path)
+    return path
+
+
+def _edited_with_record(folder: Path, name: str, kind: str, change: Callable[[dict], None]) -> Path:
+    rewrite(folder / name, change)
+    rerecord(folder, kind)
+    return folder
+
+
+def _symlink_loop(w: Path) -> Path:
+    (w / "loop1").symlink_to(w / "loop2")
+    (w / "loop2").symlink_to(w / "loop1")
+    return w / "loop1"
+
+
 def _moved_export(w: Path) -> Path:
     shutil.copytree(w / "art" / "export-fp32", w / "other" / "export-fp32")
     return w / "other"
@@ -231,6 +258,11 @@ def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str |
         change(report)
     path.write_text(text if text is not None else json.dumps(report))
     return path
+
+
+def _with_int8(report: dict) -> None:
+    report["int8"] = {"latency": [{"batch": 1, "speedup_over_dense_fp32": {"compressed-int8": {"median": 2.0}}}],
+                      "fidelity": {"compressed-int8": {"cosine_mean": 0.99}}}
 
 
 def _labelled(w: Path, mapping: dict | str) -> Path:
@@ -288,7 +320,7 @@ REFUSALS: dict[str, Refusal] = {
                                             "exclude each other"),
     "compress-option-of-another-method": Refusal(lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"],
                                                  1, "--s-attn has no meaning"),
-    "compress-memory-that-cannot-fit": Refusal(lambda w: [*BASE[:-1], 10 ** 9, "-o", w / "o"], 1,
+    "compress-memory-that-cannot-fit": Refusal(lambda w: [*BASE, "--batch-size", 10 ** 12, "-o", w / "o"], 1,
                                                "needs at least"),
     # compress: calibration images
     "compress-calib-missing": Refusal(lambda w: [*BASE, "--calib", w / "nope", "-o", w / "o"], 1, "nope: not found"),
@@ -325,7 +357,7 @@ REFUSALS: dict[str, Refusal] = {
     "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 1, "KEY=VALUE"),
     # compress: outputs
     "compress-o-foreign-folder-with-config-json": Refusal(lambda w: [*BASE, "-o", _foreign(w, "config.json")], 1,
-                                                          "holds no corp-deploy-record.json"),
+                                                          "holds no corp-deploy-record.json that corp-deploy can read"),
     "compress-o-is-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png")], 1, "exists and is not a directory"),
     "compress-o-below-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png") / "out"], 1,
                                        "a.png is a file, not a directory"),
@@ -339,6 +371,17 @@ REFUSALS: dict[str, Refusal] = {
         "report.json has changed since corp-deploy wrote it"),
     "compress-o-own-export": Refusal(lambda w: [*BASE, "-o", w / "art" / "export-fp32"], 1,
                                      "it holds an export, not an artifact"),
+    "compress-o-record-naming-files-outside-it": Refusal(lambda w: [*BASE, "-o", _record_naming_outside_files(w)], 1,
+                                                         "holds no corp-deploy-record.json that corp-deploy can read"),
+    "compress-o-symlink-loop": Refusal(lambda w: [*BASE, "-o", _symlink_loop(w)], 1, "loop1 cannot be resolved"),
+    "compress-o-inside-calib": Refusal(lambda w: [*BASE, "--calib", image_folder(w / "calib"), "-o", w / "calib" / "o"],
+                                       1, "lies inside --calib"),
+    "compress-o-the-state-folder": Refusal(lambda w: [*BASE, "-o", w.parent / "state"], 1, "state lies inside"),
+    "compress-model-arg-the-model-cannot-run": Refusal(lambda w: [*BASE, "--model-arg", "drop_rate=NaN", "-o", w / "o"],
+                                                       1, "cannot run on an image: dropout probability"),
+    "compress-checkpoint-of-sparse-tensors": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _sparse_checkpoint(w), "-o", w / "o"], 1,
+        "does not hold a state dict of dense tensors"),
     "compress-o-export-with-a-user-file-inside": Refusal(
         lambda w: [*BASE, "-o", _with_user_file(w / "art" / "export-fp32").parent], 1,
         "notes.txt was not written by corp-deploy"),
@@ -354,6 +397,19 @@ REFUSALS: dict[str, Refusal] = {
         ["export", w / "art", "-o", w / "o"], 1, "model.safetensors does not match the SHA-256"),
     "export-record-removed": Refusal(lambda w: (w / "art" / RECORD_FILE).unlink() or
                                      ["export", w / "art", "-o", w / "o"], 1, "has no readable corp-deploy-record.json"),
+    "export-record-not-an-object": Refusal(lambda w: (w / "art" / RECORD_FILE).write_text("[]") and
+                                           ["export", w / "art", "-o", w / "o"], 1, "has no readable corp-deploy-record"),
+    "export-config-edited-with-its-record": Refusal(
+        lambda w: ["export", _edited_with_record(w / "art", "config.json", "artifact", lambda c: c.update(blocks="x")),
+                   "-o", w / "o"], 1, "config.json is malformed: blocks needs one object per block"),
+    "export-config-unbuildable-with-its-record": Refusal(
+        lambda w: ["export", _edited_with_record(w / "art", "config.json", "artifact",
+                                                 lambda c: c["blocks"][0].update(mlp_hidden=10 ** 30)),
+                   "-o", w / "o"], 1, "config.json does not describe a model this corp-deploy can rebuild"),
+    "export-workspace-too-large": Refusal(lambda w: ["export", w / "art", "--trt", "--workspace", "1e308",
+                                                     "-o", w / "o"], 1, "--workspace must be a number of GB from"),
+    "export-calib-samples-absurd": Refusal(lambda w: ["export", w / "art", "--precision", "int8", "--calib-samples",
+                                                      10 ** 20, "-o", w / "o"], 2, "--calib-samples"),
     "export-artifact-of-format-1": Refusal(lambda w: ["export", _old_format(w), "-o", w / "o"], 1,
                                            "artifact format version 1 is not supported"),
     "export-artifact-is-a-file": Refusal(lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1,
@@ -364,7 +420,7 @@ REFUSALS: dict[str, Refusal] = {
                                                    ["export", "-o", w / "o"], 1, "gone is not a corp-deploy artifact"),
     # export: settings and outputs
     "export-o-foreign-folder-with-export-json": Refusal(lambda w: ["export", w / "art", "-o", _foreign(w, "export.json")],
-                                                        1, "holds no corp-deploy-record.json"),
+                                                        1, "holds no corp-deploy-record.json that corp-deploy can read"),
     "export-default-folder-with-a-user-file": Refusal(
         lambda w: _with_user_file(w / "art" / "export-fp32") and ["export", w / "art"], 1,
         "notes.txt was not written by corp-deploy"),
@@ -382,7 +438,7 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"], 1,
         "which is not there any more"),
     "export-workspace-nan": Refusal(lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"], 1,
-                                    "--workspace must be a finite number of GB > 0"),
+                                    "--workspace must be a number of GB from"),
     "export-atol-nan": Refusal(lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 1,
                                "--atol must be a finite number >= 0"),
     "export-min-cosine-out-of-range": Refusal(lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 1,
@@ -400,6 +456,9 @@ REFUSALS: dict[str, Refusal] = {
     "bench-export-manifest-malformed": Refusal(lambda w: (w / "art" / "export-fp32" / "export.json").write_text("{oops")
                                                and ["bench", w / "art", *BENCH], 1,
                                                "export.json does not match the SHA-256"),
+    "bench-manifest-edited-with-its-record": Refusal(
+        lambda w: _edited_with_record(w / "art" / "export-fp32", "export.json", "export", lambda m: m.update(models={}))
+        and ["bench", w / "art", *BENCH], 1, "export.json is malformed: models needs the compressed model"),
     "bench-export-of-another-artifact": Refusal(lambda w: ["bench", _moved_export(w), *BENCH], 1,
                                                 "was exported from a different version"),
     "bench-baseline-malformed-json": Refusal(lambda w: ["bench", w / "art", *BENCH, "--baseline",
@@ -428,10 +487,23 @@ REFUSALS: dict[str, Refusal] = {
     "bench-json-over-a-user-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--json",
                                                       (w / "notes.json").write_text("{}") and w / "notes.json"], 1,
                                            "notes.json: it is not a bench json file that corp-deploy wrote"),
+    "bench-json-inside-the-o-folder": Refusal(lambda w: ["bench", w / "art", *BENCH, "-o", w / "b", "--json",
+                                                         w / "b" / "r.json"], 1, "r.json lies inside -o"),
+    "bench-json-inside-an-output": Refusal(lambda w: ["bench", w / "art", *BENCH, "--json",
+                                                      w / "art" / "export-fp32" / "r.json"], 1,
+                                           "an output of corp-deploy, which holds only the files its record lists"),
+    "bench-o-inside-data": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", image_folder(w / "val"),
+                                              "-o", w / "val" / "b"], 1, "lies inside --data"),
+    "bench-threads-too-many": Refusal(lambda w: ["bench", w / "art", *BENCH, "--threads", 10 ** 20], 2, "--threads"),
+    "bench-min-time-nan": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-time", "nan"], 2,
+                                  "nan is not a finite number"),
+    "bench-baseline-int8-not-measured": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,ort", "--baseline", _baseline(w, _with_int8)], 4,
+        "int8: in the baseline but not measured"),
     "bench-plot-not-png": Refusal(lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 1,
                                   "does not end in .png"),
     "bench-o-foreign-folder": Refusal(lambda w: ["bench", w / "art", *BENCH, "-o", _foreign(w, "bench.json")], 1,
-                                      "holds no corp-deploy-record.json"),
+                                      "holds no corp-deploy-record.json that corp-deploy can read"),
     "bench-data-missing": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", w / "nope"], 1, "nope: not found"),
     "bench-data-is-a-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", png(w / "a.png")], 1,
                                     "a.png: not a directory"),
@@ -448,11 +520,13 @@ REFUSALS: dict[str, Refusal] = {
     # sweep
     "sweep-o-foreign-folder-with-sweep-json": Refusal(lambda w: ["sweep", *BASE[1:], "--s", 0.5,
                                                                  "-o", _foreign(w, "sweep.json")], 1,
-                                                      "holds no corp-deploy-record.json"),
+                                                      "holds no corp-deploy-record.json that corp-deploy can read"),
     "sweep-sparsity-out-of-range": Refusal(lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 1,
                                            "--s must be in [0, 1), got 1.5"),
     "sweep-unknown-method": Refusal(lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 1,
                                     "--methods must be distinct names"),
+    "sweep-repeated-point": Refusal(lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.30000001", "-o", w / "o"], 1,
+                                    "--s gives the same run twice (corp-s0.3)"),
     "sweep-budget-with-vbp": Refusal(lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 1,
                                      "--macs applies to"),
 }
@@ -572,6 +646,57 @@ def test_bench_replaces_its_own_report_folder_and_json(work):
     assert json.loads((work / "r.json").read_text())["format"] == "corp-deploy-bench" and not debris(work)
 
 
+def test_an_old_output_that_cannot_be_removed_completely_is_left_with_a_warning(work, monkeypatch):
+    """The new output is in place; what the file system refuses to delete stays, named, and the run
+    succeeds (before: an error after the swap, exit 1)."""
+    original = Path.unlink
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "dense.onnx" and ".art.old-" in str(self):
+            raise PermissionError(1, "Operation not permitted")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with pytest.warns(UserWarning, match="the old one could not be removed completely") as warned:
+        code, text, _ = invoke([*BASE, "--seed", 3, "-o", work / "art"], work.parent / "state")
+    assert code == 0, text
+    assert len(warned) == 1 and "export-fp32/dense.onnx: Operation not permitted" in str(warned[0].message)
+    assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 3
+    left = [p.name for p in work.iterdir() if p.name.startswith(".art.old-")]
+    assert len(left) == 1 and [p.name for p in (work / left[0]).rglob("*")] == ["export-fp32", "dense.onnx"]
+
+
+def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monkeypatch):
+    """The manifest would otherwise name the new artifact while holding the old model's graph."""
+    import exporters.pipeline as pipeline
+    original = pipeline.export_onnx
+
+    def replace_artifact_then_export(*args, **kwargs):
+        code, text, _ = invoke([*BASE, "--seed", 4, "-o", work / "art"], work.parent / "state")
+        assert code == 0, text
+        return original(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "export_onnx", replace_artifact_then_export)
+    code, text, exception = invoke(["export", work / "art", "-o", work / "exp"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "was replaced while it was exported; nothing was written")
+    assert not (work / "exp").exists() and not debris(work)
+
+
+def test_a_baseline_int8_regression_fails_the_gate():
+    from benchmarks.gate import GateLimits, regressions
+    row = {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.5}}
+    report = {"latency": [row], "backends": {"ort-cpu": {"status": "ran"}}, "parity": {}, "fidelity": {}}
+    baseline = {"latency": [row], "fidelity": {}}
+    _with_int8(report)
+    _with_int8(baseline)
+    assert regressions(report, GateLimits(), baseline) == []
+    report["int8"]["latency"][0]["speedup_over_dense_fp32"]["compressed-int8"]["median"] = 1.5
+    report["int8"]["fidelity"]["compressed-int8"]["cosine_mean"] = 0.9
+    assert regressions(report, GateLimits(max_regression=0.05), baseline) == [
+        "int8: batch 1: compressed-int8 1.500x over dense fp32 vs baseline 2.000x",
+        "int8: compressed-int8 cosine to dense fp32 0.9000 vs baseline 0.9900"]
+    report["int8"] = {"skipped": "no export-int8/"}
+    assert regressions(report, GateLimits(), baseline) == ["int8: in the baseline but not measured (no export-int8/)"]
+
+
 def test_reports_write_null_for_nan_never_bare_nan(tmp_path):
     write_json(tmp_path / "r.json", {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -math.inf}})
     text = (tmp_path / "r.json").read_text()
@@ -648,7 +773,7 @@ def patched(*args, **kwargs):
     return original(*args, **kwargs)
 setattr(module, name, patched)
 sys.argv = ["corp-deploy", *sys.argv[5:]]
-from corp_deploy.cli import main
+from corp_deploy.launch import main
 main()
 """
 
@@ -681,6 +806,10 @@ FAULTS = {
                    "-o", w / "art" / "export-fp32"], "art/export-fp32"),
     "bench-sigterm-while-timing": Fault("benchmarks.harness", "interleaved", 1, "SIGTERM",
                                         lambda w: ["bench", w / "art", *BENCH, "-o", w / "b"], "b"),
+    "bench-sigterm-while-writing-the-reports": Fault("benchmarks.report", "plot", 1, "SIGTERM",
+                                                     lambda w: ["bench", w / "art", *BENCH, "--backends", "torch",
+                                                                "--json", w / "r.json", "--markdown", w / "r.md",
+                                                                "--plot", w / "r.png"], "r.json"),
     "sweep-sigint-after-the-first-run": Fault("benchmarks.sweep", "export_artifact", 2, "SIGINT",
                                               lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.5", "--backends", "torch",
                                                          "--batch", 1, "--min-time", 0.01, "--data-samples", 2,
@@ -706,6 +835,9 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     shutil.copytree(built / "art", work / "art")
     with staged_output(work / "b", "bench") as previous:  # an earlier bench report, to be left intact
         (previous / "bench.json").write_text("{}")
+    if name == "bench-sigterm-while-writing-the-reports":  # earlier reports there, all to be left as they were
+        code, text, _ = invoke(FAULTS[name].args(work), tmp_path / "state")
+        assert code == 0, text
     before = snapshot(work)
     env = {**os.environ, "TMPDIR": str(temp), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")}
     done = subprocess.run([sys.executable, "-c", FAULT_RUNNER, fault.module, fault.function, str(fault.call),
@@ -728,11 +860,28 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
 def test_library_warnings_stay_off_the_terminal(tmp_path, built):
     """The exporters, timm and ONNX Runtime warn a lot; through the command only corp-deploy speaks."""
     shutil.copytree(built / "art", tmp_path / "art")
-    done = subprocess.run([sys.executable, "-m", "corp_deploy.cli", "export", str(tmp_path / "art"),
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", "export", str(tmp_path / "art"),
                            "--dense", "--exporter", "torchscript", "-o", str(tmp_path / "out")], capture_output=True,
                           text=True, env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
     assert done.returncode == 0, done.stderr
     assert not re.search(r"warn|deprecat", done.stderr, flags=re.I), done.stderr
+
+
+def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path):
+    """SIGINT while the command imports torch and timm (the first seconds of every run)."""
+    script = ("import os, signal, sys\n"
+              "class Hook:\n"
+              "    def find_spec(self, name, path, target=None):\n"
+              "        if name == 'timm':\n"
+              "            os.kill(os.getpid(), signal.SIGINT)\n"
+              "sys.meta_path.insert(0, Hook())\n"
+              "sys.argv = ['corp-deploy', 'compress', 'deit_tiny', '-o', 'out']\n"
+              "from corp_deploy.launch import main\n"
+              "main()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
+    assert done.returncode == 130 and "stopped by SIGINT" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- the documented table

@@ -1,5 +1,5 @@
-"""Refusing up front what cannot fit in memory: a lower bound on what a run needs, against what
-the machine has available.
+"""Refusing up front what cannot fit: a lower bound on the memory (or temporary disk) a run
+needs, against what the machine has available.
 
 The bounds are deliberately low (what is certainly held at once, not what the allocators add),
 so a run is refused only when it could not possibly fit; anything they let through can still run
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -79,3 +81,11 @@ def check_fits(what: str, needed: int, hint: str) -> None:
     if available is not None and needed > available:
         raise CorpError(f"{what} needs at least {needed / 2 ** 30:.1f} GiB of memory (estimated) and "
                         f"{available / 2 ** 30:.1f} GiB are available; {hint}")
+
+
+def check_disk(what: str, needed: int, folder: str | Path, hint: str) -> None:
+    """CorpError when ``needed`` bytes exceed the free space of the file system of ``folder``."""
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise CorpError(f"{what} needs {needed / 2 ** 30:.1f} GiB of disk in {folder} and {free / 2 ** 30:.1f} GiB "
+                        f"are free; {hint}")

@@ -1,0 +1,62 @@
+"""The ``corp-deploy`` entry point: interrupts and what reaches the terminal, set up before the
+heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cleanly.
+
+SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so every ``with`` block on the
+way out removes what it was writing (:mod:`corp_deploy.outputs`); the command then exits with
+130 or 143 and one line. Library warnings and log lines stay off the terminal; corp-deploy's own
+warnings are printed as ``warning: ...``.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import warnings
+
+#: Where corp-deploy's own code lives (its warnings are shown, other libraries' are not).
+OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (a BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def main() -> None:
+    """Run the command group (:mod:`corp_deploy.cli`) with interrupts and output set up."""
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=OWN_MODULES)
+    warnings.showwarning = _show_warning
+    logging.getLogger().setLevel(logging.ERROR)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_interrupted)
+    try:
+        from .cli import cli
+        cli(prog_name="corp-deploy")
+    except Interrupted as exc:
+        print(f"\ncorp-deploy: stopped by {exc}; nothing partial was left behind (an output being written was "
+              "either completed or removed)", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    finally:
+        _ignore_signals()  # the run is over: a late signal no longer changes its outcome
+
+
+def _raise_interrupted(signum, frame) -> None:
+    _ignore_signals()  # later signals wait while the first one unwinds and cleans up
+    raise Interrupted(signum)
+
+
+def _ignore_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
