@@ -22,6 +22,7 @@ import torch
 
 from corp_deploy import CalibrationImages, CorpError
 from corp_deploy.calibration import HELD_OUT_PHOTOS, UNREADABLE, find_images, load_rgb, unreadable_reason
+from corp_deploy.files import existing_dir
 
 from .fidelity import held_out_images
 
@@ -51,10 +52,7 @@ def eval_images(data: str | Path | None, transform: Callable, *, limit: int, bat
         images = held_out_images(transform, limit, batch_size, seed)
         return EvalImages(lambda: ((x, None) for x in images),
                           {"source": "builtin", "photos": list(HELD_OUT_PHOTOS), "images": limit}, False)
-    root = Path(data)
-    if not root.is_dir():
-        raise CorpError(f"evaluation data directory {root}: {'not a directory' if root.exists() else 'not found'}")
-    root = root.resolve()
+    root = existing_dir(data, "evaluation data directory")
     if not (root / CLASS_INDEX_FILE).is_file():
         images = CalibrationImages.from_directory(root, transform, limit=limit, batch_size=batch_size, seed=seed)
         description = {"source": "directory", "path": str(root), "labelled": False}
@@ -63,7 +61,7 @@ def eval_images(data: str | Path | None, transform: Callable, *, limit: int, bat
     random.Random(seed).shuffle(samples)
     samples = samples[:limit]
     description = {"source": "directory", "path": str(root), "labelled": True, "images": len(samples),
-                   "classes": len(mapping)}
+                   "classes": len(mapping), "highest_label": max(mapping.values())}
     return EvalImages(lambda: _labelled_batches(samples, transform, batch_size, description), description, True)
 
 
@@ -82,9 +80,10 @@ def read_class_index(root: Path) -> dict[str, int]:
 
 def labelled_samples(root: Path) -> tuple[dict[str, int], list[tuple[Path, int]]]:
     """The class index and every ``(image path, label)`` of a labelled folder, sorted. CorpError
-    unless every class folder is in ``class_index.json`` and every entry there is a folder."""
+    unless every class folder is in ``class_index.json`` and every entry there is a folder. Hidden
+    folders (``.ipynb_checkpoints``) are class folders only when the index names them."""
     mapping = read_class_index(root)
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and (p.name in mapping or not p.name.startswith(".")))
     unknown = [name for name in folders if name not in mapping]
     if unknown:
         raise CorpError(f"class folders missing from {root / CLASS_INDEX_FILE}: {unknown[:5]}")
@@ -97,14 +96,17 @@ def labelled_samples(root: Path) -> tuple[dict[str, int], list[tuple[Path, int]]
     return mapping, samples
 
 
-def check_labels(evaluation: EvalImages, root: str | Path | None, num_classes: int) -> None:
-    """CorpError when a labelled evaluation set names an output index the model does not have."""
+def check_labels(evaluation: EvalImages, num_classes: int) -> None:
+    """CorpError when a labelled evaluation set names an output the model does not have."""
     if not evaluation.labelled:
         return
-    top = max(read_class_index(Path(root)).values())
+    index = Path(evaluation.description["path"]) / CLASS_INDEX_FILE
+    if num_classes == 0:
+        raise CorpError(f"{index} labels the images, but the model has no classifier to score them against; "
+                        "leave class_index.json out to measure feature fidelity")
+    top = evaluation.description["highest_label"]
     if top >= num_classes:
-        raise CorpError(f"{Path(root) / CLASS_INDEX_FILE} maps a class to output {top}, but the model has "
-                        f"{num_classes} outputs")
+        raise CorpError(f"{index} maps a class to output {top}, but the model has {num_classes} outputs")
 
 
 def _described(images: CalibrationImages, description: dict):

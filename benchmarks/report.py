@@ -9,7 +9,8 @@ from corp_deploy.files import json_text
 
 from .harness import FORMAT
 
-MARKDOWN_TITLE = "# corp-deploy bench"
+#: How a bench Markdown report begins (a later run replaces a file that begins so, and no other).
+MARKDOWN_TITLE = "<!-- written by corp-deploy bench; its next run may replace this file -->\n# corp-deploy bench"
 
 
 def _fmt(value, spec: str = ".4f") -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
-from corp_deploy.artifact import CONFIG_FILE, artifact_checksums
+from corp_deploy.artifact import CONFIG_FILE, recorded_checksums
 from exporters.manifest import MANIFEST, model_files, read_manifest
 
 from .backends import ModelFiles
@@ -38,8 +38,7 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
 def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
     """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is now."""
     read_config(artifact)
-    current = artifact_checksums(artifact)
-    if {key: manifest["artifact"].get(key) for key in current} != current:
+    if recorded_checksums(artifact) != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
 
 

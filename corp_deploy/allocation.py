@@ -49,7 +49,7 @@ def check_feasible(shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_ma
     if lowest > budget_macs:
         raise SettingError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with "
                            f"every unit at its floor ({floor:g} of its dims) the model still needs "
-                           f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{}}", "unit_floor")
+                           f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{setting}}", "unit_floor")
 
 
 def allocate(units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to: int = 1,

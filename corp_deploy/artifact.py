@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CorpError
+from .errors import CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
@@ -161,12 +161,11 @@ def _config_problem(config: dict) -> str | None:
     return None
 
 
-def artifact_checksums(path: str | Path, *, verify: bool = True) -> dict[str, str] | None:
-    """``{"config_sha256", "weights_sha256"}`` of an artifact from its record, the files checked
-    against it first (``verify``): what an export records as the artifact it was made from. Without
-    ``verify``, what the record says now (None without a readable record)."""
-    record = verify_files(path, "artifact", [CONFIG_FILE, WEIGHTS_FILE]) if verify else read_record(Path(path))
-    files = (record or {}).get("files", {})
+def recorded_checksums(path: str | Path) -> dict[str, str] | None:
+    """``{"config_sha256", "weights_sha256"}`` of an artifact as its record says now (None without a
+    readable record): what an export records as the artifact it was made from. The files are checked
+    against the record where they are read (:func:`load_compressed`)."""
+    files = (read_record(Path(path)) or {}).get("files", {})
     if CONFIG_FILE not in files or WEIGHTS_FILE not in files:
         return None
     return {"config_sha256": files[CONFIG_FILE]["sha256"], "weights_sha256": files[WEIGHTS_FILE]["sha256"]}
@@ -182,7 +181,7 @@ def load_compressed(path: str | Path) -> nn.Module:
         model = build_skeleton(config)
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
         raise CorpError(f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: "
-                        f"{(str(exc).splitlines() or [''])[0][:200] or type(exc).__name__}") from None
+                        f"{first_line(exc)}") from None
     try:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:

@@ -12,7 +12,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import nn
 
-from .errors import CorpError
+from .errors import CorpError, first_line
+from .files import existing_dir
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 # Natural photos bundled inside scikit-image's package data (no download needed), split so
@@ -40,9 +41,7 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
 
 def find_images(directory: str | Path) -> list[Path]:
     """Image files under ``directory`` (recursive, sorted), by extension."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise CorpError(f"image directory {root}: {'not a directory' if root.exists() else 'not found'}")
+    root = existing_dir(directory, "image directory")
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
 
 
@@ -74,7 +73,7 @@ def unreadable_reason(path: Path, exc: BaseException) -> str:
     elif isinstance(exc, UnidentifiedImageError):
         why = "not an image Pillow can read"
     else:
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:120] or type(exc).__name__
+        why = first_line(exc, 120)
     return f"{path}: {why}"
 
 
@@ -213,7 +212,3 @@ class SpooledBatches:
     def __iter__(self) -> Iterator[torch.Tensor]:
         for path in self._files:
             yield torch.from_numpy(np.load(path))
-
-    def __len__(self) -> int:
-        """The number of batches."""
-        return len(self._files)

@@ -21,7 +21,7 @@ from exporters.tensorrt import BatchProfile
 
 from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
                      CompressConfig)
-from .errors import CorpError, SettingError
+from .errors import CorpError, SettingError, first_line
 from .methods import METHODS, option_owners
 
 DEFAULTS = CompressConfig()
@@ -62,8 +62,9 @@ def option_name(setting: str) -> str:
 
 class _Commands(click.Group):
     """The command group: a :class:`CorpError` becomes its message and exit status, a setting's
-    name in it becomes its option, and running out of memory becomes one message too. Other
-    exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
+    name in it becomes its option, and running out of memory or a failing file system (no space,
+    no permission) becomes one message too. Other exceptions are bugs: one line says so
+    (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
 
     def invoke(self, ctx):
         try:
@@ -72,17 +73,27 @@ class _Commands(click.Group):
             raise _click_error(exc.naming(option_name), exc.exit_code) from None
         except CorpError as exc:
             raise _click_error(str(exc), exc.exit_code) from None
-        except MemoryError as exc:
-            raise _click_error(f"ran out of memory ({exc or 'no detail'}); use fewer images or smaller "
-                               "batches", 1) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
+            if _out_of_memory(exc):
+                raise _click_error(f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches",
+                                   1) from None
+            if isinstance(exc, OSError) and exc.errno is not None:
+                where = f" ({exc.filename})" if exc.filename else ""
+                raise _click_error(f"the file system refused: {exc.strerror or exc}{where}; nothing partial was "
+                                   "left behind", 1) from None
             if os.environ.get("CORP_DEPLOY_DEBUG"):
                 raise
-            raise _click_error(f"internal error ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else '-'}); "
+            raise _click_error(f"internal error ({type(exc).__name__}: {first_line(exc)}); "
                                "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
                                "and report it", 1) from None
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Python's MemoryError, and torch's out-of-memory errors (raised as RuntimeErrors)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def _click_error(message: str, exit_code: int) -> click.ClickException:
@@ -183,15 +194,9 @@ _model_source_options = _options(
 
 
 def input_dir(path: Path | None, option: str) -> Path | None:
-    """The absolute path of an input directory option (so that what is recorded resolves the same
-    from anywhere), or CorpError saying whether it is missing or not a directory."""
-    if path is None:
-        return None
-    if not path.exists():
-        raise CorpError(f"{option} {path}: not found")
-    if not path.is_dir():
-        raise CorpError(f"{option} {path}: not a directory")
-    return path.resolve()
+    """An input directory option, absolute (:func:`corp_deploy.files.existing_dir`); None if not given."""
+    from .files import existing_dir
+    return None if path is None else existing_dir(path, option)
 
 
 def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
@@ -199,11 +204,11 @@ def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_
     own files as images) or, for a command that ``records_state`` (compress), the state folder lies
     inside its output (it would become a file the output's record does not list)."""
     from .artifact import state_dir
+    state = state_dir().resolve()
     for output in outputs:
         for option, folder in inputs.items():
             if folder is not None and (output == folder or folder in output.parents):
                 raise CorpError(f"{output} lies inside {option} {folder}; write outputs outside the image folders")
-        state = state_dir().resolve()
         if records_state and (state == output or output in state.parents):
             raise CorpError(f"the state folder {state} lies inside {output}; choose another -o (or set "
                             "CORP_DEPLOY_STATE_DIR elsewhere)")
@@ -471,10 +476,11 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
       corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
     """
     from exporters.parity import Tolerance
-    from exporters.pipeline import EXIT_INCOMPLETE, ExportOptions, export_artifact
+    from exporters.pipeline import EXIT_INCOMPLETE, ExportOptions, default_export_dir, export_artifact
     from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
 
     from .artifact import latest_artifact
+    from .outputs import resolve
 
     if artifact is None:
         artifact = latest_artifact()
@@ -485,6 +491,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float, calib=calib,
         calib_samples=calib_samples,
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
+    check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     _print_export_summary(result.manifest, result.out_dir)
     if result.incomplete:
@@ -595,18 +602,19 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
 
     settings = BenchSettings(backends=parse_families(backends), batches=_parse_sizes(batches, "--batch"),
                              threads=threads, warmup=warmup, min_time=min_time)
-    ctx = click.get_current_context()
-    requested = tuple(name for name in ("min_agreement", "max_kl", "min_cosine", "min_parity_cosine")
-                      if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
+    parity_requested = (click.get_current_context().get_parameter_source("min_parity_cosine")
+                        == click.core.ParameterSource.COMMANDLINE)
     limits = GateLimits(max_regression=max_regression, min_agreement=min_agreement, max_kl=max_kl,
-                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine, requested=requested)
+                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine, parity_requested=parity_requested)
     files = {rendering: check_report_file(path, rendering) for rendering, path in
              (("json", json_path), ("markdown", markdown_path), ("plot", plot_path)) if path is not None}
     folder = check_output_dir(output, "bench") if output is not None else None
     inside = [path for path in files.values() if folder is not None and folder in path.parents]
-    if inside or len(set(files.values())) < len(files):
+    if inside:
         raise CorpError(f"{inside[0]} lies inside -o {output}; write it there without --json/--markdown/--plot, "
-                        "or elsewhere" if inside else "--json, --markdown and --plot must name different files")
+                        "or elsewhere")
+    if len(set(files.values())) < len(files):
+        raise CorpError("--json, --markdown and --plot must name different files")
     data = input_dir(data, "--data")
     check_apart([*files.values(), *([folder] if folder else [])], {"--data": data})
     previous = read_report(baseline) if baseline is not None else None
@@ -619,7 +627,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
                inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
                "use smaller --batch sizes")
     evaluation = eval_images(data, transform, limit=data_samples)
-    check_labels(evaluation, data, compressed.torch.num_classes)
+    check_labels(evaluation, compressed.torch.num_classes)
     held_out = not calibration_overlap(artifact, evaluation.description)
     if not held_out:
         _warn("the evaluation images overlap the calibration images; fidelity is not held out")

@@ -112,7 +112,7 @@ class CompressConfig:
             if value is None and not self.has_budget:
                 object.__setattr__(self, name, DEFAULT_SPARSITY)
             elif value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-                raise SettingError(f"{{}} must be in [0, 1), got {value!r}", name)
+                raise SettingError(f"{{setting}} must be in [0, 1), got {value!r}", name)
         if self.ranker is None and "ranker" in METHODS[self.method].options:
             object.__setattr__(self, "ranker", BUDGET_RANKER if self.has_budget else UNIFORM_RANKER)
         if self.ranker is not None:
@@ -120,33 +120,33 @@ class CompressConfig:
         _check_choice("calibration", self.calibration, CALIBRATION_MODES)
         _check_choice("distortion", self.distortion, DISTORTIONS)
         if not (self.ridge >= 0.0 and math.isfinite(self.ridge)):
-            raise SettingError(f"{{}} must be a finite number >= 0, got {self.ridge!r}", "ridge")
+            raise SettingError(f"{{setting}} must be a finite number >= 0, got {self.ridge!r}", "ridge")
         if not (isinstance(self.round_to, int) and self.round_to >= 1):
-            raise SettingError(f"{{}} must be an integer >= 1, got {self.round_to!r}", "round_to")
+            raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise SettingError(f"{{}} must be 'cpu' or 'cuda', got {self.device!r}", "device")
+            raise SettingError(f"{{setting}} must be 'cpu' or 'cuda', got {self.device!r}", "device")
         for name in ("layer_floor", "unit_floor"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SettingError(f"{{}} must be in [0, 1], got {getattr(self, name)!r}", name)
+                raise SettingError(f"{{setting}} must be in [0, 1], got {getattr(self, name)!r}", name)
         if not 0.0 < self.token_fraction <= 1.0:
-            raise SettingError(f"{{}} must be in (0, 1], got {self.token_fraction!r}", "token_fraction")
+            raise SettingError(f"{{setting}} must be in (0, 1], got {self.token_fraction!r}", "token_fraction")
         if self.equal_head_dims and not self.has_budget and self.s_attn != self.s_vo:
-            raise SettingError(f"{{}} keeps as many value as query/key dims per head; {{}} ({self.s_attn}) and "
-                               f"{{}} ({self.s_vo}) must then be equal", "equal_head_dims", "s_attn", "s_vo")
+            raise SettingError(f"{{setting}} keeps as many value as query/key dims per head; {{setting}} ({self.s_attn}) and "
+                               f"{{setting}} ({self.s_vo}) must then be equal", "equal_head_dims", "s_attn", "s_vo")
 
     def _check_budget(self) -> None:
         if self.macs is not None and self.speedup is not None:
-            raise SettingError("give the budget as {} or as {}, not both", "macs", "speedup")
+            raise SettingError("give the budget as {setting} or as {setting}, not both", "macs", "speedup")
         if self.macs is not None and not (isinstance(self.macs, (int, float)) and 0.0 < self.macs <= 1.0):
-            raise SettingError(f"the MAC budget {{}} must be a fraction of the dense MACs in (0, 1], got {self.macs!r}",
+            raise SettingError(f"the MAC budget {{setting}} must be a fraction of the dense MACs in (0, 1], got {self.macs!r}",
                                "macs")
         if self.speedup is not None and not (isinstance(self.speedup, (int, float)) and self.speedup >= 1.0
                                              and math.isfinite(self.speedup)):
-            raise SettingError(f"the speedup budget {{}} must be a finite number >= 1, got {self.speedup!r}",
+            raise SettingError(f"the speedup budget {{setting}} must be a finite number >= 1, got {self.speedup!r}",
                                "speedup")
         given = [name for name in ("s_mlp", "s_attn", "s_vo") if getattr(self, name) is not None]
         if self.has_budget and given:
-            raise SettingError(f"a MAC budget and sparsities ({', '.join('{}' for _ in given)}) exclude each other: "
+            raise SettingError(f"a MAC budget and sparsities ({', '.join('{setting}' for _ in given)}) exclude each other: "
                                "the budget decides every part's size", *given)
 
     def _check_target(self) -> None:
@@ -157,7 +157,7 @@ class CompressConfig:
                             f"part of it. Use target {'/'.join(method.targets)}"
                             + (f", or method {'/'.join(others)}." if others else "."))
         if self.equal_head_dims and self.target != "all":
-            raise SettingError(f"{{}} ties value dims to query/key dims; it needs {{}} all (got {self.target})",
+            raise SettingError(f"{{setting}} ties value dims to query/key dims; it needs {{setting}} all (got {self.target})",
                                "equal_head_dims", "target")
 
     @property
@@ -179,7 +179,7 @@ class CompressConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for option, owner in option_owners().items():
             if owner != self.method and getattr(self, option) != defaults[option]:
-                raise SettingError(f"{{}} applies to method {owner} only, not {self.method} "
+                raise SettingError(f"{{setting}} applies to method {owner} only, not {self.method} "
                                    f"(got {getattr(self, option)!r})", option)
         if not self.compensation and not method.has_compensation:
             others = [m.name for m in METHODS.values() if m.has_compensation]
@@ -205,4 +205,4 @@ class CompressConfig:
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise SettingError(f"{{}} must be one of {', '.join(choices)}; got {value!r}", name)
+        raise SettingError(f"{{setting}} must be one of {', '.join(choices)}; got {value!r}", name)

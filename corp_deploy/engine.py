@@ -104,14 +104,14 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
             label, setting = _PARTS[part]
             total = totals[part]
             if config.round_to > total:
-                raise SettingError(f"{{}} {config.round_to} is larger than the {total} {label} of block {i}: "
-                                   f"nothing could be pruned there; use {{}} {total} or less", "round_to", "round_to")
+                raise SettingError(f"{{setting}} {config.round_to} is larger than the {total} {label} of block {i}: "
+                                   f"nothing could be pruned there; use {{setting}} {total} or less", "round_to", "round_to")
             sparsity = getattr(config, setting)
             if config.method == "vbp" or config.has_budget or not sparsity:
                 continue
             if kept_count(total, sparsity, config.round_to) == total:
-                raise SettingError(f"{{}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
-                                   f"multiple of {config.round_to} ({{}}): nothing would be pruned; raise the "
+                raise SettingError(f"{{setting}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
+                                   f"multiple of {config.round_to} ({{setting}}): nothing would be pruned; raise the "
                                    "sparsity or lower the rounding", setting, "round_to")
 
 

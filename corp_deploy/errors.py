@@ -12,14 +12,28 @@ class CorpError(Exception):
 
 
 class SettingError(CorpError):
-    """A CorpError about settings whose message names them: ``template`` has one ``{}`` per name
-    in ``settings`` (Python field names, e.g. ``s_mlp``). The CLI renders the same message with
-    its option names (``--s-mlp``) through :meth:`naming`."""
+    """A CorpError about settings whose message names them: ``template`` holds one
+    :data:`SETTING` per name in ``settings`` (Python field names, e.g. ``s_mlp``). The CLI renders the
+    same message with its option names (``--s-mlp``) through :meth:`naming`. Only the placeholders
+    are replaced, so values quoted in the message may hold any characters."""
 
     def __init__(self, template: str, *settings: str) -> None:
+        if template.count(SETTING) != len(settings):
+            raise ValueError(f"{template!r} needs one {SETTING} per setting")
         self.template, self.settings = template, settings
-        super().__init__(template.format(*settings))
+        super().__init__(self.naming(str))
 
     def naming(self, name) -> str:
         """The message with each setting written as ``name(setting)``."""
-        return self.template.format(*map(name, self.settings))
+        parts = self.template.split(SETTING)
+        return "".join(part + (name(setting) if i < len(self.settings) else "")
+                       for i, (part, setting) in enumerate(zip(parts, [*self.settings, ""])))
+
+
+#: Where a :class:`SettingError` names a setting.
+SETTING = "{setting}"
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (at most ``limit`` characters), or its type's name."""
+    return (str(exc).splitlines() or [""])[0][:limit] or type(exc).__name__

@@ -14,6 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .errors import CorpError
+
+
+#: Temporary names carry at most this much of the final name, so that a name near the file
+#: system's limit still leaves room for the suffix.
+NAME_IN_TEMP = 64
+
 
 @contextmanager
 def atomic_file(path: str | Path) -> Iterator[Path]:
@@ -26,12 +33,13 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
 @contextmanager
 def atomic_files(paths: Iterable[str | Path]) -> Iterator[dict[Path, Path]]:
     """Yield ``{path: temporary path beside it}``; when the block succeeds every temporary file
-    replaces its path, all of them together (an interrupt waits until the last one is in place);
-    otherwise they are all removed and no path is touched."""
+    replaces its path, one rename each, with interrupts held until the last one is in place (so an
+    interrupt never leaves some replaced and others not); when the block fails they are all removed
+    and no path is touched."""
     temporary = {}
     try:
         for path in map(Path, paths):
-            fd, name = tempfile.mkstemp(prefix=f".{path.name[:64]}.tmp-", suffix=path.suffix, dir=path.parent)
+            fd, name = tempfile.mkstemp(prefix=f".{path.name[:NAME_IN_TEMP]}.tmp-", suffix=path.suffix, dir=path.parent)
             os.close(fd)
             temporary[path] = Path(name)
         yield temporary
@@ -89,6 +97,15 @@ def finite_or_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_or_none(v) for v in value]
     return value
+
+
+def existing_dir(path: str | Path, what: str) -> Path:
+    """``path`` made absolute (so that what is recorded resolves the same from anywhere), or
+    CorpError ``WHAT PATH: not found`` or ``not a directory``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CorpError(f"{what} {path}: {'not a directory' if path.exists() else 'not found'}")
+    return path.resolve()
 
 
 def sha256_file(path: str | Path) -> str:

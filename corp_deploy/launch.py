@@ -3,7 +3,7 @@ heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cle
 
 SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so every ``with`` block on the
 way out removes what it was writing (:mod:`corp_deploy.outputs`); the command then exits with
-130 or 143 and one line. Library warnings and log lines stay off the terminal; corp-deploy's own
+130 or 143 and one line: an output being written was either completed or removed. Library warnings and log lines stay off the terminal; corp-deploy's own
 warnings are printed as ``warning: ...``.
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ def main() -> None:
 
 
 def _raise_interrupted(signum, frame) -> None:
-    _ignore_signals()  # later signals wait while the first one unwinds and cleans up
+    # Every signal raises (none is ignored: a first one swallowed where Python drops exceptions, such
+    # as in a finalizer, must not make the run unkillable); the cleanups that must not be cut short
+    # hold signals back themselves (corp_deploy.files.signals_deferred).
     raise Interrupted(signum)
 
 

@@ -13,7 +13,7 @@ from timm.models import beit, cait, eva, swin_transformer as swin
 from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 
-from .errors import CorpError
+from .errors import CorpError, first_line
 from .families import ScaledResidualBlock, WindowedBlock, blocks_of, eva_rotary_embedding, standard_form
 from .layers import GatedLinear, PrunedAttention, head_dims
 
@@ -68,9 +68,7 @@ def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
                 return timm.create_model(name, pretrained=False, **kwargs)
         except Exception as exc:  # noqa: BLE001 - timm raises TypeError, ValueError, AssertionError, ...
             error = exc
-    detail = (str(error).splitlines() or [""])[0][:200] or type(error).__name__
-    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
-    raise CorpError(f"timm cannot build {name} with {given}: {detail}")
+    raise CorpError(f"timm cannot build {name} with {_given(kwargs)}: {first_line(error)}")
 
 
 def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
@@ -102,7 +100,7 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
             raise CorpError(f"could not build {full} with {kwargs}: {exc}") from None
         raise CorpError(
             f"could not fetch pretrained weights for {full} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no details'}). "
+            f"{first_line(exc)}). "
             "Without network access, pass local weights with --checkpoint FILE "
             "(safetensors or .pth state dict) or use --no-pretrained for random weights.") from None
     if checkpoint is not None:
@@ -118,14 +116,17 @@ def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
     """CorpError, in one line, when ``model`` cannot run one blank image of its input size (timm
     accepts some arguments it cannot run with, e.g. a NaN drop rate)."""
     from .calibration import model_transform
+    from .cost import forward_blank_image
     _, data_config = model_transform(model)
     try:
-        with torch.no_grad():
-            model(torch.zeros(1, *data_config["input_size"]))
+        forward_blank_image(model, tuple(data_config["input_size"]), lambda module: None)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises, the arguments are the cause
-        detail = (str(exc).splitlines() or [""])[0][:200] or type(exc).__name__
-        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
-        raise CorpError(f"{name} built with {given} cannot run on an image: {detail}") from None
+        raise CorpError(f"{name} built with {_given(kwargs)} cannot run on an image: {first_line(exc)}") from None
+
+
+def _given(kwargs: dict[str, Any]) -> str:
+    """``--model-arg`` values as the user gave them, for messages."""
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
 
 
 def check_finite(model: nn.Module, what: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -32,15 +33,12 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import CorpError
-from .files import current_umask, sha256_file, signals_deferred, write_json
+from .files import NAME_IN_TEMP, current_umask, sha256_file, signals_deferred, write_json
 
 RECORD_FILE = "corp-deploy-record.json"
 RECORD_FORMAT, RECORD_VERSION = "corp-deploy-record", 1
 #: The kinds of output and what they are called in messages.
 KINDS = {"artifact": "an artifact", "export": "an export", "sweep": "a sweep", "bench": "a bench report"}
-#: Staging and old-output names carry at most this much of the destination's name, so that a
-#: destination name near the file system's limit still leaves room for the suffix.
-_NAME_IN_TEMP = 64
 
 
 def check_output_dir(dest: str | Path, kind: str) -> Path:
@@ -91,12 +89,12 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
     dest = check_output_dir(dest, kind)
     created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:_NAME_IN_TEMP]}.tmp-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:NAME_IN_TEMP]}.tmp-", dir=dest.parent))
     try:
         yield tmp
         write_record(tmp, kind)
         _apply_umask(tmp)
-        with signals_deferred(), _directory_lock(dest.parent):
+        with _directory_lock(dest.parent), signals_deferred():  # waiting for the lock stays interruptible
             _swap_into_place(tmp, dest, kind)
     except BaseException:
         with signals_deferred():
@@ -155,23 +153,25 @@ def verify_files(folder: str | Path, kind: str, names: list[str] | tuple[str, ..
 
     Returns the record; CorpError naming the first file that fails."""
     folder = Path(folder)
-    record = read_record(folder)
-    if record is None:
-        raise CorpError(f"{folder} has no readable {RECORD_FILE}: it was not written by this version of "
-                        f"corp-deploy, or the record is damaged; write it again")
-    if record["kind"] != kind:
-        raise CorpError(f"{folder} is {KINDS[record['kind']]}, not {KINDS[kind]}")
+    record = _record_of(folder, kind)
     for name in record["files"] if names is None else names:
-        entry = record["files"].get(name)
-        if entry is None or not _plain_name(name):
-            raise CorpError(f"{folder / name} is not listed in {folder / RECORD_FILE}")
-        path = folder / name
-        if path.is_symlink() or not path.is_file():
-            raise CorpError(f"{path} is missing (it is listed in {RECORD_FILE})")
-        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            raise CorpError(f"{path} does not match the SHA-256 that corp-deploy recorded when it wrote it "
-                            "(changed or corrupted since); write it again")
+        path = _recorded_path(folder, record, name)
+        if sha256_file(path) != record["files"][name]["sha256"]:
+            raise _changed(path)
     return record
+
+
+def read_verified(folder: str | Path, kind: str, name: str) -> bytes:
+    """The bytes of the file ``name`` of the output ``folder`` of ``kind``, read once and checked
+    against the record (what is checked is what is used); CorpError naming the file otherwise."""
+    folder = Path(folder)
+    record = _record_of(folder, kind)
+    path = _recorded_path(folder, record, name)
+    data = path.read_bytes()
+    entry = record["files"][name]
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise _changed(path)
+    return data
 
 
 def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: str, version: int,
@@ -181,18 +181,50 @@ def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: st
     version (``compress the model again``). CorpError naming the file otherwise."""
     folder = Path(folder)
     path = folder / name
-    try:
-        data = json.loads(path.read_text())
+    try:  # a first look for the version, so that an older output gets the message that helps
+        earlier = json.loads(path.read_text())
     except (OSError, ValueError):
-        data = None  # refused below: by its checksum, or as not this format
-    found = data.get("format_version") if isinstance(data, dict) else None
-    if isinstance(data, dict) and data.get("format") == format_name and found != version:
+        earlier = None
+    found = earlier.get("format_version") if isinstance(earlier, dict) else None
+    if isinstance(earlier, dict) and earlier.get("format") == format_name and found != version:
         raise CorpError(f"{folder}: {kind} format version {found} is not supported by this corp-deploy (reads "
                         f"version {version}); {again}")
-    verify_files(folder, kind, [name])
+    try:
+        data = json.loads(read_verified(folder, kind, name))  # what is used is what was checked
+    except ValueError:
+        data = None
     if not isinstance(data, dict) or data.get("format") != format_name:
         raise CorpError(f"{path} is not the {name} of a corp-deploy {kind}")
     return data
+
+
+def _record_of(folder: Path, kind: str) -> dict:
+    """``folder``'s record, of ``kind``; CorpError otherwise."""
+    record = read_record(folder)
+    if record is None:
+        raise CorpError(f"{folder} has no readable {RECORD_FILE}: it was not written by this version of "
+                        f"corp-deploy, or the record is damaged; write it again")
+    if record["kind"] != kind:
+        raise CorpError(f"{folder} is {KINDS[record['kind']]}, not {KINDS[kind]}")
+    return record
+
+
+def _recorded_path(folder: Path, record: dict, name: str) -> Path:
+    """``folder / name``: a regular file listed in ``record``, of the recorded size; CorpError otherwise."""
+    entry = record["files"].get(name)
+    if entry is None:  # (recorded names are plain names inside the folder: read_record)
+        raise CorpError(f"{folder / name} is not listed in {folder / RECORD_FILE}")
+    path = folder / name
+    if path.is_symlink() or not path.is_file():
+        raise CorpError(f"{path} is missing (it is listed in {RECORD_FILE})")
+    if path.stat().st_size != entry["bytes"]:
+        raise _changed(path)
+    return path
+
+
+def _changed(path: Path) -> CorpError:
+    return CorpError(f"{path} does not match the SHA-256 that corp-deploy recorded when it wrote it "
+                     "(changed or corrupted since); write it again")
 
 
 def foreign_content(folder: Path, kind: str) -> str | None:
@@ -268,7 +300,7 @@ def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
         if problem is not None:
             raise CorpError(f"refusing to replace {dest}: {problem} (it changed while this run worked); "
                             "nothing was changed")
-        old = dest.with_name(f".{dest.name[:_NAME_IN_TEMP]}.old-{os.getpid()}-{time.time_ns()}")
+        old = dest.with_name(f".{dest.name[:NAME_IN_TEMP]}.old-{os.getpid()}-{time.time_ns()}")
         os.rename(dest, old)
         try:
             os.rename(new, dest)
@@ -334,7 +366,8 @@ def check_creatable(path: Path, given: str | Path | None = None) -> None:
     if length > limit:
         raise CorpError(f"cannot create {given}: the name is {length} bytes long and the file system allows {limit}")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".corp-deploy-probe-", dir=existing))
+        with signals_deferred():  # the probe folder never outlives this line
+            os.rmdir(tempfile.mkdtemp(prefix=".corp-deploy-probe-", dir=existing))
     except OSError as exc:
         raise CorpError(f"cannot create {given}: {existing} is not writable "
                         f"({exc.strerror or type(exc).__name__})") from None

@@ -58,21 +58,22 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def inference_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -> int:
-    """A lower bound on the memory of one inference at ``batch``: the weights, the input batch, and
-    the largest activation together with the one it is computed from."""
+    """A lower bound on the memory one inference at ``batch`` adds to the loaded model: the input
+    batch, and the largest activation together with the one it is computed from."""
     image = FLOAT32 * math.prod(input_size)
-    return weight_bytes(model) + batch * (image + 2 * largest_activation_bytes(model, input_size))
+    return batch * (image + 2 * largest_activation_bytes(model, input_size))
 
 
 def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
-    """A lower bound on the memory of compressing ``model`` on ``images`` images in batches of
-    ``batch``: the dense model and its working copy, the hidden states of every image at a block
-    boundary (the calibration cache, :mod:`corp_deploy.engine`), and one batch's inference."""
+    """A lower bound on the memory compressing the loaded ``model`` on ``images`` images in batches of
+    ``batch`` adds: its working copy, the hidden states of every image at a block boundary (the
+    calibration cache, :mod:`corp_deploy.engine`), and one batch's inference."""
     from .engine import embed_tokens
     parameter = next(model.parameters())
     with torch.no_grad():
         tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
-    return weight_bytes(model) + images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, batch)
+    return (weight_bytes(model) + images * tokens.numel() * FLOAT32
+            + inference_bytes(model, input_size, min(batch, images)))
 
 
 def check_fits(what: str, needed: int, hint: str) -> None:

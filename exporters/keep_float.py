@@ -128,6 +128,8 @@ def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_
     (symmetric, per output channel) are rounded to int8, on the first ``error_batches`` batches.
     Local errors, not the model output's: they find the layers whose inputs carry outliers that
     a per-tensor range clips or crushes."""
+    if iter(batches) is batches:  # read twice below: a one-pass iterator is materialised
+        batches = list(batches)
     linears = {module: name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     peak: dict[str, float] = {}
     errors: dict[str, list[float]] = {name: [0.0, 0.0] for name in linears.values()}

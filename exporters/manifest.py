@@ -9,19 +9,12 @@ import platform
 from pathlib import Path
 
 from corp_deploy import CorpError
-from corp_deploy.files import sha256_file
 from corp_deploy.outputs import read_recorded_json, verify_files
 
 MANIFEST = "export.json"
 FORMAT = "corp-deploy-export"
 #: 2: the export folder has a record of every file (version 1 had none and is not read).
 FORMAT_VERSION = 2
-
-
-def file_entries(folder: Path) -> list[dict]:
-    """``{"name", "bytes", "sha256"}`` of every file under ``folder`` except the manifest, sorted."""
-    return [{"name": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
 
 
 def versions() -> dict:

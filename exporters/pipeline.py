@@ -20,15 +20,15 @@ from torch import nn
 
 from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
                          load_compressed, model_transform, read_config)
-from corp_deploy.artifact import artifact_checksums
+from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
-from corp_deploy.files import sha256_file, write_json
+from corp_deploy.files import existing_dir, sha256_file, write_json
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, weight_bytes
 from corp_deploy.outputs import check_output_dir, staged_output
 
 from . import tensorrt as trt_backend
 from .keep_float import AUTO, quantize_keeping_float
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entries, versions
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
@@ -94,11 +94,8 @@ class ExportOptions:
         if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
             raise CorpError(f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, "
                             f"got {self.int8_keep_float!r}")
-        if self.calib is not None:
-            calib = Path(self.calib)
-            if not calib.is_dir():
-                raise CorpError(f"--calib {calib}: {'not a directory' if calib.exists() else 'not found'}")
-            object.__setattr__(self, "calib", calib.resolve())  # recorded: resolves the same from anywhere
+        if self.calib is not None:  # recorded absolute: resolves the same from anywhere
+            object.__setattr__(self, "calib", existing_dir(self.calib, "--calib"))
         if self.calib_samples is not None and self.calib_samples < 1:
             raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
         if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
@@ -139,7 +136,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     options = options or ExportOptions()
     artifact = Path(artifact)
     config = read_config(artifact)
-    made_from = artifact_checksums(artifact)
+    made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
     check_output_dir(out_dir, "export")  # before any work
     tolerance = options.tolerance or Tolerance.for_precision(options.precision)
@@ -189,17 +186,16 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
                     reference = onnxruntime.get(name) or TorchRunner(model)
                     _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
                                             engine_batches, tolerance, classifier, log)
-        if artifact_checksums(artifact, verify=False) != made_from:
+        if recorded_checksums(artifact) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
-        manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing, tmp)
+        manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, incomplete)
 
 
 def export_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
-    """A lower bound on the memory that exporting ``model`` holds at once: the PyTorch model running
-    the parity batch, its ONNX graph and the ONNX Runtime session of that graph (a copy of the
-    weights each)."""
+    """A lower bound on the memory exporting the loaded ``model`` adds: its ONNX graph and the ONNX
+    Runtime session of that graph (a copy of the weights each), and the parity batch's inference."""
     return inference_bytes(model, input_size, max(PARITY_BATCHES)) + 2 * weight_bytes(model)
 
 
@@ -314,7 +310,7 @@ def _build_and_check_engine(folder: Path, name: str, entry: dict, reference, opt
 
 
 def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: dict, models: dict,
-              options: ExportOptions, tolerance: Tolerance, trt_missing: str | None, folder: Path) -> dict:
+              options: ExportOptions, tolerance: Tolerance, trt_missing: str | None) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -332,6 +328,5 @@ def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: di
                      "workspace_gb": options.workspace_gb,
                      "timing_cache": str(Path(options.timing_cache).resolve()) if options.timing_cache else None,
                      "script": trt_backend.SCRIPT_NAME if options.trt else None},
-        "files": file_entries(folder),
         "versions": versions(),
     }

@@ -49,10 +49,10 @@ def test_export_writes_checked_onnx_files_and_a_manifest(artifact, dense_export)
                                                      "model.onnx"]
     assert "│ dense.onnx │ pytorch" in text and "fp32, dynamo exporter, opset 18" in text
     manifest = read_manifest(out)
-    assert [f["name"] for f in manifest["files"]] == ["dense.onnx", "model.onnx"]
-    for entry in manifest["files"]:
-        path = out / entry["name"]
-        assert entry["bytes"] == path.stat().st_size and entry["sha256"] == sha256(path)
+    record = json.loads((out / "corp-deploy-record.json").read_text())
+    assert sorted(record["files"]) == ["dense.onnx", "export.json", "model.onnx"]
+    for name, entry in record["files"].items():
+        assert entry["bytes"] == (out / name).stat().st_size and entry["sha256"] == sha256(out / name)
     assert manifest["artifact"]["weights_sha256"] == sha256(artifact / "model.safetensors")
     assert manifest["precision"] == "fp32" and manifest["exporter"] == "dynamo" and manifest["opset"] == 18
     assert manifest["inputs"] == [{"name": "images", "shape": ["batch", 3, 32, 32], "dtype": "float32"}]
@@ -104,7 +104,8 @@ def test_trt_without_tensorrt_writes_onnx_and_script_and_exits_3(trt_export):
         "batch_profile": {"min": 2, "opt": 4, "max": 16}, "workspace_gb": 2.0,
         "timing_cache": str((out.parent / "trt.cache").resolve()), "script": "build_engine.sh"}
     assert manifest["models"]["model"]["engine"] is None
-    assert {f["name"]: f["sha256"] for f in manifest["files"]}["build_engine.sh"] == sha256(out / "build_engine.sh")
+    record = json.loads((out / "corp-deploy-record.json").read_text())
+    assert record["files"]["build_engine.sh"]["sha256"] == sha256(out / "build_engine.sh")
 
 
 def fake_trtexec(folder, help_text):
