@@ -374,8 +374,8 @@ def check_creatable(path: Path, given: str | Path | None = None) -> None:
 
 
 def _plain_name(name: str) -> bool:
-    """Whether ``name`` is one file name (no folder, no ``..``): paths from records and manifests
-    never point outside their folder."""
+    """Whether ``name`` is one file name (no folder, no ``..``), so that a record never points
+    outside its folder (manifest names are checked against the record)."""
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
