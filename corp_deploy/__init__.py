@@ -22,11 +22,11 @@ _API = {
     "kept_count": "dims",
     "compress": "engine",
     "CorpError": "errors",
-    "blocks_of": "families", "standard_form": "families",
+    "blocks_of": "families", "is_plain_attention": "families", "is_prunable_attention": "families",
+    "standard_form": "families",
     "BlockDims": "layers", "GatedLinear": "layers", "PrunedAttention": "layers", "head_dims": "layers",
     "METHODS": "methods", "Method": "methods",
-    "create_base_model": "models", "is_plain_attention": "models", "is_prunable_attention": "models",
-    "resolve_model_name": "models",
+    "create_base_model": "models", "resolve_model_name": "models",
 }
 __all__ = sorted(_API)
 

@@ -2,7 +2,7 @@
 of hidden states at the current block boundary.
 
 A block computes ``x + ls1(attn(norm1(x)))`` and then ``x + ls2(mlp(norm2(x)))``. The helpers
-below compute exactly that (for the structures ``models.check_prunable`` admits) and show
+below compute exactly that (for the structures ``families.check_prunable`` admits) and show
 optional probes what they see on the way: the attention's per-head queries, keys and values,
 the input of its output projection, and the MLP's hidden activations. Tokens are
 ``(B, N, C)``; per-head tensors ``(B, H, N, d)``. A Swin block
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .families import block_exit, windows_of
 from .layers import PrunedAttention, head_dims, relative_position_bias
 
 #: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
@@ -46,7 +47,7 @@ def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
     if isinstance(attn, PrunedAttention):
         return attn.project_heads(x)
     B, N, _ = x.shape
-    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, head_dims(attn)[0]).permute(2, 0, 3, 1, 4).unbind(0)
     return q, k, v
 
 
@@ -78,7 +79,7 @@ def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | N
     """The block's attention (or ``attn`` in its place) on normalised tokens ``x``, within the
     block's windows where it has them; probes as in :func:`attention_forward`."""
     attn = block.attn if attn is None else attn
-    windows = getattr(block, "windows", None)
+    windows = windows_of(block)
     if windows is None:
         return attention_forward(attn, x, on_heads, on_proj_input)
     if on_heads is not None:
@@ -92,7 +93,7 @@ def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | N
 def probe_query_keys(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe) -> None:
     """Show ``on_heads`` the queries and keys of the block's attention for its residual stream
     ``x`` (values: None where they are not computed)."""
-    if getattr(block, "windows", None) is not None:
+    if windows_of(block) is not None:
         attention_output(block, block.norm1(x), on_heads)
     else:
         on_heads(*project_qk(block.attn, block.norm1(x)), None)
@@ -124,13 +125,6 @@ def block_forward(block: nn.Module, x: torch.Tensor, *, on_heads: HeadsProbe | N
                   ) -> torch.Tensor:
     """``block(x)``, showing the probes what they look at (see the module docstring)."""
     return block_exit(block, mlp_residual(block, attention_residual(block, x, on_heads, on_proj_input), on_hidden))
-
-
-def block_exit(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The block's output from its second residual ``x``: the patch merging a Swin block carries
-    into the next stage, else ``x``."""
-    transition = getattr(block, "transition", None)
-    return x if transition is None else transition(x)
 
 
 def residual_weight(layer: nn.Linear, layer_scale: nn.Module) -> torch.Tensor:

@@ -8,12 +8,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from timm.layers.attention import Attention
-from timm.models.cait import ClassAttn, TalkingHeadAttn
-from timm.models.vision_transformer_relpos import RelPosAttention
 
-from .families import in_standard_form, standard_form
-from .layers import PrunedAttention, head_dims
+from .families import attention_macs, in_standard_form, standard_form
 
 
 def count_params(model: nn.Module) -> int:
@@ -24,11 +20,12 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     """Multiply-accumulates of one forward pass on one image of ``input_size`` (C, H, W).
 
     Counted: every ``nn.Linear`` (``rows x in x out``), ``nn.Conv2d`` and the two attention
-    matmuls (``heads x N^2 x (qk_dim + v_dim)`` per image; ``N`` instead of ``N^2`` for CaiT's
-    class attention, where only the class token queries). Not counted: normalisation,
-    activations, softmax, additions (a few percent of a ViT's total).
-    BEiT and Eva models are counted in their standard form (:func:`~corp_deploy.families.standard_form`,
-    the same function), because their own attentions bypass their ``qkv`` modules.
+    matmuls by the formula of the attention's family (:func:`~corp_deploy.families.attention_macs`:
+    ``heads x N^2 x (qk_dim + v_dim)`` per image; ``N`` instead of ``N^2`` for CaiT's class
+    attention, where only the class token queries). Not counted: normalisation, activations,
+    softmax, additions (a few percent of a ViT's total). Models are counted in their standard form
+    (:func:`~corp_deploy.families.standard_form`, the same function), because BEiT's and Eva's own
+    attentions bypass their ``qkv`` modules.
     """
     if not in_standard_form(model):
         model = standard_form(copy.deepcopy(model))
@@ -45,20 +42,19 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
             k *= size
         total += out.numel() * k
 
-    def attention(mod, args, out):
-        nonlocal total
-        batch, tokens, _ = args[0].shape
-        queries = 1 if isinstance(mod, ClassAttn) else tokens  # CaiT's class attention: the class token asks
-        total += batch * mod.num_heads * queries * tokens * sum(head_dims(mod))
-
     def hook_of(mod):
         if isinstance(mod, nn.Linear):
             return linear
         if isinstance(mod, nn.Conv2d):
             return conv
-        if isinstance(mod, (Attention, RelPosAttention, PrunedAttention, TalkingHeadAttn, ClassAttn)):
-            return attention
-        return None
+        formula = attention_macs(mod)
+        if formula is None:
+            return None
+
+        def attention(mod, args, out):
+            nonlocal total
+            total += formula(mod, tuple(args[0].shape))
+        return attention
 
     forward_blank_image(model, input_size, hook_of)
     return total

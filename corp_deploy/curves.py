@@ -33,7 +33,7 @@ from torch import nn
 from . import attention as attn_ops
 from . import channels
 from .blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
-from .families import blocks_of
+from .families import blocks_of, windows_of
 from .layers import GatedLinear, head_dims
 from .stats import HeadGrams, MomentAccumulator
 
@@ -81,7 +81,7 @@ def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
     the feature map padded to whole windows.
     """
     width, heads = block.attn.proj.out_features, block.attn.num_heads
-    windows = getattr(block, "windows", None)
+    windows = windows_of(block)
     if windows is None:
         mlp_tokens = attention_tokens = keys = tokens
     else:

@@ -29,10 +29,10 @@ from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
 from .errors import CorpError, SettingError
-from .families import blocks_of, standard_form
+from .families import blocks_of, check_prunable, standard_form
 from .layers import head_dims
 from .methods import METHODS, BlockRun
-from .models import check_finite, check_prunable, check_vit
+from .models import check_finite, check_vit
 
 
 def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
@@ -53,7 +53,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     check_finite(model, "the model to compress")
     dense_params = count_params(model)
     model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
-    check_prunable(model, config.prunes_mlp, config.prunes_attn, config.prunes_vo)
+    check_prunable(model, config.parts)
     method = METHODS[config.method]
     method.check_model(model, config)
     check_rounding(model, config)

@@ -3,7 +3,8 @@ MAC budget), artifact round trip, ONNX export with ONNX Runtime parity, and para
 against an independent count (torch's FlopCounterMode, which counts the aten ops)."""
 import copy
 import math
-from typing import NamedTuple
+import pkgutil
+from pathlib import Path
 
 import pytest
 import timm
@@ -18,53 +19,19 @@ from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import attention_output
 from corp_deploy.stats import HeadGrams
 from corp_deploy.config import TARGET_PARTS
+from corp_deploy.families import FAMILIES as REGISTRY, examples, family_of, supported_table
 from corp_deploy.layers import keep_rows
 from exporters import ExportOptions, export_artifact
 
-SMALL = dict(depth=2, embed_dim=192, num_heads=3, num_classes=10)
-
-
-class Family(NamedTuple):
-    """One small model of a family: timm name, creation arguments, image size, the target that
-    prunes every part the family allows (None: all three) and the methods that apply to it."""
-    name: str
-    kwargs: dict
-    size: int
-    target: str | None = None
-    methods: tuple[str, ...] = ("corp", "vbp", "toast")
-
-
-FAMILIES = {
-    "vit": Family("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
-    "hybrid-cnn-stem": Family("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64),
-    # DINOv2 giant's layout: a ViT with a packed gated MLP (SwiGLUPacked)
-    "vit-swiglu": Family("vit_giant_patch14_dinov2", dict(img_size=28, patch_size=7, **SMALL), 28),
-    "relpos": Family("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32),
-    "beit": Family("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32),
-    # rotary embedding + gated MLP (packed GluMlp): query/key dims stay dense
-    "eva02": Family("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo"),
-    # DINOv3: rotary embedding with half-split pairs, four register tokens, plain MLP
-    "dinov3": Family("vit_small_patch16_dinov3", dict(img_size=32, patch_size=8, dynamic_img_size=False, **SMALL), 32,
-                     "mlp-vo"),
-    # + separate q/k/v projections and a normalised gated MLP (SwiGLU with sub-LN): values only
-    "eva02-sub-ln": Family("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo", ("corp",)),
-    # EVA-CLIP's vision tower: no rotary embedding, plain MLP, split q/v biases
-    "eva-clip": Family("eva_giant_patch14_224", dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL), 28),
-    # talking-heads attention (kept dense) and class-attention blocks (left dense): MLPs only; ToaSt's
-    # token weighting needs a plain attention
-    "cait": Family("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp",
-                   ("corp", "vbp")),
-    # two stages joined by patch merging; the first (14 x 14 tokens, 7 x 7 windows) has a shifted block
-    "swin": Family("swin_tiny_patch4_window7_224", dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
-                                                        num_classes=10), 56, None, ("corp", "vbp")),
-}
+#: Every family's small test models (each family module names its own), by test id.
+FAMILIES = examples()
 
 
 def create_dense(family: str) -> torch.nn.Module:
     """The family's small model with random weights, seeded; the parameters timm initialises to
     constants (BEiT's relative position tables, BEiT's and Eva's query/value biases, residual
     scales) are drawn at random too, so that dropping or misplacing one changes the output."""
-    name, kwargs = FAMILIES[family].name, FAMILIES[family].kwargs
+    name, kwargs = FAMILIES[family].model, FAMILIES[family].kwargs
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, **kwargs).eval()
     with torch.no_grad():
@@ -113,7 +80,7 @@ def test_mac_counts_do_not_depend_on_the_attention_kernel(backend):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("kind", ["s0.5", "macs0.9"])
 def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
-    name, kwargs, size = FAMILIES[family].name, FAMILIES[family].kwargs, FAMILIES[family].size
+    name, kwargs, size = FAMILIES[family].model, FAMILIES[family].kwargs, FAMILIES[family].size
     config = family_config(family, kind)
     dense = create_dense(family)
     generator = torch.Generator().manual_seed(1)
@@ -289,3 +256,37 @@ def test_swin_refuses_toast_and_keeps_bias_and_mask_when_pruned():
             assert block.windows.mask is None
         else:
             assert torch.equal(block.windows.mask, timm_block.attn_mask)
+
+
+def test_readme_table_of_supported_models_is_the_registry_s():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert supported_table() in readme
+
+
+def test_every_family_module_is_registered_and_its_examples_belong_to_it():
+    """A module added to corp_deploy/families/ is in the registry, each supported family has a test
+    model, and each test model is matched by the family that names it (and by no earlier one)."""
+    import corp_deploy.families as package
+    helpers = {"record", "shared"}
+    modules = {info.name for info in pkgutil.iter_modules(package.__path__)} - helpers
+    assert modules == {family.name for family in REGISTRY if family.supported}
+    for family in REGISTRY:
+        assert bool(family.examples) == family.supported, family.name
+        for key in family.examples:
+            assert family_of(create_dense(key)) is family, key
+
+
+def test_separate_query_key_value_projections_keep_every_bias_in_the_standard_form():
+    """An Eva attention with separate q/k/v projections whose key projection has a bias (timm builds it
+    without one; a checkpoint may carry one) computes the same after the rewrite into one fused qkv."""
+    dense = create_dense("eva02-sub-ln")
+    with torch.no_grad():
+        for block in dense.blocks:
+            old = block.attn.k_proj
+            block.attn.k_proj = torch.nn.Linear(old.in_features, old.out_features)
+            block.attn.k_proj.weight.copy_(old.weight)
+            block.attn.k_proj.bias.normal_(0.0, 0.5)
+    standard = standard_form(copy.deepcopy(dense))
+    x = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():  # the features (the random head's outputs are too small to show a difference)
+        torch.testing.assert_close(standard.forward_features(x), dense.forward_features(x), rtol=1e-5, atol=1e-5)

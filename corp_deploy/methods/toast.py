@@ -21,9 +21,9 @@ from .. import channels
 from ..blocks import block_forward
 from ..dims import kept_count
 from ..errors import CorpError
-from ..layers import PrunedAttention, block_dims
-from ..families import blocks_of
-from ..models import is_plain_attention, uses_class_token
+from ..families import blocks_of, is_plain_attention, windows_of
+from ..layers import PrunedAttention, block_dims, head_dims
+from ..models import uses_class_token
 from .base import BlockRun, Method
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class Toast(Method):
     has_compensation = False
 
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
-        if any(getattr(block, "windows", None) is not None for block in blocks_of(model)):
+        if any(windows_of(block) is not None for block in blocks_of(model)):
             raise CorpError("toast samples tokens of a token sequence and is not implemented for Swin's windowed "
                             "feature maps; use --method corp or vbp")
         if config.prunes_mlp and uses_class_token(model):
@@ -70,7 +70,7 @@ class Toast(Method):
             # (attention only: the ranking reads weights, so the calibration tokens need not move on)
             if config.prunes_attn:
                 with run.timer("attention_solve"):
-                    kept = kept_count(block.attn.head_dim, config.s_attn, config.round_to)
+                    kept = kept_count(head_dims(block.attn)[0], config.s_attn, config.round_to)
                     qk, v = head_dim_importance(block.attn)
                     block.attn = prune_heads(block.attn, top_dims(qk, kept), top_dims(v, kept))
                 info["attention"] = {"qk_head_dim": kept, "v_head_dim": kept}
@@ -140,7 +140,7 @@ def head_dim_importance(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``(qk, v)``, each ``(H, d)`` float64 (see the module docstring).
     """
-    H, d = attn.num_heads, attn.head_dim
+    H, d = attn.num_heads, head_dims(attn)[0]
     dim = attn.qkv.in_features
     w = attn.qkv.weight.detach().double().reshape(3, H, d, dim)
     proj = attn.proj.weight.detach().double().T.reshape(H, d, dim)  # proj column h*d + j as a row
@@ -158,7 +158,7 @@ def prune_heads(attn: nn.Module, qk_kept: torch.Tensor, v_kept: torch.Tensor) ->
     """Slice timm ``Attention`` to the kept query/key dims ``(H, d_qk)`` and value dims
     ``(H, d_v)`` of every head, value rows and proj columns together; the original softmax
     scale is kept. Weights keep their dtype and device."""
-    H, d = attn.num_heads, attn.head_dim
+    H, d = attn.num_heads, head_dims(attn)[0]
     heads = torch.arange(H, device=qk_kept.device)[:, None] * d
     q_rows = (heads + qk_kept).reshape(-1)
     v_rows = (heads + v_kept).reshape(-1)

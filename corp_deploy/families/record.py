@@ -1,0 +1,105 @@
+"""What a model family tells the rest of corp-deploy: the :class:`Family` record that every module
+of this package fills in once, and the helpers their refusal messages share."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from torch import nn
+
+from ..layers import head_dims
+
+
+class Example(NamedTuple):
+    """One small model of a family for the tests: timm ``model`` built with ``kwargs`` (random
+    weights), square images of ``size`` pixels, the ``target`` that prunes every part the family
+    allows (None: all three) and the ``methods`` that apply to it."""
+    model: str
+    kwargs: dict
+    size: int
+    target: str | None = None
+    methods: tuple[str, ...] = ("corp", "vbp", "toast")
+
+
+class SupportRow(NamedTuple):
+    """One row of README's table of supported models (Markdown cells)."""
+    family: str
+    examples: str
+    pruned: str
+    compensated: str
+
+
+#: MACs per image of an attention's two matmuls (logits and attention-weighted values), from the
+#: module and the shape ``(B, N, C)`` of its input.
+AttentionMacs = Callable[[nn.Module, tuple[int, ...]], int]
+
+
+def full_attention_macs(attn: nn.Module, shape: tuple[int, ...]) -> int:
+    """Every one of ``N`` tokens queries every token: ``B * H * N^2 * (qk_dim + v_dim)``."""
+    batch, tokens = shape[0], shape[1]
+    return batch * attn.num_heads * tokens * tokens * sum(head_dims(attn))
+
+
+def _blocks_attribute(model: nn.Module) -> list[nn.Module]:
+    return list(getattr(model, "blocks", ()))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A timm model family: everything corp-deploy knows about it, in one place.
+
+    Attributes:
+        name: short name (``vit``, ``swin``, ...), also the module's name.
+        summary: which timm models it covers, one phrase for messages.
+        matches: whether a timm model (dense, or already in standard form) belongs to it.
+        problem: why a model of the family cannot be compressed (a phrase naming the class or
+            structure that is not supported), or None.
+        rows: its rows of README's table of supported models; none for a family refused as a whole.
+        refused: variants refused as a whole, for the table's last row.
+        examples: small test models by test id.
+        blocks: its transformer blocks in forward order (default ``model.blocks``).
+        standard_form: rewrites its blocks in place into the pre-norm block the engine compresses
+            (docs/method.md §9), computing the same function; default: nothing to rewrite.
+        in_standard_form: whether ``standard_form`` would leave the model unchanged.
+        attention_macs: the MAC formula of each attention class its (standard-form) blocks use.
+        prunable_attention: whether one of its attention modules has the query/key and value
+            structure of docs/method.md §3-4 (a :class:`~corp_deploy.layers.PrunedAttention`
+            always has).
+        part_problem: why a block cannot have the given parts (``mlp``, ``qk``, ``vo``) pruned
+            beyond the checks every family shares, saying which ``--target`` works; or None.
+    """
+    name: str
+    summary: str
+    matches: Callable[[nn.Module], bool]
+    problem: Callable[[nn.Module], str | None]
+    rows: tuple[SupportRow, ...] = ()
+    refused: tuple[str, ...] = ()
+    examples: dict[str, Example] = field(default_factory=dict)
+    blocks: Callable[[nn.Module], list[nn.Module]] = _blocks_attribute
+    standard_form: Callable[[nn.Module], None] = lambda model: None
+    in_standard_form: Callable[[nn.Module], bool] = lambda model: True
+    attention_macs: dict[type, AttentionMacs] = field(default_factory=dict)
+    prunable_attention: Callable[[nn.Module], bool] = lambda attn: False
+    part_problem: Callable[[nn.Module, tuple[str, ...]], str | None] = lambda block, parts: None
+
+    @property
+    def supported(self) -> bool:
+        """Whether some of its models can be compressed (False: refused as a whole)."""
+        return bool(self.rows)
+
+
+def class_path(obj: object) -> str:
+    """``module.Class`` of ``obj`` (timm reuses class names such as ``Block`` across families)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def describe(model: nn.Module) -> str:
+    """What timm built, for refusals: its class, and its first block's with their attention and MLP
+    (or that it has no sequence of blocks)."""
+    found = f"it builds a timm {type(model).__name__}"
+    blocks = getattr(model, "blocks", None)
+    if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks) > 0):
+        return f"{found}, which has no sequence of transformer blocks"
+    parts = ", ".join(f"{class_path(getattr(blocks[0], part))} {label}"
+                      for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(blocks[0], part))
+    return found + f" whose blocks are {class_path(blocks[0])}" + (f" ({parts})" if parts else "")
