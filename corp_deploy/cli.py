@@ -6,6 +6,7 @@ and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,7 +25,8 @@ from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS
 from .errors import CorpError, SettingError, first_line
 from .methods import METHODS, option_owners
 
-DEFAULTS = CompressConfig()
+#: CompressConfig's defaults, read from its fields (nothing is built or validated at import).
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(CompressConfig)}
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
@@ -232,15 +234,9 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
     return base, record
 
 
-def _check_device(device: str) -> None:
-    import torch
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CorpError("--device cuda was requested but no CUDA GPU is available; use --device cpu")
-
-
 @cli.command()
 @_model_source_options
-@click.option("--method", type=click.Choice(tuple(METHODS)), default=DEFAULTS.method, show_default=True,
+@click.option("--method", type=click.Choice(tuple(METHODS)), default=DEFAULTS["method"], show_default=True,
               help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.")
 @click.option("--s", "sparsity", type=float, default=None,
               help=f"Sparsity in [0, 1) of every pruned part in every block (vbp: global MLP rate). "
@@ -256,7 +252,7 @@ def _check_device(device: str) -> None:
                    "get the sizes that CORP's closed-form errors say hurt least. Excludes --s*.")
 @click.option("--speedup", type=float, default=None, metavar="X",
               help="corp: MAC budget as a MAC-ideal speedup (the same as --macs 1/X).")
-@click.option("--unit-floor", type=float, default=DEFAULTS.unit_floor, show_default=True,
+@click.option("--unit-floor", type=float, default=DEFAULTS["unit_floor"], show_default=True,
               help="corp, budget: every MLP and every block's query/key or value dims keep at least this "
                    "fraction.")
 @click.option("--equal-head-dims", is_flag=True,
@@ -267,9 +263,9 @@ def _check_device(device: str) -> None:
 @click.option("--ranker", type=click.Choice(RANKERS), default=None,
               help=f"corp: MLP hidden and value channel selection. [default: {UNIFORM_RANKER} with --s, "
                    f"{BUDGET_RANKER} with a budget]")
-@click.option("--ridge", type=float, default=DEFAULTS.ridge, show_default=True,
+@click.option("--ridge", type=float, default=DEFAULTS["ridge"], show_default=True,
               help="corp: scale-free ridge alpha (lambda = alpha times the layer's mean channel variance).")
-@click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS.calibration,
+@click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS["calibration"],
               show_default=True, help="Statistics all from the dense model (independent, as in the "
                                       "paper) or from the partly compressed model (sequential).")
 @click.option("--round-to", type=click.IntRange(min=1), default=1, show_default=True,
@@ -277,9 +273,9 @@ def _check_device(device: str) -> None:
 @click.option("--no-compensation", is_flag=True,
               help="Keep the same channels but only slice (ablation): no closed-form step (corp), no "
                    "mean fold (vbp).")
-@click.option("--layer-floor", type=float, default=DEFAULTS.layer_floor, show_default=True,
+@click.option("--layer-floor", type=float, default=DEFAULTS["layer_floor"], show_default=True,
               help="vbp: fraction of every MLP's channels always kept.")
-@click.option("--token-fraction", type=float, default=DEFAULTS.token_fraction, show_default=True,
+@click.option("--token-fraction", type=float, default=DEFAULTS["token_fraction"], show_default=True,
               help="toast: fraction of patch tokens per image sampled for FFN channel importance.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
@@ -303,7 +299,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     """
     from .artifact import record_latest, save_artifact
     from .calibration import CalibrationImages, model_transform
-    from .engine import compress as run_compress
+    from .engine import compress as run_compress, resolve_device
     from .resources import check_fits, compress_bytes
     from .outputs import check_output_dir
 
@@ -320,7 +316,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib}, records_state=True)
-    _check_device(device)
+    resolve_device(device)
     base, base_model = _dense_model(model, model_args, checkpoint, no_pretrained, seed)
     transform, data_config = model_transform(base)
     check_fits(f"compressing {base_model['name']} on {calib_samples} images",

@@ -51,13 +51,13 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     """
     check_vit(model)
     check_finite(model, "the model to compress")
-    dense_params = count_params(model)
     model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
+    dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
     method = METHODS[config.method]
     method.check_model(model, config)
     check_rounding(model, config)
-    device = _resolve_device(config.device)
+    device = resolve_device(config.device)
     timer = _PhaseTimer()
     model = model.to(device)
     with _Progress(progress) as bar, torch.no_grad():
@@ -157,9 +157,15 @@ def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return captured[0]
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CorpError("--device cuda was requested but no CUDA GPU is available; use --device cpu")
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``cpu``, ``cuda`` or ``cuda:N`` names; CorpError when it is a GPU this
+    machine does not have (the one check the CLI and the library share)."""
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CorpError(f"--device {name} was requested but no CUDA GPU is available; use --device cpu")
+        index = torch.device(name).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise CorpError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return torch.device(name)
 
 

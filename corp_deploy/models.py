@@ -80,9 +80,9 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
         model = timm.create_model(full, pretrained=use_hub, **kwargs)
     except TypeError as exc:
         raise CorpError(f"bad model argument for {full}: {exc}") from None
-    except Exception as exc:  # network / hub errors come in many types
+    except Exception as exc:  # noqa: BLE001 - network / hub errors come in many types
         if not use_hub:
-            raise CorpError(f"could not build {full} with {kwargs}: {exc}") from None
+            raise  # the arguments were checked by resolve_model_name: anything else is a bug
         raise CorpError(
             f"could not fetch pretrained weights for {full} ({type(exc).__name__}: "
             f"{first_line(exc)}). "

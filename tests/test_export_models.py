@@ -5,11 +5,13 @@ also read the numbers back from the manifest, so a loosened gate would show here
 """
 import pytest
 
-from benchmarks.studies.held_out import split_builtin_images
-from benchmarks.studies.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
+from benchmarks.held_out import split_builtin_images
+from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, create_base_model, model_transform, save_artifact
 from exporters import ExportOptions, export_artifact
 from exporters.pipeline import PARITY_BATCHES
+
+pytestmark = pytest.mark.slow  # real exports of whole models: minutes together
 
 
 def export_and_check(dense, sparsity, tmp_path, *, with_dense, base_model=None):

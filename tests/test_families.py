@@ -126,14 +126,17 @@ def zero_sparsity_configs(family: str) -> list[CompressConfig]:
                          ids=lambda v: v if isinstance(v, str) else f"{v.method}-{v.target}")
 def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config):
     """Nothing pruned: the compressed model of every method computes what the dense one does,
-    whatever the family adds (a relative position bias, a CNN stem, a rotary embedding, gates)."""
+    whatever the family adds (a relative position bias, a CNN stem, a rotary embedding, gates), and
+    has as many parameters."""
     size = FAMILIES[family].size
     dense = create_dense(family)
     images = [torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(2))]
-    model, _ = compress(dense, images, config)
+    model, report = compress(dense, images, config)
     x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
+    # counted in the same (standard) form: nothing pruned, nothing removed
+    assert report["params"]["compressed"] == report["params"]["dense"]
 
 
 #: Each family's relative position bias ``(1, H, N, N)`` of a dense block, read with timm's own code.

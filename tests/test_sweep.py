@@ -11,6 +11,7 @@ from exporters.manifest import read_manifest
 from tests.conftest import SMALL_VIT_CLI_ARGS, run_cli
 
 
+@pytest.mark.slow
 def test_sweep_compares_methods_in_one_table_and_plot(tmp_path):
     out = tmp_path / "sweep"
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
@@ -72,6 +73,7 @@ def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow
 def test_sweep_over_mac_budgets(tmp_path):
     out = tmp_path / "sweep"
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--macs", "0.8,0.5",

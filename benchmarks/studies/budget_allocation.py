@@ -17,7 +17,7 @@ query/key, the paper's setting). Settings at that budget:
 * ``budget equal-head-dims``: the same with query/key and value dims tied per head.
 
 Calibration and held-out images are seeded crops of disjoint bundled photos
-(benchmarks/studies/held_out.py); every number is held out. The allocation of each budgeted
+(benchmarks/held_out.py); every number is held out. The allocation of each budgeted
 run is stored with its row.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.studies.held_out import feature_cosine, split_builtin_images
-from benchmarks.studies.real_weights import build_dinov2
+from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, count_macs, kept_count, model_transform
 from corp_deploy.artifact import library_versions
 from corp_deploy.config import DISTORTIONS

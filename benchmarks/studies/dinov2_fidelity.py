@@ -4,7 +4,7 @@ the peer methods per part (VBP on the MLP; ToaSt on the attention and on the FFN
     python -m benchmarks.studies.dinov2_fidelity --calib 128 --held-out 64 --out benchmarks/results/dinov2_fidelity.json
 
 Calibration and held-out images are seeded crops of disjoint bundled photos
-(benchmarks/studies/held_out.py). For every setting: mean held-out cosine to the dense model of
+(benchmarks/held_out.py). For every setting: mean held-out cosine to the dense model of
 the pooled output (class token) and of all final token features, and compress wall time.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.studies.held_out import feature_cosine, split_builtin_images
-from benchmarks.studies.real_weights import build_dinov2
+from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, model_transform
 from corp_deploy.artifact import library_versions
 

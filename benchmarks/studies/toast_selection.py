@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.studies.held_out import feature_cosine, split_builtin_images
+from benchmarks.held_out import feature_cosine, split_builtin_images
 from benchmarks.latency import interleaved, speedup, summarize
-from benchmarks.studies.real_weights import build_dinov2
+from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, kept_count, model_transform
 from corp_deploy.artifact import library_versions
 from corp_deploy.blocks import project_qk
