@@ -44,9 +44,10 @@ def atomic_files(paths: Iterable[str | Path]) -> Iterator[dict[Path, Path]]:
             temporary[path] = Path(name)
         yield temporary
         with signals_deferred():
-            for path, tmp in temporary.items():
+            for path, tmp in list(temporary.items()):
                 os.chmod(tmp, 0o666 & ~current_umask())
                 os.replace(tmp, path)
+                del temporary[path]  # in place: its temporary name is no longer ours
     finally:
         with signals_deferred():
             for tmp in temporary.values():

@@ -90,15 +90,20 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
     created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:NAME_IN_TEMP]}.tmp-", dir=dest.parent))
+    swapped = False
     try:
         yield tmp
         write_record(tmp, kind)
         _apply_umask(tmp)
         with _directory_lock(dest.parent), signals_deferred():  # waiting for the lock stays interruptible
-            _swap_into_place(tmp, dest, kind)
+            leftover = _swap_into_place(tmp, dest, kind)
+            swapped = True
+        if leftover is not None:
+            warnings.warn(leftover, stacklevel=2)
     except BaseException:
         with signals_deferred():
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not swapped:  # once in place, the staging name is no longer ours
+                shutil.rmtree(tmp, ignore_errors=True)
             for folder in created:  # the parents this run made, innermost first, if still empty
                 with contextlib.suppress(OSError):
                     folder.rmdir()
@@ -262,27 +267,40 @@ def _unrecorded(folder: Path, record: dict) -> str | None:
         recorded = record["files"].get(entry.name)
         if recorded is None:
             return f"{entry} was not written by corp-deploy"
-        if entry.stat().st_size != recorded["bytes"] or sha256_file(entry) != recorded["sha256"]:
+        if not _as_recorded(entry, recorded):
             return f"{entry} has changed since corp-deploy wrote it"
     return None
 
 
+def _as_recorded(path: Path, recorded: dict) -> bool:
+    """Whether ``path`` is a regular file of the size and SHA-256 its record gives."""
+    return (not path.is_symlink() and path.is_file() and path.stat().st_size == recorded["bytes"]
+            and sha256_file(path) == recorded["sha256"])
+
+
 def _remove_output(folder: Path) -> list[str]:
     """Delete an output that :func:`foreign_content` accepted: its recorded files, its inner outputs,
-    its record and the folder itself. Returns what could not be removed (the file system refused,
-    or it appeared meanwhile), which is left in place."""
+    its record and the folder itself. Each file is checked against its record again right before it
+    is deleted, so that one changed since the check is kept. Returns what could not be removed (the
+    file system refused, or it changed or appeared meanwhile), which is left in place."""
     record = read_record(folder)
     problems = []
     for entry in folder.iterdir():
         if entry.is_dir() and not entry.is_symlink() and read_record(entry) is not None:
             problems += _remove_output(entry)
-    for name in [*(record or {}).get("files", {}), RECORD_FILE]:
+    files = (record or {}).get("files", {})
+    for name in [*files, RECORD_FILE]:
         path = folder / name
-        if path.is_symlink() or path.is_file():
-            try:
-                path.unlink()
-            except OSError as exc:
-                problems.append(f"{path.relative_to(folder.parent)}: {exc.strerror or exc}")
+        if not (path.is_symlink() or path.exists()):
+            continue
+        intact = _as_recorded(path, files[name]) if name != RECORD_FILE else path.is_file() and not path.is_symlink()
+        if not intact:
+            problems.append(f"{path.relative_to(folder.parent)}: changed since it was checked")
+            continue
+        try:
+            path.unlink()
+        except OSError as exc:
+            problems.append(f"{path.relative_to(folder.parent)}: {exc.strerror or exc}")
     try:
         folder.rmdir()
     except OSError as exc:
@@ -291,10 +309,12 @@ def _remove_output(folder: Path) -> list[str]:
     return problems
 
 
-def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
+def _swap_into_place(new: Path, dest: Path, kind: str) -> str | None:
+    """Move the finished output ``new`` to ``dest``, replacing an output there that may be replaced
+    (checked again here); returns what of the old output could not be removed, in words, or None."""
     if dest.is_dir() and not any(dest.iterdir()):
         os.rename(new, dest)  # replaces the empty directory atomically
-        return
+        return None
     if dest.exists() or dest.is_symlink():
         problem = "it is not a directory" if dest.is_symlink() or not dest.is_dir() else foreign_content(dest, kind)
         if problem is not None:
@@ -309,10 +329,11 @@ def _swap_into_place(new: Path, dest: Path, kind: str) -> None:
             raise
         problems = _remove_output(old)
         if problems:
-            warnings.warn(f"the new output is in place, but the old one could not be removed completely: {old} is "
-                          f"left ({'; '.join(problems[:3])}); delete it once you have checked it", stacklevel=2)
-        return
+            return (f"the new output is in place, but the old one could not be removed completely: {old} is "
+                    f"left ({'; '.join(problems[:3])}); delete it once you have checked it")
+        return None
     os.rename(new, dest)
+    return None
 
 
 @contextmanager

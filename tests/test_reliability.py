@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -669,6 +670,45 @@ def test_an_old_output_that_cannot_be_removed_completely_is_left_with_a_warning(
     assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 3
     left = [p.name for p in work.iterdir() if p.name.startswith(".art.old-")]
     assert len(left) == 1 and [p.name for p in (work / left[0]).rglob("*")] == ["export-fp32", "dense.onnx"]
+
+
+def test_a_file_of_the_old_output_changed_after_the_check_is_kept(work, monkeypatch):
+    """Removing the old output deletes a file only if it still has its recorded content: one another
+    program rewrote between the check and the removal stays, named in the warning."""
+    import corp_deploy.outputs as outputs
+    original = outputs._remove_output
+
+    def rewrite_then_remove(folder):
+        (folder / "config.json").write_text("edited by someone else")
+        return original(folder)
+    monkeypatch.setattr(outputs, "_remove_output", rewrite_then_remove)
+    with pytest.warns(UserWarning, match="config.json: changed since it was checked"):
+        code, text, _ = invoke([*BASE, "--seed", 5, "-o", work / "art"], work.parent / "state")
+    assert code == 0, text
+    (left,) = [p for p in work.iterdir() if p.name.startswith(".art.old-")]
+    assert (left / "config.json").read_text() == "edited by someone else"
+    assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
+
+
+def test_a_failure_after_the_swap_keeps_the_new_output(tmp_path):
+    """Once the staged output is in place its name is the destination's: an error raised afterwards
+    (here the leftover warning turned into an error) removes nothing."""
+    with staged_output(tmp_path / "out", "sweep") as staging:
+        (staging / "a.txt").write_text("old")
+    original = Path.unlink
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "a.txt" and ".out.old-" in str(self):
+            raise PermissionError(1, "Operation not permitted")
+        return original(self, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        patch.setattr(Path, "unlink", refuse)
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="could not be removed completely"):
+            with staged_output(tmp_path / "out", "sweep") as staging:
+                (staging / "a.txt").write_text("new")
+    assert (tmp_path / "out" / "a.txt").read_text() == "new"
+    verify_files(tmp_path / "out", "sweep")
 
 
 def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monkeypatch):

@@ -29,7 +29,7 @@ def blocks_problem(model: VisionTransformer) -> str | None:
 
 
 def _problem(model: VisionTransformer) -> str | None:
-    if not isinstance(model.patch_embed, (PatchEmbed, HybridEmbed)):
+    if not isinstance(model.patch_embed, PatchEmbed):  # (a HybridEmbed is the hybrid family's)
         return (f"its patch embedding is a {class_path(model.patch_embed)}, neither timm's PatchEmbed nor "
                 "its HybridEmbed")
     return blocks_problem(model)
