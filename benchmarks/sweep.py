@@ -84,8 +84,8 @@ class SweepSpec:
     def config(self, method: str, point: float) -> CompressConfig:
         sizes = dict(s_mlp=point, s_attn=point, s_vo=point) if self.sparsities else dict(macs=point)
         if method == "uncompensated":
-            return CompressConfig(**sizes, target=self.target, compensation=False)
-        return CompressConfig(**sizes, target=self.target, method=method)
+            return CompressConfig.from_settings(**sizes, target=self.target, compensation=False)
+        return CompressConfig.from_settings(**sizes, target=self.target, method=method)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -25,7 +25,8 @@ _API = {
     "blocks_of": "families", "is_plain_attention": "families", "is_prunable_attention": "families",
     "standard_form": "families",
     "BlockDims": "layers", "GatedLinear": "layers", "PrunedAttention": "layers", "head_dims": "layers",
-    "METHODS": "methods", "Method": "methods",
+    "METHODS": "methods", "Method": "methods", "CorpOptions": "methods", "ToastOptions": "methods",
+    "VbpOptions": "methods",
     "create_base_model": "models", "resolve_model_name": "models",
 }
 __all__ = sorted(_API)

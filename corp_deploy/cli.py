@@ -6,7 +6,6 @@ and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -20,13 +19,10 @@ from exporters.precision import EXPORT_PRECISIONS
 from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from exporters.tensorrt import BatchProfile
 
-from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
-                     CompressConfig)
+from .config import DEFAULT_SPARSITY, TARGETS, CompressConfig
 from .errors import CorpError, SettingError, first_line
 from .methods import METHODS, option_owners
 
-#: CompressConfig's defaults, read from its fields (nothing is built or validated at import).
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(CompressConfig)}
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
@@ -136,7 +132,8 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     budget, else ``s<S>`` (prefixed by the target unless it is ``both``), or the sparsity of each
     part when they differ (``mlp0.5-attn0.3``)."""
     if config.has_budget:
-        tag = f"macs{config.macs:g}" if config.macs is not None else f"x{config.speedup:g}"
+        options = config.options
+        tag = f"macs{options.macs:g}" if options.macs is not None else f"x{options.speedup:g}"
         if config.target != "all":
             tag = f"{config.target}-{tag}"
     else:
@@ -172,6 +169,25 @@ def _options(*options):
             func = option(func)
         return func
     return apply
+
+
+def _method_options(func):
+    """Every method's options (:func:`corp_deploy.methods.base.option` fields of its options
+    class) as ``--<name>`` options, each help text led by the method's name."""
+    for method in reversed(METHODS.values()):
+        for field in reversed(method.options_class.fields()):
+            meta = field.metadata
+            if "help" not in meta:
+                continue
+            text = f"{method.name}: {meta['help']}"
+            if meta["default_help"]:
+                text += f" [default: {meta['default_help']}]"
+            flag = meta["value_type"] is bool
+            value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
+            func = click.option(option_name(field.name), is_flag=flag, type=value_type, default=field.default,
+                                show_default=not flag and field.default is not None, metavar=meta["metavar"],
+                                help=text)(func)
+    return func
 
 
 #: Which dense model to start from and what to calibrate on (shared by compress and sweep).
@@ -236,7 +252,7 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
 
 @cli.command()
 @_model_source_options
-@click.option("--method", type=click.Choice(tuple(METHODS)), default=DEFAULTS["method"], show_default=True,
+@click.option("--method", type=click.Choice(tuple(METHODS)), default=CompressConfig.method, show_default=True,
               help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.")
 @click.option("--s", "sparsity", type=float, default=None,
               help=f"Sparsity in [0, 1) of every pruned part in every block (vbp: global MLP rate). "
@@ -247,42 +263,19 @@ def _dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | Non
                    "(toast); vbp has none.")
 @click.option("--s-vo", type=float, default=None,
               help="corp: value/output dim sparsity (overrides --s; needs --target vo, mlp-vo or all).")
-@click.option("--macs", type=float, default=None, metavar="F",
-              help="corp: MAC budget, keep at most the fraction F of the dense MACs; every block's parts "
-                   "get the sizes that CORP's closed-form errors say hurt least. Excludes --s*.")
-@click.option("--speedup", type=float, default=None, metavar="X",
-              help="corp: MAC budget as a MAC-ideal speedup (the same as --macs 1/X).")
-@click.option("--unit-floor", type=float, default=DEFAULTS["unit_floor"], show_default=True,
-              help="corp, budget: every MLP and every block's query/key or value dims keep at least this "
-                   "fraction.")
-@click.option("--equal-head-dims", is_flag=True,
-              help="corp: as many value as query/key dims in every head (fused attention kernels need "
-                   "equal head dims); needs --target all.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Calibration batch size.")
-@click.option("--ranker", type=click.Choice(RANKERS), default=None,
-              help=f"corp: MLP hidden and value channel selection. [default: {UNIFORM_RANKER} with --s, "
-                   f"{BUDGET_RANKER} with a budget]")
-@click.option("--ridge", type=float, default=DEFAULTS["ridge"], show_default=True,
-              help="corp: scale-free ridge alpha (lambda = alpha times the layer's mean channel variance).")
-@click.option("--calibration", type=click.Choice(CALIBRATION_MODES), default=DEFAULTS["calibration"],
-              show_default=True, help="Statistics all from the dense model (independent, as in the "
-                                      "paper) or from the partly compressed model (sequential).")
 @click.option("--round-to", type=click.IntRange(min=1), default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
 @click.option("--no-compensation", is_flag=True,
               help="Keep the same channels but only slice (ablation): no closed-form step (corp), no "
                    "mean fold (vbp).")
-@click.option("--layer-floor", type=float, default=DEFAULTS["layer_floor"], show_default=True,
-              help="vbp: fraction of every MLP's channels always kept.")
-@click.option("--token-fraction", type=float, default=DEFAULTS["token_fraction"], show_default=True,
-              help="toast: fraction of patch tokens per image sampled for FFN channel importance.")
+@_method_options
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]")
 def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
-             s_mlp, s_attn, s_vo, macs, speedup, unit_floor, equal_head_dims, batch_size, ranker, ridge, calibration,
-             round_to, no_compensation, layer_floor, token_fraction, device, output):
+             s_mlp, s_attn, s_vo, batch_size, round_to, no_compensation, device, output, **method_options):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     \b
@@ -304,15 +297,14 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     from .outputs import check_output_dir
 
     _check_method_options(METHODS[method], s_attn, s_vo)
-    if (macs is not None or speedup is not None) and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
+    budget = method_options["macs"] is not None or method_options["speedup"] is not None
+    if budget and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
         raise click.UsageError("a budget (--macs / --speedup) and sparsities (--s, --s-mlp, --s-attn, --s-vo) "
                                "exclude each other: the budget decides every part's size")
-    config = CompressConfig(
+    config = CompressConfig.from_settings(
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
-        s_vo=sparsity if s_vo is None else s_vo, macs=macs, speedup=speedup, unit_floor=unit_floor,
-        equal_head_dims=equal_head_dims, target=target, ranker=ranker, ridge=ridge, calibration=calibration,
-        round_to=round_to, compensation=not no_compensation, device=device, method=method,
-        layer_floor=layer_floor, token_fraction=token_fraction)
+        s_vo=sparsity if s_vo is None else s_vo, target=target, round_to=round_to,
+        compensation=not no_compensation, device=device, method=method, **method_options)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib}, records_state=True)
@@ -672,7 +664,7 @@ def _parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
 @click.option("--macs", "budgets", default=None,
               help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
                    "sparsities; methods corp and uncompensated.")
-@click.option("--methods", default="corp", show_default=True,
+@click.option("--methods", default=CompressConfig.method, show_default=True,
               help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
                    "first is the reference for the matched-MACs table.")
 @click.option("--data", type=click.Path(path_type=Path), default=None,

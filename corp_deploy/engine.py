@@ -107,7 +107,7 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
                 raise SettingError(f"{{setting}} {config.round_to} is larger than the {total} {label} of block {i}: "
                                    f"nothing could be pruned there; use {{setting}} {total} or less", "round_to", "round_to")
             sparsity = getattr(config, setting)
-            if config.method == "vbp" or config.has_budget or not sparsity:
+            if not METHODS[config.method].per_layer_sparsity or config.has_budget or not sparsity:
                 continue
             if kept_count(total, sparsity, config.round_to) == total:
                 raise SettingError(f"{{setting}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "

@@ -37,3 +37,9 @@ SETTING = "{setting}"
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message (at most ``limit`` characters), or its type's name."""
     return (str(exc).splitlines() or [""])[0][:limit] or type(exc).__name__
+
+
+def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
+    """SettingError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise SettingError(f"{SETTING} must be one of {', '.join(choices)}; got {value!r}", setting)

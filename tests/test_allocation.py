@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import corp_deploy.budget
+import corp_deploy.methods.corp as corp_method
 from corp_deploy import CompressConfig, compress, count_macs
-from corp_deploy.allocation import Unit, allocate, candidate_sizes
+from corp_deploy.methods.corp.allocation import Unit, allocate, candidate_sizes
 from corp_deploy.errors import CorpError
 from tests.conftest import image_batches
 
@@ -96,7 +96,7 @@ def budget_batches():
 
 def test_full_budget_reproduces_the_dense_model(vit, budget_batches):
     x = image_batches(1, 4, seed=7)[0]
-    model, report = compress(vit, budget_batches, CompressConfig(macs=1.0))
+    model, report = compress(vit, budget_batches, CompressConfig.from_settings(macs=1.0))
     assert report["macs"]["compressed"] == report["macs"]["dense"]
     assert all(u["kept"] == u["total"] for u in report["budget"]["units"])
     with torch.no_grad():
@@ -105,14 +105,14 @@ def test_full_budget_reproduces_the_dense_model(vit, budget_batches):
 
 @pytest.mark.parametrize("kwargs", [dict(macs=0.6), dict(speedup=2.0, round_to=4), dict(macs=0.5, equal_head_dims=True)])
 def test_budget_mode_meets_the_budget_and_records_every_unit(vit, budget_batches, kwargs):
-    config = CompressConfig(**kwargs)
+    config = CompressConfig.from_settings(**kwargs)
     model, report = compress(vit, budget_batches, config)
     budget = report["budget"]
     dense = count_macs(vit, (3, 32, 32))
-    assert budget["budget_macs"] == math.floor(config.macs_fraction * dense)
+    assert budget["budget_macs"] == math.floor(config.options.macs_fraction * dense)
     assert report["macs"]["compressed"] == count_macs(model, (3, 32, 32)) == budget["planned_macs"]
     assert budget["planned_macs"] <= budget["budget_macs"]
-    parts = ["mlp", "qkvo"] if config.equal_head_dims else ["mlp", "qk", "vo"]
+    parts = ["mlp", "qkvo"] if config.options.equal_head_dims else ["mlp", "qk", "vo"]
     assert [(u["block"], u["part"]) for u in budget["units"]] == [(b, p) for b in range(2) for p in parts]
     for unit in budget["units"]:
         assert unit["kept"] % config.round_to == 0 or unit["kept"] == unit["total"]
@@ -121,20 +121,20 @@ def test_budget_mode_meets_the_budget_and_records_every_unit(vit, budget_batches
     for layer in report["layers"]:
         dims = layer["dims"]
         assert dims["attention"] == "pruned"
-        if config.equal_head_dims:
+        if config.options.equal_head_dims:
             assert dims["qk_head_dim"] == dims["v_head_dim"]
 
 
 def test_independent_budget_compression_reuses_the_curves_selection(vit, budget_batches, monkeypatch):
     """The orders from the curves pass are those the compression pass would select again."""
-    config = CompressConfig(macs=0.5)
+    config = CompressConfig.from_settings(macs=0.5)
     reused, _ = compress(vit, budget_batches, config)
-    plan = corp_deploy.budget.plan_budget
+    plan = corp_method.plan_budget
 
     def plan_without_orders(model, run, config):
         sizes, report = plan(model, run, config)
         return [type(s)(s.mlp, s.qk, s.v) for s in sizes], report
-    monkeypatch.setattr(corp_deploy.budget, "plan_budget", plan_without_orders)
+    monkeypatch.setattr(corp_method, "plan_budget", plan_without_orders)
     selected_again, _ = compress(vit, budget_batches, config)
     for a, b in zip(reused.state_dict().values(), selected_again.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

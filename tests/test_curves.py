@@ -7,7 +7,7 @@ from corp_deploy import CompressConfig, compress
 from corp_deploy import attention as attn_ops
 from corp_deploy import channels
 from corp_deploy.blocks import BoundaryCache
-from corp_deploy.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
+from corp_deploy.methods.corp.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
 from corp_deploy.engine import embed_tokens
 from corp_deploy.stats import MomentAccumulator, per_image_head_grams
 from tests.conftest import small_vit
@@ -100,7 +100,7 @@ def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
     the reported MLP and value errors (no ridge, so the objective is the error itself), and the
     query/key unit's attention-output error measured on the probe images (8 is a probe size)."""
     vit = small_vit()
-    config = CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0)
+    config = CompressConfig.from_settings(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0)
     _, report = compress(vit, batches, config)
     cache = BoundaryCache()
     cache.batches = [embed_tokens(vit, b) for b in batches]
@@ -117,7 +117,7 @@ def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
             assert float(curve.error[8]) == pytest.approx(layer["values"]["error_compensated"], rel=1e-6)
         assert curve.macs_per_dim == {"mlp": 2 * 17 * 48, "qk": 3 * (2 * 17 * 48 + 17 ** 2),
                                       "vo": 3 * (2 * 17 * 48 + 17 ** 2)}[curve.part]
-    qk_model, _ = compress(vit, batches, CompressConfig(target="attn", s_attn=0.5, ridge=0.0))
+    qk_model, _ = compress(vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0))
     with torch.no_grad():
         for index, (dense_block, qk_block) in enumerate(zip(vit.blocks, qk_model.blocks)):
             x = dense_block.norm1(inputs)
@@ -131,7 +131,7 @@ def test_equal_head_dims_ties_query_key_and_value_units(batches):
     cache = BoundaryCache()
     cache.batches = [embed_tokens(vit, b) for b in batches]
     with torch.no_grad():
-        curves = measure_curves(vit, cache, CompressConfig(macs=0.5, equal_head_dims=True))
+        curves = measure_curves(vit, cache, CompressConfig.from_settings(macs=0.5, equal_head_dims=True))
     assert [c.part for c in curves] == ["mlp", "qkvo"] * 2
     assert curves[1].macs_per_dim == 2 * 3 * (2 * 17 * 48 + 17 ** 2)
 

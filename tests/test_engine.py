@@ -12,7 +12,7 @@ from tests.conftest import image_batches, small_vit
 @pytest.mark.parametrize("target", ["mlp", "attn", "both"])
 def test_zero_sparsity_reproduces_the_dense_model(vit, batches, mode, target):
     x = image_batches(1, 4, seed=7)[0]
-    model, report = compress(vit, batches, CompressConfig(s_mlp=0.0, s_attn=0.0, target=target,
+    model, report = compress(vit, batches, CompressConfig.from_settings(s_mlp=0.0, s_attn=0.0, target=target,
                                                           calibration=mode))
     with torch.no_grad():
         torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
@@ -28,7 +28,7 @@ def test_input_model_is_left_unchanged(vit, batches):
 
 def test_compensation_lowers_every_layer_error_and_output_error(vit, batches):
     x = image_batches(2, 8, seed=9)
-    comp, report = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, ridge=1e-2))
+    comp, report = compress(vit, batches, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, ridge=1e-2))
     sliced, report_sliced = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, compensation=False))
     for layer in report["layers"]:
         assert layer["mlp"]["error_compensated"] < layer["mlp"]["error_uncompensated"]
@@ -40,8 +40,8 @@ def test_compensation_lowers_every_layer_error_and_output_error(vit, batches):
     assert err_c < err_s
     # with statistics from the dense model, the kept channels do not depend on compensation
     cfg = dict(s_mlp=0.5, s_attn=0.5, calibration="independent")
-    comp, _ = compress(vit, batches, CompressConfig(**cfg))
-    sliced, _ = compress(vit, batches, CompressConfig(**cfg, compensation=False))
+    comp, _ = compress(vit, batches, CompressConfig.from_settings(**cfg))
+    sliced, _ = compress(vit, batches, CompressConfig.from_settings(**cfg, compensation=False))
     for b1, b2 in zip(comp.blocks, sliced.blocks):
         assert b1.mlp.fc1.weight.shape == b2.mlp.fc1.weight.shape
         torch.testing.assert_close(b1.mlp.fc1.weight, b2.mlp.fc1.weight, rtol=0, atol=0)
@@ -49,8 +49,8 @@ def test_compensation_lowers_every_layer_error_and_output_error(vit, batches):
 
 def test_modes_agree_on_first_block_and_differ_after(vit, batches):
     cfg = dict(s_mlp=0.5, s_attn=0.5)
-    seq, _ = compress(vit, batches, CompressConfig(**cfg, calibration="sequential"))
-    ind, _ = compress(vit, batches, CompressConfig(**cfg, calibration="independent"))
+    seq, _ = compress(vit, batches, CompressConfig.from_settings(**cfg, calibration="sequential"))
+    ind, _ = compress(vit, batches, CompressConfig.from_settings(**cfg, calibration="independent"))
     # block 0: attention identical (both see dense inputs); its MLP differs (sequential
     # takes MLP statistics after the compressed attention)
     torch.testing.assert_close(seq.blocks[0].attn.qkv.weight, ind.blocks[0].attn.qkv.weight)
@@ -121,7 +121,7 @@ def test_bad_calibration_input(vit):
                                     dict(calibration="x"), dict(device="tpu")])
 def test_config_validation(kwargs):
     with pytest.raises(CorpError):
-        CompressConfig(**kwargs)
+        CompressConfig.from_settings(**kwargs)
 
 
 def test_unsupported_structures_are_refused(batches):

@@ -1,7 +1,6 @@
 """Every compression method through the same artifact, load and export path, on a tiny random
 ViT: shapes, MAC counts against an independent formula, load round trip, ONNX Runtime
 parity; and the method/option combinations the CLI refuses."""
-import dataclasses
 import json
 import re
 
@@ -43,7 +42,7 @@ CASES = {  # method config -> each block's (MLP hidden, q/k dim, v dim), or None
 @pytest.mark.parametrize("case", CASES)
 def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, case):
     kwargs, expected = CASES[case]
-    config = CompressConfig(**kwargs)
+    config = CompressConfig.from_settings(**kwargs)
     model, report = compress(vit, batches, config)
     dims = [(d["mlp_hidden"], d["qk_head_dim"], d["v_head_dim"]) for d in (layer["dims"] for layer in report["layers"])]
     if case == "vbp":  # a global allocation; the total is fixed, the split is data-dependent
@@ -124,17 +123,51 @@ def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch)
 ])
 def test_the_library_refuses_settings_the_method_would_not_read(kwargs, message):
     with pytest.raises(CorpError, match=re.escape(message)):
-        CompressConfig(**kwargs)
+        CompressConfig.from_settings(**kwargs)
 
 
 def test_config_cli_and_sweep_read_the_method_registry():
     from benchmarks.sweep import SWEEP_METHODS
     from corp_deploy.cli import compress as compress_command
 
-    fields = {f.name for f in dataclasses.fields(CompressConfig)}
     for name, method in METHODS.items():
         assert method.name == name and method.default_target in method.targets
-        assert set(method.options) <= fields
-        assert CompressConfig(method=name).target == method.default_target
+        config = CompressConfig(method=name)
+        assert config.target == method.default_target and type(config.options) is method.options_class
     choices = next(p for p in compress_command.params if p.name == "method").type.choices
     assert list(choices) == list(METHODS) and SWEEP_METHODS == (*METHODS, "uncompensated")
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(macs=0.6, equal_head_dims=True), dict(speedup=2.0, ranker="energy"),
+                                      dict(s_mlp=0.3, calibration="sequential", ridge=0.1, round_to=4),
+                                      dict(method="vbp", s_mlp=0.2, layer_floor=0.3),
+                                      dict(method="toast", s_attn=0.25, token_fraction=0.5)])
+def test_flat_settings_round_trip_through_the_method_options(settings):
+    """``to_dict`` writes every method's options (the others at their defaults) and
+    ``from_settings`` reads them back into the same config, with the method's own options class."""
+    config = CompressConfig.from_settings(**settings)
+    assert type(config.options) is METHODS[config.method].options_class
+    flat = config.to_dict()
+    assert {name: flat[name] for name in settings} == settings
+    assert CompressConfig.from_settings(**flat) == config
+
+
+def test_options_of_another_method_are_refused():
+    from corp_deploy import CorpOptions, VbpOptions
+    with pytest.raises(CorpError, match="method vbp takes VbpOptions, not CorpOptions"):
+        CompressConfig(method="vbp", options=CorpOptions())
+    assert CompressConfig(method="vbp", options=VbpOptions(layer_floor=0.5)).options.layer_floor == 0.5
+
+
+def test_compress_options_are_the_method_options_fields():
+    """Every ``option(...)`` field of every method is a ``compress`` option with the field's
+    default; plain fields are library-only."""
+    from corp_deploy.cli import compress as compress_command
+    params = {p.name: p for p in compress_command.params}
+    for method in METHODS.values():
+        for field in method.options_class.fields():
+            if "help" in field.metadata:
+                assert params[field.name].default == field.default
+                assert params[field.name].help.startswith(f"{method.name}: ")
+            else:
+                assert field.name not in params

@@ -26,7 +26,7 @@ def setup():
 
 def run(setup, **cfg):
     dense, calib, held = setup
-    model, report = compress(dense, calib, CompressConfig(**cfg))
+    model, report = compress(dense, calib, CompressConfig.from_settings(**cfg))
     return feature_cosine(dense, model, held)["output_cosine"], report
 
 

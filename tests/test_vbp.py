@@ -43,8 +43,8 @@ def _make_constant_channels(model, per_block: int) -> None:
 def test_mean_fold_is_exact_for_constant_channels(vit, batches):
     _make_constant_channels(vit, per_block=48)  # 96 of 384 hidden channels in all: s = 0.25
     x = image_batches(1, 4, seed=7)[0]
-    folded, report = compress(vit, batches, CompressConfig(method="vbp", s_mlp=0.25, layer_floor=0.0))
-    sliced, _ = compress(vit, batches, CompressConfig(method="vbp", s_mlp=0.25, layer_floor=0.0,
+    folded, report = compress(vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0))
+    sliced, _ = compress(vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0,
                                                       compensation=False))
     assert [layer["mlp"]["hidden"] for layer in report["layers"]] == [144, 144]
     assert all(layer["mlp"]["pruned_variance_fraction"] < 1e-12 for layer in report["layers"])
@@ -58,4 +58,4 @@ def test_mean_fold_is_exact_for_constant_channels(vit, batches):
 def test_vbp_refuses_what_it_does_not_do(bad):
     from corp_deploy.errors import CorpError
     with pytest.raises(CorpError, match="vbp"):
-        CompressConfig(method="vbp", **bad)
+        CompressConfig.from_settings(method="vbp", **bad)

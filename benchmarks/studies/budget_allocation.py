@@ -31,7 +31,7 @@ from benchmarks.held_out import feature_cosine, split_builtin_images
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, count_macs, kept_count, model_transform
 from corp_deploy.artifact import library_versions
-from corp_deploy.config import DISTORTIONS
+from corp_deploy.methods.corp.options import DISTORTIONS
 
 
 def uniform_all_sparsity(dense_macs: int, budget_macs: float, head_dim: int, hidden: int,
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    from corp_deploy.curves import macs_per_dim
+    from corp_deploy.methods.corp.curves import macs_per_dim
 
     dense = build_dinov2()
     transform, _ = model_transform(dense)
@@ -93,16 +93,16 @@ def main() -> None:
     for s in (float(v) for v in args.sparsities.split(",")):
         reference = run(f"s={s} uniform", CompressConfig(s_mlp=s, s_attn=s))
         budget = reference["macs_fraction"]
-        settings = [(f"s={s} selection", CompressConfig(s_mlp=s, s_attn=s, ranker="greedy"))]
+        settings = [(f"s={s} selection", CompressConfig.from_settings(s_mlp=s, s_attn=s, ranker="greedy"))]
         s_all = uniform_all_sparsity(dense_macs, budget * dense_macs, block.attn.head_dim,
                                      block.mlp.fc1.out_features, per_dim, blocks)
         settings.append((f"s={s} vo (uniform s={s_all})", CompressConfig(target="all", s_mlp=s_all, s_attn=s_all,
                                                                           s_vo=s_all)))
-        settings.append((f"s={s} allocation", CompressConfig(macs=budget, target="both", ranker="combined")))
+        settings.append((f"s={s} allocation", CompressConfig.from_settings(macs=budget, target="both", ranker="combined")))
         for distortion in args.distortions.split(","):
-            settings.append((f"s={s} budget {distortion}", CompressConfig(macs=budget, distortion=distortion)))
-        settings.append((f"s={s} budget combined-ranker", CompressConfig(macs=budget, ranker="combined")))
-        settings.append((f"s={s} budget equal-head-dims", CompressConfig(macs=budget, equal_head_dims=True)))
+            settings.append((f"s={s} budget {distortion}", CompressConfig.from_settings(macs=budget, distortion=distortion)))
+        settings.append((f"s={s} budget combined-ranker", CompressConfig.from_settings(macs=budget, ranker="combined")))
+        settings.append((f"s={s} budget equal-head-dims", CompressConfig.from_settings(macs=budget, equal_head_dims=True)))
         for label, config in settings:
             if wanted(label):
                 run(label, config)

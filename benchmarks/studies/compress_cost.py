@@ -59,8 +59,8 @@ def main() -> None:
 
     modes = args.modes.split(",")
     configs = {"independent": CompressConfig(s_mlp=args.s, s_attn=args.s),
-               "sequential": CompressConfig(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
-               "budget": CompressConfig(macs=args.macs)}
+               "sequential": CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
+               "budget": CompressConfig.from_settings(macs=args.macs)}
     forwards = [timed_forward(model, batches)]
     runs = []
     for mode in modes * args.rounds:

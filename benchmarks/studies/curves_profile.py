@@ -1,5 +1,5 @@
 """Where budget mode's error-curve pass spends its time: a cProfile of
-:func:`corp_deploy.curves.measure_curves` on DeiT-B (random weights; cost does not depend on them).
+:func:`corp_deploy.methods.corp.curves.measure_curves` on DeiT-B (random weights; cost does not depend on them).
 
     python -m benchmarks.studies.curves_profile --images 256 --macs 0.6 \\
         > benchmarks/results/curves_profile_deit_base.txt
@@ -18,7 +18,7 @@ import timm
 import torch
 
 from corp_deploy import CalibrationImages, CompressConfig, model_transform
-from corp_deploy.curves import measure_curves
+from corp_deploy.methods.corp.curves import measure_curves
 from corp_deploy.engine import _embed_all
 
 
@@ -42,7 +42,7 @@ def main() -> None:
         profile = cProfile.Profile()
         start = time.perf_counter()
         profile.enable()
-        measure_curves(model, cache, CompressConfig(macs=args.macs))
+        measure_curves(model, cache, CompressConfig.from_settings(macs=args.macs))
         profile.disable()
         print(f"curves pass: {time.perf_counter() - start:.1f} s")
     pstats.Stats(profile).sort_stats("cumulative").print_stats("corp_deploy|cholesky|solve_triangular", 25)

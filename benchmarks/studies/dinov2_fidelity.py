@@ -57,7 +57,7 @@ def main() -> None:
     for label, cfg in [(label, cfg) for label, cfg in SETTINGS if any(part in label for part in args.only.split(","))]:
         start = time.perf_counter()
         ridge = {"ridge": args.ridge} if cfg.get("method", "corp") == "corp" else {}  # CORP's setting only
-        model, report = compress(dense, calib, CompressConfig(**cfg, **ridge))
+        model, report = compress(dense, calib, CompressConfig.from_settings(**cfg, **ridge))
         seconds = time.perf_counter() - start
         rows.append({"setting": label, **feature_cosine(dense, model, held),
                      "params_m": round(report["params"]["compressed"] / 1e6, 2),

@@ -101,7 +101,7 @@ def main() -> None:
     calib, held = (list(part) for part in split_builtin_images(transform, args.calib, args.held_out))
     rows, models = [], {"dense": dense}
     for s in (float(v) for v in args.sparsities.split(",")):
-        static, _ = compress(dense, calib, CompressConfig(method="toast", target="mlp", s_mlp=s,
+        static, _ = compress(dense, calib, CompressConfig.from_settings(method="toast", target="mlp", s_mlp=s,
                                                           token_fraction=args.fraction))
         dynamic = per_input_model(dense, s, args.fraction)
         row = {"sparsity": s, "static": feature_cosine(dense, static, held),

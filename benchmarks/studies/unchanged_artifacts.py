@@ -91,10 +91,10 @@ def api_configs(family: str) -> dict[str, CompressConfig]:
     target, methods = FAMILIES[family][3], FAMILIES[family][4]
     sparsities = dict(s_mlp=0.5, s_attn=0.5) if target is None else dict(s_mlp=0.5, s_vo=0.5)
     configs = {
-        "corp-s0.5": CompressConfig(target=target, **sparsities),
-        "corp-macs0.9": CompressConfig(macs=0.9, target=target),
-        "corp-sequential": CompressConfig(target=target, calibration="sequential", **sparsities),
-        "corp-no-compensation": CompressConfig(target=target, compensation=False, **sparsities),
+        "corp-s0.5": CompressConfig.from_settings(target=target, **sparsities),
+        "corp-macs0.9": CompressConfig.from_settings(macs=0.9, target=target),
+        "corp-sequential": CompressConfig.from_settings(target=target, calibration="sequential", **sparsities),
+        "corp-no-compensation": CompressConfig.from_settings(target=target, compensation=False, **sparsities),
     }
     if "vbp" in methods:
         configs["vbp-s0.5"] = CompressConfig(method="vbp", s_mlp=0.5)

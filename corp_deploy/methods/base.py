@@ -1,11 +1,12 @@
-"""What a compression method is: the parts it prunes, the settings it reads, and how it
+"""What a compression method is: the parts it prunes, its own validated options, and how it
 compresses the blocks of a model, given the calibration cache."""
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from torch import nn
 
@@ -29,6 +30,45 @@ class BlockRun:
     report: dict = field(default_factory=dict)
 
 
+def option(default: Any, help: str, *, value_type: type | None = None, choices: tuple[str, ...] | None = None,
+           metavar: str | None = None, default_help: str | None = None) -> Any:
+    """A :class:`MethodOptions` field that is also a command-line option ``--<name with dashes>``:
+    ``help`` its ``--help`` text, ``value_type`` its type (that of ``default`` when not given; a
+    bool is a flag), ``choices`` its allowed values, ``default_help`` what ``--help`` says about a
+    default decided later (the field's default is then None)."""
+    return field(default=default, metadata={"help": help, "value_type": value_type or type(default),
+                                            "choices": choices, "metavar": metavar, "default_help": default_help})
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """The settings only one method reads (ModelOpt's per-mode configs are the model). Each
+    method subclasses it with fields, validated in ``__post_init__`` (a
+    :class:`~corp_deploy.errors.SettingError` naming the field); :meth:`check` validates them
+    against the settings every method shares, once those are known. Fields made with
+    :func:`option` are also command-line options; plain fields are for library callers only."""
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether the kept sizes come from a budget rather than from sparsities."""
+        return False
+
+    @property
+    def default_target(self) -> str | None:
+        """The target these options call for when none is given (None: the method's default)."""
+        return None
+
+    def check(self, config: "CompressConfig") -> None:
+        """SettingError when these options contradict ``config``'s shared settings."""
+
+    @classmethod
+    def fields(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class Method(ABC):
     """One compression method. Subclasses set the class attributes and ``compress_blocks``.
 
@@ -37,10 +77,12 @@ class Method(ABC):
         summary: one sentence for ``--help``.
         prunes: what the method can remove, in words (for messages).
         targets: the ``CompressConfig.target`` values it accepts; ``default_target`` its default.
-        options: ``CompressConfig`` fields that only this method reads; giving another method
-            a non-default value for them is refused, not ignored.
+        options_class: its :class:`MethodOptions` (``CompressConfig.options``); settings of one
+            method given to another are refused, not ignored.
         has_compensation: whether there is a compensation step that ``compensation=False``
             switches off.
+        per_layer_sparsity: whether a sparsity sets every layer's kept count (False: one global
+            rate whose per-layer counts vary, as VBP's).
     """
 
     name: ClassVar[str]
@@ -48,8 +90,9 @@ class Method(ABC):
     prunes: ClassVar[str]
     targets: ClassVar[tuple[str, ...]]
     default_target: ClassVar[str]
-    options: ClassVar[tuple[str, ...]] = ()
+    options_class: ClassVar[type[MethodOptions]] = MethodOptions
     has_compensation: ClassVar[bool] = True
+    per_layer_sparsity: ClassVar[bool] = True
 
     @abstractmethod
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:

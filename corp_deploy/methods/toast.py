@@ -12,6 +12,7 @@ replaceable and are removed; every head keeps the same ``d'`` of each.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,14 +21,26 @@ from torch import nn
 from .. import channels
 from ..blocks import block_forward
 from ..dims import kept_count
-from ..errors import CorpError
+from ..errors import CorpError, SettingError
 from ..families import blocks_of, is_plain_attention, windows_of
 from ..layers import PrunedAttention, block_dims, head_dims
 from ..models import uses_class_token
-from .base import BlockRun, Method
+from .base import BlockRun, Method, MethodOptions, option
 
 if TYPE_CHECKING:
     from ..config import CompressConfig
+
+
+@dataclass(frozen=True)
+class ToastOptions(MethodOptions):
+    """ToaSt's settings. ``token_fraction``: fraction of each image's patch tokens sampled for the
+    FFN channel importance (ToaSt uses 2-20%)."""
+
+    token_fraction: float = option(0.1, "fraction of patch tokens per image sampled for FFN channel importance.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.token_fraction <= 1.0:
+            raise SettingError(f"{{setting}} must be in (0, 1], got {self.token_fraction!r}", "token_fraction")
 
 
 class Toast(Method):
@@ -36,7 +49,7 @@ class Toast(Method):
     prunes = "MLP hidden channels and attention query/key and value dims"
     targets = ("mlp", "attn", "both")
     default_target = "both"
-    options = ("token_fraction",)
+    options_class = ToastOptions
     has_compensation = False
 
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
@@ -59,7 +72,7 @@ class Toast(Method):
             info: dict = {}
             if config.prunes_mlp:
                 importance = TokenChannelImportance(block.mlp.fc1.out_features, model.num_prefix_tokens,
-                                                    class_token, config.token_fraction, sampler)
+                                                    class_token, config.options.token_fraction, sampler)
                 with run.timer("block_statistics"):
                     _advance_with_importance(block, run, importance)
                 with run.timer("mlp_solve"):

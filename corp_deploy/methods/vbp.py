@@ -8,6 +8,7 @@ into the fc2 bias: ``b2' = b2 + W2[:, P] @ mu_P``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,12 +16,25 @@ from torch import nn
 
 from .. import channels
 from ..blocks import block_forward
+from ..errors import SettingError
 from ..families import blocks_of
 from ..layers import block_dims
-from .base import BlockRun, Method
+from .base import BlockRun, Method, MethodOptions, option
 
 if TYPE_CHECKING:
     from ..config import CompressConfig
+
+
+@dataclass(frozen=True)
+class VbpOptions(MethodOptions):
+    """VBP's settings. ``layer_floor``: every MLP keeps at least this fraction of its channels
+    (the global variance ranking would otherwise empty low-variance layers)."""
+
+    layer_floor: float = option(0.1, "fraction of every MLP's channels always kept.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise SettingError(f"{{setting}} must be in [0, 1], got {self.layer_floor!r}", "layer_floor")
 
 
 class Vbp(Method):
@@ -29,7 +43,8 @@ class Vbp(Method):
     prunes = "MLP hidden channels"
     targets = ("mlp",)
     default_target = "mlp"
-    options = ("layer_floor",)
+    options_class = VbpOptions
+    per_layer_sparsity = False
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
@@ -42,7 +57,7 @@ class Vbp(Method):
                 run.block_done()
         layers = []
         with run.timer("mlp_solve"):
-            counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.layer_floor,
+            counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.options.layer_floor,
                                         config.round_to)
             for block, stats, kept in zip(blocks_of(model), moments, counts):
                 S, P = channels.split_channels(stats.variance, kept)

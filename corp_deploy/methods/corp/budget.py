@@ -7,34 +7,33 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ...cost import count_macs
+from ...families import blocks_of
 from .allocation import Unit, allocate, check_feasible
-from .cost import count_macs
 from .curves import measure_curves, unit_shapes
-from .families import blocks_of
+from .sizes import BlockSizes
 
 if TYPE_CHECKING:
-    from .config import CompressConfig
-    from .methods.base import BlockRun
-    from .methods.corp import BlockSizes
+    from ...config import CompressConfig
+    from ..base import BlockRun
 
 #: Which ``BlockSizes`` fields a unit's kept size sets.
 _SIZE_FIELDS = {"mlp": ("mlp",), "qk": ("qk",), "vo": ("v",), "qkvo": ("qk", "v")}
 
 
-def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> tuple[list["BlockSizes"], dict]:
+def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> tuple[list[BlockSizes], dict]:
     """The kept sizes of every block under ``config``'s MAC budget, and the budget's report
     (every unit's kept size, error and distortion). ``run.cache`` is left where it was."""
-    from .methods.corp import BlockSizes
-
+    options = config.options
     dense_macs = count_macs(model, run.cache.input_size)
-    budget_macs = math.floor(config.macs_fraction * dense_macs)
+    budget_macs = math.floor(options.macs_fraction * dense_macs)
     shapes = unit_shapes(model, run.cache.tokens, config.parts)
     prunable = sum(total * per_dim for total, per_dim in shapes)
-    check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, config.unit_floor)  # before the work
+    check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, options.unit_floor)  # before the work
     with run.timer("budget_curves"):
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
     kept = allocate([Unit(c.total, c.macs_per_dim, c.distortion) for c in curves], dense_macs - prunable,
-                    budget_macs, config.round_to, config.unit_floor)
+                    budget_macs, config.round_to, options.unit_floor)
     per_block: list[dict] = [{"orders": {}} for _ in blocks_of(model)]
     for curve, size in zip(curves, kept):
         for field in _SIZE_FIELDS[curve.part]:
@@ -43,8 +42,8 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
     sizes = [BlockSizes(**parts) for parts in per_block]
     planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
     report = {
-        "macs_fraction": config.macs_fraction, "dense_macs": dense_macs, "budget_macs": budget_macs,
-        "planned_macs": planned, "distortion": config.distortion,
+        "macs_fraction": options.macs_fraction, "dense_macs": dense_macs, "budget_macs": budget_macs,
+        "planned_macs": planned, "distortion": options.distortion,
         "units": [{"block": c.block, "part": c.part, "total": c.total, "kept": k,
                    "error": float(c.error[k]), "distortion": float(c.distortion[k])}
                   for c, k in zip(curves, kept)],

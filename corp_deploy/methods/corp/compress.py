@@ -1,6 +1,6 @@
-"""CORP (docs/method.md §2-4, §8): per-layer selection and closed-form ridge compensation of
-MLP hidden channels, attention query/key head dims and value/output head dims, block by block,
-at uniform sparsities or at the per-block sizes a MAC budget allocates.
+"""CORP's compression of one block (docs/method.md §2-4): selection and closed-form ridge
+compensation of its MLP hidden channels, attention query/key head dims and value/output head
+dims, to the kept sizes it is given.
 
 Independent calibration (the paper): one pass of the dense block collects the statistics of
 every pruned part and produces the (dense) next boundary; then the parts are compressed.
@@ -10,74 +10,25 @@ the compressed block gives the next boundary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .. import attention as attn_ops
-from .. import channels, values
-from ..blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_hidden, mlp_residual,
-                      probe_query_keys, residual_weight)
-from ..dims import kept_count
-from ..families import blocks_of
-from ..layers import block_dims, head_dims
-from ..stats import HeadGrams, MomentAccumulator
-from .base import BlockRun, Method
+from ... import attention as attn_ops
+from ... import channels, values
+from ...blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_hidden, mlp_residual,
+                       probe_query_keys, residual_weight)
+from ...layers import block_dims
+from ...stats import HeadGrams, MomentAccumulator
+from ..base import BlockRun
+from .sizes import BlockSizes
 
 if TYPE_CHECKING:
-    from ..config import CompressConfig
+    from ...config import CompressConfig
 
 
-@dataclass(frozen=True)
-class BlockSizes:
-    """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head.
-    ``orders``: channel selection orders already computed from the dense statistics of this block
-    (``mlp``, ``vo``; see :class:`~corp_deploy.curves.UnitCurve`), reused by independent calibration,
-    whose statistics are the same."""
-
-    mlp: int | None = None
-    qk: int | None = None
-    v: int | None = None
-    orders: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class Corp(Method):
-    name = "corp"
-    summary = "ranking plus closed-form compensation; sparsities or a MAC budget."
-    prunes = "MLP hidden channels, attention query/key dims and value/output dims"
-    targets = ("mlp", "attn", "vo", "both", "mlp-vo", "all")
-    default_target = "both"
-    options = ("ranker", "ridge", "calibration", "macs", "speedup", "unit_floor", "distortion", "equal_head_dims")
-
-    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
-        return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
-
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
-        if config.has_budget:
-            from ..budget import plan_budget
-            sizes, run.report["budget"] = plan_budget(model, run, config)
-        else:
-            sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
-        compress_block = _compress_block_sequential if config.calibration == "sequential" else _compress_block
-        layers = []
-        for block, size in zip(blocks_of(model), sizes):
-            layers.append(compress_block(block, run, config, size))
-            run.block_done()
-        return layers
-
-
-def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
-    """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
-    qk, v = head_dims(block.attn)
-    return BlockSizes(
-        mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
-        qk=kept_count(qk, config.s_attn, config.round_to) if config.prunes_attn else None,
-        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None)
-
-
-def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes) -> dict:
+def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
     advances through the dense block."""
     grams = HeadGrams() if sizes.qk is not None else None
@@ -103,7 +54,7 @@ def _compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", s
     return info
 
 
-def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes
+def compress_block_sequential(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes
                                ) -> dict:
     """Sequential calibration: each part is calibrated on the output of the parts compressed
     before it; ``run.cache`` advances through the compressed block."""
@@ -143,7 +94,8 @@ def _compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compres
 
 
 def _mlp_moments(block: nn.Module, run: BlockRun, config: "CompressConfig") -> MomentAccumulator:
-    return MomentAccumulator(block.mlp.fc1.out_features, run.cache.device, track_positive=config.ranker == "active")
+    return MomentAccumulator(block.mlp.fc1.out_features, run.cache.device,
+                             track_positive=config.options.ranker == "active")
 
 
 def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConfig", kept: int) -> dict:
@@ -154,7 +106,7 @@ def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConf
     H = attn.num_heads
     scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
     S, P = attn_ops.split_head_dims(scores, kept)
-    heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.ridge,
+    heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.options.ridge,
                                  config.compensation) for h in range(H)]
     block.attn = attn_ops.fold_attention(attn, S, [s.M for s in heads])
     scale2 = attn.scale ** 2
@@ -182,9 +134,10 @@ def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "C
     H = attn.num_heads
     w = residual_weight(attn.proj, block.ls1)
     if order is None:
-        order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=H, kept=kept * H)
+        order = channels.keep_order(proj_inputs, w, config.options.ranker, config.options.ridge, groups=H,
+                                    kept=kept * H)
     S, P = channels.split_order(order, kept * H)
-    sol = channels.solve_channels(proj_inputs, w, S, P, config.ridge, config.compensation)
+    sol = channels.solve_channels(proj_inputs, w, S, P, config.options.ridge, config.compensation)
     block.attn = values.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
     return {"v_head_dim": kept, **_channel_errors(sol)}
 
@@ -195,9 +148,9 @@ def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "Compress
     returns its report. ``order``: the selection order, when already computed from these statistics."""
     w = residual_weight(block.mlp.fc2, block.ls2)
     if order is None:
-        order = channels.keep_order(moments, w, config.ranker, config.ridge, kept=kept)
+        order = channels.keep_order(moments, w, config.options.ranker, config.options.ridge, kept=kept)
     S, P = channels.split_order(order, kept)
-    sol = channels.solve_channels(moments, w, S, P, config.ridge, config.compensation)
+    sol = channels.solve_channels(moments, w, S, P, config.options.ridge, config.compensation)
     channels.fold_mlp(block.mlp, sol.kept, sol.pruned, sol.B, sol.c)
     return {"hidden": kept, **_channel_errors(sol)}
 

@@ -30,15 +30,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import attention as attn_ops
-from . import channels
-from .blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
-from .families import blocks_of, windows_of
-from .layers import GatedLinear, head_dims
-from .stats import HeadGrams, MomentAccumulator
+from ... import attention as attn_ops
+from ... import channels
+from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
+from ...families import blocks_of, windows_of
+from ...layers import GatedLinear, head_dims
+from ...stats import HeadGrams, MomentAccumulator
 
 if TYPE_CHECKING:
-    from .config import CompressConfig
+    from ...config import CompressConfig
 
 
 @dataclass
@@ -131,14 +131,14 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     curves of every unit of the parts ``config`` prunes, in block order (``mlp``, ``qk``, ``vo``
     per block, or ``qkvo`` instead of the last two with ``equal_head_dims``)."""
     units: list[UnitCurve] = []
-    tokens = cache.tokens
+    tokens, options = cache.tokens, config.options
     for index, block in enumerate(blocks_of(model)):
         attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
         proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
             if "vo" in config.parts else None
-        hidden = MomentAccumulator(block.mlp.fc1.out_features, cache.device, track_positive=config.ranker == "active") \
-            if "mlp" in config.parts else None
+        hidden = MomentAccumulator(block.mlp.fc1.out_features, cache.device,
+                                   track_positive=options.ranker == "active") if "mlp" in config.parts else None
         attn_energy, mlp_energy = ResidualEnergy(), ResidualEnergy()
         probe: list[torch.Tensor] = []
 
@@ -155,18 +155,18 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
         block_units = {}
         if hidden is not None:
             w = residual_weight(block.mlp.fc2, block.ls2)
-            order = channels.keep_order(hidden, w, config.ranker, config.ridge)
-            error = channels.prefix_objective(hidden, w, order, config.ridge)
-            block_units["mlp"] = _unit(index, block, "mlp", error, mlp_energy.value, tokens, config, order)
+            order = channels.keep_order(hidden, w, options.ranker, options.ridge)
+            error = channels.prefix_objective(hidden, w, order, options.ridge)
+            block_units["mlp"] = _unit(index, block, "mlp", error, mlp_energy.value, tokens, options.distortion, order)
         if grams is not None:
-            error = _qk_curve(block, grams, torch.cat(probe), config.ridge)
-            block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, config)
+            error = _qk_curve(block, grams, torch.cat(probe), options.ridge)
+            block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, options.distortion)
         if proj_inputs is not None:
             w = residual_weight(attn.proj, block.ls1)
-            order = channels.keep_order(proj_inputs, w, config.ranker, config.ridge, groups=heads)
-            error = channels.prefix_objective(proj_inputs, w, order, config.ridge)[::heads]
-            block_units["vo"] = _unit(index, block, "vo", error, attn_energy.value, tokens, config, order)
-        if config.equal_head_dims:
+            order = channels.keep_order(proj_inputs, w, options.ranker, options.ridge, groups=heads)
+            error = channels.prefix_objective(proj_inputs, w, order, options.ridge)[::heads]
+            block_units["vo"] = _unit(index, block, "vo", error, attn_energy.value, tokens, options.distortion, order)
+        if options.equal_head_dims:
             block_units["qk"] = block_units["qk"].tied_with(block_units.pop("vo"))
         units += block_units.values()
         block_done()
@@ -204,9 +204,9 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
 
 
 def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,
-          config: "CompressConfig", order: torch.Tensor | None = None) -> UnitCurve:
+          distortion: str, order: torch.Tensor | None = None) -> UnitCurve:
     error = error.double().cpu()
-    scale = {"residual": residual_energy, "relative": float(error[0]), "absolute": 1.0}[config.distortion]
+    scale = {"residual": residual_energy, "relative": float(error[0]), "absolute": 1.0}[distortion]
     return UnitCurve(index, part, len(error) - 1, macs_per_dim(part, tokens, block), error,
                      error / scale if scale > 0 else torch.zeros_like(error),
                      {part: order} if order is not None else {})

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import SettingError
+from ...errors import SettingError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""CORP (docs/method.md §2-4, §8): per-layer selection and closed-form ridge compensation of MLP
+hidden channels, attention query/key head dims and value/output head dims, block by block, at
+uniform sparsities or at the per-block sizes a MAC budget allocates.
+
+Modules: :mod:`.options` (its settings), :mod:`.sizes` (kept sizes at uniform sparsities),
+:mod:`.budget` (a MAC budget: :mod:`.curves` measures every unit's error curve, :mod:`.allocation`
+spends the budget over them), :mod:`.compress` (one block's compression to given sizes).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ...families import blocks_of
+from ..base import BlockRun, Method
+from .budget import plan_budget
+from .compress import compress_block, compress_block_sequential
+from .options import CorpOptions
+from .sizes import uniform_sizes
+
+if TYPE_CHECKING:
+    from ...config import CompressConfig
+
+
+class Corp(Method):
+    name = "corp"
+    summary = "ranking plus closed-form compensation; sparsities or a MAC budget."
+    prunes = "MLP hidden channels, attention query/key dims and value/output dims"
+    targets = ("mlp", "attn", "vo", "both", "mlp-vo", "all")
+    default_target = "both"
+    options_class = CorpOptions
+
+    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
+        return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
+
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+        if config.has_budget:
+            sizes, run.report["budget"] = plan_budget(model, run, config)
+        else:
+            sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
+        compress = compress_block_sequential if config.options.calibration == "sequential" else compress_block
+        layers = []
+        for block, size in zip(blocks_of(model), sizes):
+            layers.append(compress(block, run, config, size))
+            run.block_done()
+        return layers
+
+
+__all__ = ["Corp", "CorpOptions"]

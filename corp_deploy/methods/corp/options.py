@@ -1,0 +1,112 @@
+"""CORP's options: channel selection, ridge, calibration order, and the MAC budget."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ... import channels
+from ...errors import SettingError, check_choice
+from ..base import MethodOptions, option
+
+if TYPE_CHECKING:
+    from ...config import CompressConfig
+
+RANKERS = channels.RANKERS
+CALIBRATION_MODES = ("independent", "sequential")
+DISTORTIONS = ("residual", "relative", "absolute")
+#: Channel selection without a budget (the paper's ranking) and with one (measured:
+#: benchmarks/RESULTS.md, "Kept sets").
+UNIFORM_RANKER, BUDGET_RANKER = "combined", "greedy"
+
+
+@dataclass(frozen=True)
+class CorpOptions(MethodOptions):
+    """CORP's settings (docs/method.md §2-4, §8 for budgets).
+
+    Attributes:
+        macs: budget: keep at most this fraction of the dense model's MACs, in (0, 1].
+        speedup: budget: MAC-ideal speedup, the same as ``macs = 1 / speedup``; >= 1.
+        unit_floor: budget: every pruned unit (an MLP, a block's query/key or value dims)
+            keeps at least this fraction of its dims.
+        distortion: budget: how the errors of different units are made comparable
+            (``residual``, the default: each unit's error in the residual stream relative to the
+            stream's energy there; ``relative``: relative to the unit's error when fully pruned;
+            ``absolute``: as it is); see docs/method.md §8 and benchmarks/RESULTS.md.
+        equal_head_dims: prune query/key and value dims to the same count in every head, so
+            the exported attention has equal head dims (needs target ``all``).
+        ranker: channel selection for MLP hidden and value channels: a score (``combined``,
+            ``energy``, ``magnitude``, ``active``, ``variance``) or ``greedy`` (closed-form
+            error reduction). ``None``: ``combined`` for sparsities, ``greedy`` for budgets.
+        ridge: scale-free ridge strength alpha; the per-layer lambda is ``alpha`` times the
+            layer's mean channel variance (MLP, values) or the mean diagonal of its query/key
+            system over the full head dim: the same whichever dims are kept.
+        calibration: ``independent`` (all statistics from the dense model, as in the paper; the
+            default: as accurate as sequential in our measurements and cheaper, see
+            benchmarks/RESULTS.md) or ``sequential`` (block l calibrated on the outputs of the
+            already compressed blocks < l).
+    """
+
+    macs: float | None = option(
+        None, "MAC budget, keep at most the fraction F of the dense MACs; every block's parts get the sizes "
+              "that CORP's closed-form errors say hurt least. Excludes --s*.", value_type=float, metavar="F")
+    speedup: float | None = option(None, "MAC budget as a MAC-ideal speedup (the same as --macs 1/X).",
+                                   value_type=float, metavar="X")
+    unit_floor: float = option(0.1, "with a budget, every MLP and every block's query/key or value dims keep at "
+                                    "least this fraction.")
+    distortion: str = "residual"  # library only (for studies): no command-line option
+    equal_head_dims: bool = option(False, "as many value as query/key dims in every head (fused attention kernels "
+                                          "need equal head dims); needs --target all.")
+    ranker: str | None = option(None, "MLP hidden and value channel selection.", value_type=str, choices=RANKERS,
+                                default_help=f"{UNIFORM_RANKER} with --s, {BUDGET_RANKER} with a budget")
+    ridge: float = option(1e-3, "scale-free ridge alpha (lambda = alpha times the layer's mean channel variance).")
+    calibration: str = option("independent", "statistics all from the dense model (independent, as in the paper) "
+                                             "or from the partly compressed model (sequential).",
+                              choices=CALIBRATION_MODES)
+
+    def __post_init__(self) -> None:
+        self._check_budget()
+        if self.ranker is None:
+            object.__setattr__(self, "ranker", BUDGET_RANKER if self.has_budget else UNIFORM_RANKER)
+        check_choice("ranker", self.ranker, RANKERS)
+        check_choice("calibration", self.calibration, CALIBRATION_MODES)
+        check_choice("distortion", self.distortion, DISTORTIONS)
+        if not (self.ridge >= 0.0 and math.isfinite(self.ridge)):
+            raise SettingError(f"{{setting}} must be a finite number >= 0, got {self.ridge!r}", "ridge")
+        if not 0.0 <= self.unit_floor <= 1.0:
+            raise SettingError(f"{{setting}} must be in [0, 1], got {self.unit_floor!r}", "unit_floor")
+
+    def _check_budget(self) -> None:
+        if self.macs is not None and self.speedup is not None:
+            raise SettingError("give the budget as {setting} or as {setting}, not both", "macs", "speedup")
+        if self.macs is not None and not (isinstance(self.macs, (int, float)) and 0.0 < self.macs <= 1.0):
+            raise SettingError(f"the MAC budget {{setting}} must be a fraction of the dense MACs in (0, 1], got "
+                               f"{self.macs!r}", "macs")
+        if self.speedup is not None and not (isinstance(self.speedup, (int, float)) and self.speedup >= 1.0
+                                             and math.isfinite(self.speedup)):
+            raise SettingError(f"the speedup budget {{setting}} must be a finite number >= 1, got {self.speedup!r}",
+                               "speedup")
+
+    @property
+    def has_budget(self) -> bool:
+        return self.macs is not None or self.speedup is not None
+
+    @property
+    def macs_fraction(self) -> float | None:
+        """The budget as a fraction of the dense MACs (None without a budget)."""
+        return self.macs if self.macs is not None else (1.0 / self.speedup if self.speedup else None)
+
+    @property
+    def default_target(self) -> str | None:
+        return "all" if self.has_budget else None
+
+    def check(self, config: "CompressConfig") -> None:
+        if not self.equal_head_dims:
+            return
+        if config.target != "all":
+            raise SettingError(f"{{setting}} ties value dims to query/key dims; it needs {{setting}} all (got "
+                               f"{config.target})", "equal_head_dims", "target")
+        if not self.has_budget and config.s_attn != config.s_vo:
+            raise SettingError(f"{{setting}} keeps as many value as query/key dims per head; {{setting}} "
+                               f"({config.s_attn}) and {{setting}} ({config.s_vo}) must then be equal",
+                               "equal_head_dims", "s_attn", "s_vo")

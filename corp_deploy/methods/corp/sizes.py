@@ -1,0 +1,37 @@
+"""The kept sizes of a block's parts, at uniform sparsities (a MAC budget allocates them
+per block: :mod:`.budget`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ...dims import kept_count
+from ...layers import head_dims
+
+if TYPE_CHECKING:
+    from ...config import CompressConfig
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head.
+    ``orders``: channel selection orders already computed from the dense statistics of this block
+    (``mlp``, ``vo``; see :class:`~.curves.UnitCurve`), reused by independent calibration,
+    whose statistics are the same."""
+
+    mlp: int | None = None
+    qk: int | None = None
+    v: int | None = None
+    orders: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
+    """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
+    qk, v = head_dims(block.attn)
+    return BlockSizes(
+        mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
+        qk=kept_count(qk, config.s_attn, config.round_to) if config.prunes_attn else None,
+        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None)
