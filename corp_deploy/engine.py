@@ -224,3 +224,27 @@ class _Progress:
     def block_done(self) -> None:
         if self._bar is not None:
             self._bar.advance(self._blocks)
+
+
+def summary_tables(report: dict, path) -> list:
+    """The compress ``report`` of :func:`compress` as rich tables: parameters, MACs, the mean
+    relative error of every pruned part (sliced and compensated) and the wall time, then the
+    method's own tables (CORP's budget allocation). ``path``: where the artifact was written."""
+    from rich.table import Table
+
+    layers = report["layers"]
+    table = Table(title=f"corp-deploy compress ({report['method']}) -> {path}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    p, m = report["params"], report["macs"]
+    table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
+    table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
+    for part, label in (("mlp", "MLP output"), ("attention", "attention logits"), ("values", "value/output")):
+        rows = [layer[part] for layer in layers if "relative_error_compensated" in layer.get(part, {})]
+        if rows:
+            unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
+            comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
+            table.add_row(f"{label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
+    table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
+    return [table, *METHODS[report["method"]].report_tables(report)]

@@ -128,7 +128,7 @@ def test_the_library_refuses_settings_the_method_would_not_read(kwargs, message)
 
 def test_config_cli_and_sweep_read_the_method_registry():
     from benchmarks.sweep import SWEEP_METHODS
-    from corp_deploy.cli import compress as compress_command
+    from corp_deploy.cli.compress import compress as compress_command
 
     for name, method in METHODS.items():
         assert method.name == name and method.default_target in method.targets
@@ -162,7 +162,7 @@ def test_options_of_another_method_are_refused():
 def test_compress_options_are_the_method_options_fields():
     """Every ``option(...)`` field of every method is a ``compress`` option with the field's
     default; plain fields are library-only."""
-    from corp_deploy.cli import compress as compress_command
+    from corp_deploy.cli.compress import compress as compress_command
     params = {p.name: p for p in compress_command.params}
     for method in METHODS.values():
         for field in method.options_class.fields():

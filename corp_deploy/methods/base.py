@@ -104,5 +104,9 @@ class Method(ABC):
         """How many times ``compress_blocks`` calls ``run.block_done`` (for the progress bar)."""
         return len(blocks_of(model))
 
+    def report_tables(self, report: dict) -> list:
+        """Rich tables of what this method added to the compress ``report`` (printed after the summary)."""
+        return []
+
     def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
         """CorpError if ``model`` cannot be compressed this way (beyond the common structure checks)."""

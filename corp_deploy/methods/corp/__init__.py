@@ -14,7 +14,7 @@ from torch import nn
 
 from ...families import blocks_of
 from ..base import BlockRun, Method
-from .budget import plan_budget
+from .budget import allocation_table, plan_budget
 from .compress import compress_block, compress_block_sequential
 from .options import CorpOptions
 from .sizes import uniform_sizes
@@ -45,6 +45,9 @@ class Corp(Method):
             layers.append(compress(block, run, config, size))
             run.block_done()
         return layers
+
+    def report_tables(self, report: dict) -> list:
+        return [allocation_table(report["budget"])] if "budget" in report else []
 
 
 __all__ = ["Corp", "CorpOptions"]

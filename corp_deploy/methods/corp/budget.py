@@ -49,3 +49,24 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
                   for c, k in zip(curves, kept)],
     }
     return sizes, report
+
+
+def allocation_table(budget: dict):
+    """The budget report of :func:`plan_budget` as a rich table: per block, the kept dims of every
+    unit (of its full size) and its distortion."""
+    from rich.table import Table
+
+    from ...plots import PART_LABELS
+
+    parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
+    table = Table(title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
+                        f"{budget['planned_macs'] / 1e9:.3f} of {budget['dense_macs'] / 1e9:.3f} GMACs",
+                  caption=f"kept / full (distortion, {budget['distortion']})")
+    table.add_column("block", justify="right")
+    for part in parts:
+        table.add_column(PART_LABELS[part], justify="right")
+    by_key = {(u["block"], u["part"]): u for u in budget["units"]}
+    for block in sorted({u["block"] for u in budget["units"]}):
+        table.add_row(str(block), *[f"{u['kept']}/{u['total']} ({u['distortion']:.2g})"
+                                    for u in (by_key[block, part] for part in parts)])
+    return table

@@ -1,0 +1,63 @@
+"""What several commands share: warnings, input folders kept apart from outputs, and the dense
+model built from the model-source options."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import CorpError
+from .options import parse_model_args
+
+#: Where outputs go without -o.
+DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
+
+
+def warn(message: str | None) -> None:
+    if message:
+        click.secho(f"warning: {message}", fg="yellow", err=True)
+
+
+def warn_builtin_calibration() -> None:
+    warn("no --calib given; calibrating on built-in photos. Images from your deployment distribution give "
+          "better accuracy.")
+
+
+def input_dir(path: Path | None, option: str) -> Path | None:
+    """An input directory option, absolute (:func:`corp_deploy.files.existing_dir`); None if not given."""
+    from ..files import existing_dir
+    return None if path is None else existing_dir(path, option)
+
+
+def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
+    """CorpError when an output path lies inside an input folder (the next run would read the tool's
+    own files as images) or, for a command that ``records_state`` (compress), the state folder lies
+    inside its output (it would become a file the output's record does not list)."""
+    from ..artifact import state_dir
+    state = state_dir().resolve()
+    for output in outputs:
+        for option, folder in inputs.items():
+            if folder is not None and (output == folder or folder in output.parents):
+                raise CorpError(f"{output} lies inside {option} {folder}; write outputs outside the image folders")
+        if records_state and (state == output or output in state.parents):
+            raise CorpError(f"the state folder {state} lies inside {output}; choose another -o (or set "
+                            "CORP_DEPLOY_STATE_DIR elsewhere)")
+
+
+def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool,
+                 seed: int):
+    """Check the model-source options and build the dense model; returns it and its artifact record."""
+    from ..artifact import base_model_spec, weights_record
+    from ..models import create_base_model, resolve_model_name
+
+    kwargs = parse_model_args(model_args)
+    if checkpoint is not None and no_pretrained:
+        raise CorpError("--checkpoint and --no-pretrained exclude each other")
+    if checkpoint is not None and not checkpoint.is_file():
+        raise CorpError(f"--checkpoint {checkpoint}: {'not a file' if checkpoint.exists() else 'not found'}")
+    full_name = resolve_model_name(model, kwargs)
+    click.echo(f"building {full_name} ...", err=True)
+    base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint, seed=seed)
+    record = {**base_model_spec(base, full_name, kwargs),
+              "weights": weights_record(checkpoint, not no_pretrained, seed)}
+    return base, record

@@ -1,0 +1,82 @@
+"""The ``corp-deploy`` command group: exit statuses, and every failure as one message.
+
+Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
+traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
+and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+
+from ..errors import CorpError, SettingError, first_line
+
+#: Exit statuses of every command (README, "Guarantees").
+EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
+              3: "export: files written, a step needs TensorRT or a GPU to finish",
+              4: "a gate failed (export: nothing written; bench: reports written)",
+              130: "interrupted by SIGINT", 143: "terminated by SIGTERM"}
+#: Settings (CompressConfig fields) whose option is not ``--<field with dashes>``.
+_SETTING_OPTIONS = {"compensation": "--no-compensation"}
+
+
+def option_name(setting: str) -> str:
+    """The command-line option of a setting: ``s_mlp`` -> ``--s-mlp``."""
+    return _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
+
+
+class _Commands(click.Group):
+    """The command group: a :class:`CorpError` becomes its message and exit status, a setting's
+    name in it becomes its option, and running out of memory or a failing file system (no space,
+    no permission) becomes one message too. Other exceptions are bugs: one line says so
+    (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SettingError as exc:
+            raise _click_error(exc.naming(option_name), exc.exit_code) from None
+        except CorpError as exc:
+            raise _click_error(str(exc), exc.exit_code) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if _out_of_memory(exc):
+                raise _click_error(f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches",
+                                   1) from None
+            if isinstance(exc, OSError) and exc.errno is not None:
+                where = f" ({exc.filename})" if exc.filename else ""
+                raise _click_error(f"the file system refused: {exc.strerror or exc}{where}; nothing partial was "
+                                   "left behind", 1) from None
+            if os.environ.get("CORP_DEPLOY_DEBUG"):
+                raise
+            raise _click_error(f"internal error ({type(exc).__name__}: {first_line(exc)}); "
+                               "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
+                               "and report it", 1) from None
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Python's MemoryError, and torch's out-of-memory errors (raised as RuntimeErrors)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def _click_error(message: str, exit_code: int) -> click.ClickException:
+    error = click.ClickException(message)
+    error.exit_code = exit_code
+    return error
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
+                                                                    for code, meaning in EXIT_CODES.items()))
+@click.version_option(package_name="corp-deploy")
+def cli():
+    """Compress timm Vision Transformers one-shot with CORP and ship them.
+
+    \b
+    Typical use:
+      corp-deploy compress deit_base --s 0.5 && corp-deploy export --trt
+      corp-deploy compress deit_small --s-mlp 0.5 --s-attn 0.3 --calib ./images
+    """

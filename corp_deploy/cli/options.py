@@ -1,0 +1,154 @@
+"""Option groups that several commands share (Polygraphy's argument groups are the model),
+the option types with their ranges, and the parsers of option values."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import click
+
+from ..config import TARGETS
+from ..errors import CorpError
+from ..methods import METHODS
+from .group import option_name
+
+#: The largest seed every random generator used here accepts.
+MAX_SEED = 2 ** 32 - 1
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A float range that refuses NaN and infinities (click's ranges let NaN through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
+
+
+#: How many images an option may ask for (a decoded 224 px image is 0.6 MB).
+IMAGE_COUNT = click.IntRange(1, 10_000_000)
+#: CPU threads: at most four per core (more only slows the run, and far more crashes the runtimes).
+THREADS = click.IntRange(1, 4 * (os.cpu_count() or 1))
+#: A positive, finite number of seconds.
+SECONDS = FiniteFloatRange(min=0, min_open=True)
+
+
+def options(*options):
+    """Apply click options in the order listed (so they appear in that order in --help)."""
+    def apply(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return apply
+
+
+def method_options(func):
+    """Every method's options (:func:`corp_deploy.methods.base.option` fields of its options
+    class) as ``--<name>`` options, each help text led by the method's name."""
+    for method in reversed(METHODS.values()):
+        for field in reversed(method.options_class.fields()):
+            meta = field.metadata
+            if "help" not in meta:
+                continue
+            text = f"{method.name}: {meta['help']}"
+            if meta["default_help"]:
+                text += f" [default: {meta['default_help']}]"
+            flag = meta["value_type"] is bool
+            value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
+            func = click.option(option_name(field.name), is_flag=flag, type=value_type, default=field.default,
+                                show_default=not flag and field.default is not None, metavar=meta["metavar"],
+                                help=text)(func)
+    return func
+
+
+#: Which dense model to start from and what to calibrate on (shared by compress and sweep).
+model_source_options = options(
+    click.argument("model"),
+    click.option("--target", type=click.Choice(TARGETS), default=None,
+                 help="Which parts to prune. [default: the method's: "
+                      + ", ".join(f"{m.default_target} for {m.name}" for m in METHODS.values()) + "]"),
+    click.option("--calib", type=click.Path(path_type=Path), default=None,
+                 help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
+                      "Default: built-in photos from scikit-image."),
+    click.option("--calib-samples", type=IMAGE_COUNT, default=256, show_default=True,
+                 help="Number of calibration images."),
+    click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+                 help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0)."),
+    click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                 help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True)."),
+    click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool)."),
+    click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                 help="Seed for calibration sampling/augmentation and random weights."),
+)
+
+
+def keep_float_count(ctx, param, value: str) -> int | str:
+    """``--int8-keep-float``: ``auto`` or a count >= 0."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise click.BadParameter(f"expected 'auto' or a number >= 0, got {value!r}")
+    return count
+
+
+def parse_model_args(pairs: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` strings to a dict; values are parsed as JSON when they can be."""
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CorpError(f"--model-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def parse_sizes(text: str, option: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise CorpError(f"{option} takes comma-separated positive integers (e.g. 1,8,32); got {text!r}")
+    return sizes
+
+
+def parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise CorpError(f"{option} takes comma-separated numbers (e.g. {example}); got {text!r}")
+    return values
+
+
+#: What is timed, where, and for how long (bench, sweep).
+timing_options = options(
+    click.option("--backends", default="torch,ort,trt", show_default=True,
+                 help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines)."),
+    click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time."),
+    click.option("--threads", type=THREADS, default=None,
+                 help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]"),
+    click.option("--min-time", type=SECONDS, default=2.0, show_default=True,
+                 help="Seconds each model is timed per backend and batch size (at least 5 rounds)."),
+)
+
+#: The held-out images fidelity is measured on (bench, sweep).
+evaluation_options = options(
+    click.option("--data", type=click.Path(path_type=Path), default=None,
+                 help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
+                      "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
+                      "calibration]"),
+    click.option("--data-samples", type=IMAGE_COUNT, default=256, show_default=True,
+                 help="At most this many evaluation images."),
+)

@@ -1,0 +1,74 @@
+"""``corp-deploy sweep``: compress, export and bench over a grid of sparsities or budgets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..config import CompressConfig
+from ..errors import CorpError, SettingError
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
+from .group import cli, option_name
+from .options import evaluation_options, model_source_options, parse_sizes, parse_values, timing_options
+
+
+@cli.command()
+@model_source_options
+@click.option("--s", "sparsities", default=None,
+              help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
+                   "0.1,0.3,0.5,0.7 without --macs]")
+@click.option("--macs", "budgets", default=None,
+              help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
+                   "sparsities; methods corp and uncompensated.")
+@click.option("--methods", default=CompressConfig.method, show_default=True,
+              help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
+                   "first is the reference for the matched-MACs table.")
+@evaluation_options
+@timing_options
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
+def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities, budgets,
+          methods, data, data_samples, backends, batches, threads, min_time, output):
+    """Compress with each method at several sparsities (or MAC budgets), export, benchmark, and compare.
+
+    Writes one artifact (with its ONNX export) per method and point, sweep.json (every
+    number), sweep.md (every run, then fidelity at matched sparsity or budget and at matched
+    MACs) and sweep.png (fidelity vs sparsity or budget, fidelity vs MACs, speedup). Without
+    --target each method prunes what it prunes by default (vbp: the MLP only; corp with
+    budgets: MLP, query/key and value dims).
+
+    \b
+    Examples:
+      corp-deploy sweep deit_small --s 0.3,0.5,0.7 --methods corp,uncompensated --calib train/ --data val/
+      corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
+      corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
+      corp-deploy sweep deit_small --macs 0.8,0.6,0.4 --backends ort --batch 1,32
+    """
+    from benchmarks.backends import parse_families
+    from benchmarks.harness import BenchSettings
+    from benchmarks.sweep import SweepSpec, run_sweep
+
+    from ..outputs import check_output_dir
+
+    if sparsities is not None and budgets is not None:
+        raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
+    try:
+        spec = SweepSpec(
+            sparsities=() if budgets else parse_values(sparsities or "0.1,0.3,0.5,0.7", "--s", "0.1,0.3,0.5"),
+            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets else (), target=target,
+            methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+            calib=input_dir(calib, "--calib"), calib_samples=calib_samples,
+            data=input_dir(data, "--data"), data_samples=data_samples, seed=seed,
+            bench=BenchSettings(backends=parse_families(backends), batches=parse_sizes(batches, "--batch"),
+                                threads=threads, min_time=min_time))
+    except SettingError as exc:  # a sweep sets every sparsity with --s
+        raise CorpError(exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting)))
+    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}"
+                                         f"{f'-{target}' if target else ''}", "sweep")
+    check_apart([out_dir], {"--calib": spec.calib, "--data": spec.data})
+    dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
+    if calib is None:
+        warn_builtin_calibration()
+    run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
+    click.echo((out_dir / "sweep.md").read_text())
+    click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
