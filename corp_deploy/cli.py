@@ -20,6 +20,7 @@ from exporters.precision import EXPORT_PRECISIONS
 from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from exporters.tensorrt import BatchProfile
 
+from . import __version__
 from .config import (BUDGET_RANKER, CALIBRATION_MODES, DEFAULT_SPARSITY, RANKERS, TARGETS, UNIFORM_RANKER,
                      CompressConfig)
 from .errors import CorpError, SettingError, first_line
@@ -154,7 +155,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in EXIT_CODES.items()))
-@click.version_option(package_name="corp-deploy")
+@click.version_option(version=__version__)
 def cli():
     """Compress timm Vision Transformers one-shot with CORP and ship them.
 
@@ -489,7 +490,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
-    _print_export_summary(result.manifest, result.out_dir)
+    _print_export_summary(result)
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
@@ -501,25 +502,24 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         sys.exit(EXIT_INCOMPLETE)
 
 
-def _print_export_summary(manifest: dict, path: Path) -> None:
+def _print_export_summary(result) -> None:
+    """The parity checks of an :class:`exporters.results.ExportResult`, one row per checked file."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"corp-deploy export -> {path}",
+    manifest = result.manifest
+    table = Table(title=f"corp-deploy export -> {result.out_dir}",
                   caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}")
     for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
         table.add_column(column, justify="left" if column in ("file", "checked against") else "right")
-    for entry in manifest["models"].values():
-        for check, batches in entry["parity"].items():
-            backend, reference = check.split("_vs_")
-            file = entry["engine"] if backend == "tensorrt" else entry["onnx"][0]
-            if "skipped" in batches:
-                table.add_row(file, reference, "not run", "", "")
+    for entry in result.models.values():
+        for check in entry.parity:
+            if check.skipped is not None:
+                table.add_row(check.file, check.reference, "not run", "", "")
                 continue
-            results = list(batches.values())
-            top1 = [r["top1_agreement"] for r in results if r["top1_agreement"] is not None]
-            table.add_row(file, reference, f"{max(r['max_abs'] for r in results):.2e}",
-                          f"{min(r['cosine'] for r in results):.6f}", f"{min(top1):.3f}" if top1 else "-")
+            worst = check.worst()
+            table.add_row(check.file, check.reference, f"{worst.max_abs:.2e}", f"{worst.cosine:.6f}",
+                          f"{worst.top1_agreement:.3f}" if worst.top1_agreement is not None else "-")
     Console().print(table)
 
 
@@ -588,7 +588,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     from benchmarks.data import check_labels, eval_images
     from benchmarks.gate import GateLimits, read_report, regressions
     from benchmarks.harness import BenchSettings, run_bench
-    from benchmarks.int8 import int8_graphs, run_int8_bench
+    from benchmarks.int8 import Int8Graphs, int8_graphs, run_int8_bench
     from benchmarks.report import check_report_file, print_terminal, write_outputs
     from benchmarks.targets import calibration_overlap, load_models, resolve_target
 
@@ -635,11 +635,11 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     skipped = report["fidelity"]["data"].get("files_skipped")
     if skipped:
         _warn(f"skipped {skipped} unreadable evaluation files ({'; '.join(report['fidelity']['data']['skipped_examples'][:3])})")
-    graphs = int8_graphs(artifact) if "ort" in settings.backends else None
-    if isinstance(graphs, str):
-        report["int8"] = {"skipped": graphs}
-    elif graphs is not None:
-        report["int8"] = run_int8_bench(graphs, dense.torch, evaluation, settings, log)
+    int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
+    if int8.skipped is not None:
+        report["int8"] = {"skipped": int8.skipped}
+    elif int8.graphs:
+        report["int8"] = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
     found = regressions(report, limits, previous)
     report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
                       "passed": not found, "regressions": found}
