@@ -3,7 +3,8 @@
 Backend names: ``torch-cpu``, ``torch-cuda``, ``ort-cpu``, ``ort-cuda``, ``ort-tensorrt``
 (ONNX Runtime's CUDA and TensorRT providers) and ``trt`` (the exported TensorRT engine).
 A backend runs only if it can run every model asked for; otherwise it is reported as skipped
-with the reason, never dropped silently.
+with the reason, never dropped silently. Every backend's runner is an
+:class:`exporters.runners.Runner`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from corp_deploy import CorpError
 from exporters import tensorrt as trt_backend
-from exporters.runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
+from exporters.runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
 FAMILIES = ("torch", "ort", "trt")
 
@@ -31,28 +32,33 @@ class ModelFiles:
     engine: Path | None = None
 
 
-def _torch(device: str) -> Callable:
-    return lambda model, stack, threads: TorchRunner(model.torch, device)
+#: Makes a backend's runner for one model with a CPU thread count (None: the default), or
+#: raises BackendUnavailable.
+MakeRunner = Callable[[ModelFiles, int | None], Runner]
 
 
-def _onnxruntime(device: str) -> Callable:
-    def make(model: ModelFiles, stack: ExitStack, threads: int | None):
+def _torch(device: str) -> MakeRunner:
+    return lambda model, threads: TorchRunner(model.torch, device)
+
+
+def _onnxruntime(device: str) -> MakeRunner:
+    def make(model: ModelFiles, threads: int | None) -> Runner:
         if model.onnx is None:
             raise BackendUnavailable("no ONNX file (run `corp-deploy export ... --dense` first)")
         return OnnxRuntimeRunner(model.onnx, device, threads)
     return make
 
 
-def _tensorrt(model: ModelFiles, stack: ExitStack, threads: int | None):
+def _tensorrt(model: ModelFiles, threads: int | None) -> Runner:
     missing = trt_backend.unavailable_reason()
     if missing:
         raise BackendUnavailable(missing)
     if model.engine is None:
         raise BackendUnavailable("no TensorRT engine (run `corp-deploy export ... --trt --dense` on this GPU)")
-    return stack.enter_context(trt_backend.TensorRTRunner(model.engine))
+    return trt_backend.TensorRTRunner(model.engine)
 
 
-BACKENDS: dict[str, tuple[str, Callable]] = {
+BACKENDS: dict[str, tuple[str, MakeRunner]] = {
     "torch-cpu": ("torch", _torch("cpu")),
     "torch-cuda": ("torch", _torch("cuda")),
     "ort-cpu": ("ort", _onnxruntime("cpu")),
@@ -72,16 +78,20 @@ def parse_families(text: str) -> tuple[str, ...]:
 
 
 def open_runners(families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack,
-                 threads: int | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+                 threads: int | None = None) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
     """Runners ``{backend: {model name: runner}}`` for every backend of ``families`` that can
-    run all ``models``, and ``{backend: reason}`` for those that cannot. Runners that hold
-    resources are closed with ``stack``."""
+    run all ``models``, and ``{backend: reason}`` for those that cannot. The runners are closed
+    with ``stack``; those of a backend that cannot run every model, at once."""
     runners, skipped = {}, {}
     for name, (family, make) in BACKENDS.items():
         if family not in families:
             continue
+        group = ExitStack()
         try:
-            runners[name] = {key: make(model, stack, threads) for key, model in models.items()}
+            runners[name] = {key: group.enter_context(make(model, threads)) for key, model in models.items()}
         except BackendUnavailable as exc:
+            group.close()
             skipped[name] = str(exc)
+        else:
+            stack.enter_context(group)
     return runners, skipped

@@ -21,10 +21,10 @@ from typing import Callable, Iterator
 import torch
 
 from corp_deploy import CalibrationImages, CorpError
-from corp_deploy.calibration import HELD_OUT_PHOTOS, UNREADABLE, find_images, load_rgb, unreadable_reason
+from corp_deploy.calibration import (HELD_OUT_PHOTOS, UNREADABLE, find_images, held_out_images, load_rgb,
+                                     unreadable_reason)
 from corp_deploy.files import existing_dir
 
-from .fidelity import held_out_images
 
 CLASS_INDEX_FILE = "class_index.json"
 

@@ -1,20 +1,11 @@
-"""Fidelity of a compressed model against its dense base (what ``bench`` reports), and the
-held-out bundled photos it is measured on by default."""
+"""Fidelity of a compressed model against its dense base (what ``bench`` reports); by default
+it is measured on :func:`corp_deploy.calibration.held_out_images`."""
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from corp_deploy import CalibrationImages
-from corp_deploy.calibration import HELD_OUT_PHOTOS
-
-
-def held_out_images(transform, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:
-    """Seeded crops and flips of the bundled photos that calibration never uses."""
-    return CalibrationImages.from_builtin(transform, count=count, batch_size=batch_size, seed=seed + 1,
-                                          photos=HELD_OUT_PHOTOS)
+from exporters.metrics import kl_divergence_sum, tensor_cosine, top1_matches
 
 
 @torch.no_grad()
@@ -44,11 +35,10 @@ class FidelityMeter:
         """``dense`` and ``compressed``: ``(features, logits)`` of the same images."""
         (fd, ld), (fc, lc) = dense, compressed
         self.images += len(fd)
-        self.sums["cosine"] += float(F.cosine_similarity(fd.double(), fc.double(), dim=-1).sum())
+        self.sums["cosine"] += float(tensor_cosine(fd.double(), fc.double()).sum())
         if self.classifier:
-            self.sums["agree"] += float((ld.argmax(-1) == lc.argmax(-1)).sum())
-            logp_d, logp_c = F.log_softmax(ld.double(), -1), F.log_softmax(lc.double(), -1)
-            self.sums["kl"] += float((logp_d.exp() * (logp_d - logp_c)).sum())
+            self.sums["agree"] += float(top1_matches(ld, lc).sum())
+            self.sums["kl"] += float(kl_divergence_sum(ld, lc))
         if labels is not None and self.classifier:
             if self.correct is None:
                 self.correct = {m: {"top1": 0.0, "top5": 0.0} for m in ("dense", "compressed")}

@@ -115,8 +115,9 @@ def _parity(runners: dict, models: dict[str, ModelFiles], images: np.ndarray, cl
     """Each model on each backend against PyTorch on the CPU, on the same images."""
     out = {}
     for key, model in models.items():
-        reference = TorchRunner(model.torch).infer(images)
-        out[key] = {name: compare_outputs(reference, group[key].infer(images), top1=classifier)
+        with TorchRunner(model.torch) as torch_cpu:
+            reference = torch_cpu.infer(images)
+        out[key] = {name: compare_outputs(reference, group[key].infer(images), top1=classifier).to_dict()
                     for name, group in runners.items() if name != "torch-cpu"}
     return out
 

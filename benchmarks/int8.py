@@ -6,6 +6,8 @@ It needs the artifact's ``export-fp32`` and ``export-int8``, both made with ``--
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +16,8 @@ import torch
 
 from corp_deploy import CorpError
 from exporters.manifest import MANIFEST, model_files, read_manifest
-from exporters.runners import OnnxRuntimeRunner, TorchRunner
+from exporters.metrics import as_rows, cosine, top1_matches
+from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
 
 from .data import EvalImages
 from .harness import BenchSettings
@@ -26,24 +29,34 @@ VARIANTS = ("dense-fp32", "dense-int8", "compressed-fp32", "compressed-int8")
 _MODEL_KEYS = {"dense": "dense", "compressed": "model"}
 
 
-def int8_graphs(artifact: Path) -> dict[str, Path] | str | None:
-    """The ONNX file of every :data:`VARIANTS` entry from the artifact's exports; the reason when
-    an int8 export exists but the set is incomplete; None without an int8 export."""
+@dataclass(frozen=True)
+class Int8Graphs:
+    """What ``bench`` finds of an artifact's int8 export: ``graphs``, the ONNX file of every
+    :data:`VARIANTS` entry, when the set is complete; else ``skipped``, why not, when an int8
+    export exists. Neither: there is no int8 export, nothing to report."""
+
+    graphs: dict[str, Path] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def int8_graphs(artifact: Path) -> Int8Graphs:
+    """The int8 and fp32 graphs of the artifact's exports (:class:`Int8Graphs`)."""
     int8 = Path(artifact) / "export-int8"
     if not (int8 / MANIFEST).is_file():
-        return None
+        return Int8Graphs()
     graphs = {}
     for precision in ("fp32", "int8"):
         folder = Path(artifact) / f"export-{precision}"
         if not (folder / MANIFEST).is_file():
-            return f"no {folder.name}/ beside export-int8/ (run `corp-deploy export ARTIFACT --dense`)"
+            return Int8Graphs(skipped=f"no {folder.name}/ beside export-int8/ "
+                                      "(run `corp-deploy export ARTIFACT --dense`)")
         manifest = read_manifest(folder)
         check_made_from(Path(artifact), folder, manifest)
         for model, key in _MODEL_KEYS.items():
             if key not in manifest["models"]:
-                return f"{folder.name}/ has no dense graph (export it with --dense)"
+                return Int8Graphs(skipped=f"{folder.name}/ has no dense graph (export it with --dense)")
             graphs[f"{model}-{precision}"] = model_files(folder, manifest, key)["onnx"]
-    return {name: graphs[name] for name in VARIANTS}
+    return Int8Graphs(graphs={name: graphs[name] for name in VARIANTS})
 
 
 def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: EvalImages, settings: BenchSettings,
@@ -52,39 +65,42 @@ def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: Ev
     dense fp32 and of int8 over fp32 for each model), fidelity of every graph against ``dense``
     (PyTorch, float32), the graphs' file sizes, and how many Linear layers each int8 graph keeps
     in float (which its speed depends on)."""
-    runners = {name: OnnxRuntimeRunner(path, "cpu", settings.threads) for name, path in graphs.items()}
     image_shape = (3, *dense.patch_embed.img_size)
     rows = []
-    for batch in settings.batches:
-        log(f"ort-cpu, batch {batch}: timing dense and compressed, fp32 and int8, interleaved ...")
-        x = np.random.default_rng(0).standard_normal((batch, *image_shape), dtype=np.float32)
-        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
-                              warmup=settings.warmup, min_time=settings.min_time, min_rounds=settings.min_rounds)
-        rows.append({"batch": batch, **{name: summarize(samples[name], batch) for name in VARIANTS},
-                     "speedup_over_dense_fp32": {name: speedup(samples["dense-fp32"], samples[name])
-                                                 for name in VARIANTS[1:]},
-                     "int8_over_fp32": {model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"])
-                                        for model in _MODEL_KEYS}})
-    log("int8 fidelity on the evaluation images ...")
-    return {"latency": rows, "fidelity": _fidelity(runners, dense, eval_set),
+    with ExitStack() as stack:
+        runners = {name: stack.enter_context(OnnxRuntimeRunner(path, "cpu", settings.threads))
+                   for name, path in graphs.items()}
+        for batch in settings.batches:
+            log(f"ort-cpu, batch {batch}: timing dense and compressed, fp32 and int8, interleaved ...")
+            x = np.random.default_rng(0).standard_normal((batch, *image_shape), dtype=np.float32)
+            samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
+                                  warmup=settings.warmup, min_time=settings.min_time, min_rounds=settings.min_rounds)
+            rows.append({"batch": batch, **{name: summarize(samples[name], batch) for name in VARIANTS},
+                         "speedup_over_dense_fp32": {name: speedup(samples["dense-fp32"], samples[name])
+                                                     for name in VARIANTS[1:]},
+                         "int8_over_fp32": {model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"])
+                                            for model in _MODEL_KEYS}})
+        log("int8 fidelity on the evaluation images ...")
+        fidelity = _fidelity(runners, dense, eval_set)
+    return {"latency": rows, "fidelity": fidelity,
             "bytes": {name: _graph_bytes(path) for name, path in graphs.items()},
             "kept_float": {name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")}}
 
 
-def _fidelity(runners: dict[str, OnnxRuntimeRunner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
+def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
     """Per graph against dense fp32 PyTorch: mean and min per-image output cosine and, for
     classifiers, top-1 agreement."""
-    reference_runner, classifier = TorchRunner(dense), dense.num_classes > 0
+    classifier = dense.num_classes > 0
     cosines: dict[str, list[np.ndarray]] = {name: [] for name in runners}
     agree: dict[str, list[np.ndarray]] = {name: [] for name in runners}
-    for images, _ in eval_set:
-        x = images.numpy()
-        reference = reference_runner.infer(x).reshape(len(x), -1).astype(np.float64)
-        for name, runner in runners.items():
-            out = runner.infer(x).reshape(len(x), -1).astype(np.float64)
-            cosines[name].append((reference * out).sum(1) / np.maximum(
-                np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1), 1e-30))
-            agree[name].append(reference.argmax(1) == out.argmax(1))
+    with TorchRunner(dense) as reference_runner:
+        for images, _ in eval_set:
+            x = images.numpy()
+            reference = as_rows(reference_runner.infer(x))
+            for name, runner in runners.items():
+                out = as_rows(runner.infer(x))
+                cosines[name].append(cosine(reference, out))
+                agree[name].append(top1_matches(reference, out))
     if not any(len(c) for c in cosines["dense-fp32"]):
         raise CorpError("no evaluation images for the int8 fidelity")
     return {name: {"cosine_mean": float(np.concatenate(cosines[name]).mean()),

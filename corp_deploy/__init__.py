@@ -25,6 +25,7 @@ _API = {
     "blocks_of": "families", "is_plain_attention": "families", "is_prunable_attention": "families",
     "standard_form": "families",
     "BlockDims": "layers", "GatedLinear": "layers", "PrunedAttention": "layers", "head_dims": "layers",
+    "multi_head_attention": "layers",
     "METHODS": "methods", "Method": "methods", "CorpOptions": "methods", "ToastOptions": "methods",
     "VbpOptions": "methods",
     "create_base_model": "models", "resolve_model_name": "models",

@@ -19,13 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .families import block_exit, windows_of
-from .layers import PrunedAttention, head_dims, relative_position_bias
+from .layers import HeadsProbe, ProjInputProbe, head_dims, multi_head_attention, relative_position_bias
 
-#: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
-#: their own head dim).
-HeadsProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-#: Sees one batch's input of the attention's output projection, ``concat_h(A_h V_h)``, ``(B, N, H * d_v)``.
-ProjInputProbe = Callable[[torch.Tensor], None]
 #: Sees one batch's MLP hidden activations ``act(fc1(.))``, ``(B, N, hidden)``.
 HiddenProbe = Callable[[torch.Tensor], None]
 
@@ -41,16 +36,6 @@ def project_qk(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, k
 
 
-def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head queries, keys and values of timm ``Attention`` or a
-    :class:`~corp_deploy.layers.PrunedAttention` on normalised tokens ``x``."""
-    if isinstance(attn, PrunedAttention):
-        return attn.project_heads(x)
-    B, N, _ = x.shape
-    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, head_dims(attn)[0]).permute(2, 0, 3, 1, 4).unbind(0)
-    return q, k, v
-
-
 def attention_forward(attn: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
                       on_proj_input: ProjInputProbe | None = None, attn_mask: torch.Tensor | None = None
                       ) -> torch.Tensor:
@@ -60,18 +45,8 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | N
     ``attn_mask``: an additive logit mask (a :class:`PrunedAttention`'s, for Swin's shifted windows)."""
     if on_heads is None and on_proj_input is None:
         return attn(x) if attn_mask is None else attn(x, attn_mask=attn_mask)
-    B, N, _ = x.shape
-    q, k, v = attention_heads(attn, x)
-    if on_heads is not None:
-        on_heads(q, k, v)
-    bias = relative_position_bias(attn)
-    if attn_mask is not None:
-        bias = attn_mask if bias is None else attn_mask + bias
-    z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scale)
-    z = z.transpose(1, 2).reshape(B, N, -1)
-    if on_proj_input is not None:
-        on_proj_input(z)
-    return attn.proj(z)
+    return multi_head_attention(attn, x, attn_mask=attn_mask, rel_bias=relative_position_bias(attn),
+                                on_heads=on_heads, on_proj_input=on_proj_input)
 
 
 def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,

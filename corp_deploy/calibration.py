@@ -177,6 +177,23 @@ class CalibrationImages:
                 "files_skipped": len(self.skipped), "skipped_examples": self.skipped[:5]}
 
 
+def held_out_images(transform: Callable, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:
+    """The held-out side of the bundled photos' split: ``count`` seeded crops and flips (seed
+    ``seed + 1``) of the ``HELD_OUT_PHOTOS``, which built-in calibration never uses."""
+    return CalibrationImages.from_builtin(transform, count=count, batch_size=batch_size, seed=seed + 1,
+                                          photos=HELD_OUT_PHOTOS)
+
+
+def split_builtin_images(transform: Callable, n_calib: int, n_held_out: int, batch_size: int = 32, seed: int = 0
+                         ) -> tuple[CalibrationImages, CalibrationImages]:
+    """The bundled photos split into calibration images (``n_calib`` crops of the
+    ``CALIBRATION_PHOTOS`` with ``seed``, what ``compress`` calibrates on by default) and
+    :func:`held_out_images` (``n_held_out``, disjoint photos)."""
+    calib = CalibrationImages.from_builtin(transform, count=n_calib, batch_size=batch_size, seed=seed,
+                                           photos=CALIBRATION_PHOTOS)
+    return calib, held_out_images(transform, n_held_out, batch_size, seed)
+
+
 def _random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
     """A random crop of 25-100 % of the area with aspect ratio in [3/4, 4/3], maybe mirrored."""
     width, height = im.size

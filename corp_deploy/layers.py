@@ -1,7 +1,10 @@
-"""Reduced-dimension layers and the per-block structure of a compressed ViT."""
+"""Reduced-dimension layers, timm's attention forward (:func:`multi_head_attention`, written once
+for timm's and the pruned attention, calibration's probes and reduced-precision export) and the
+per-block structure of a compressed ViT."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,14 +82,8 @@ class PrunedAttention(nn.Module):
                 shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         """``attn_mask`` as in timm ``Attention``; ``shared_rel_pos`` as in ``RelPosAttention``
         (used when this module has no ``rel_pos`` of its own)."""
-        B, N, _ = x.shape
-        q, k, v = self.project_heads(x)
-        bias = self.logit_bias(shared_rel_pos)
-        if bias is not None:
-            attn_mask = bias if attn_mask is None else attn_mask + bias
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                           scale=self.scale)
-        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+        return multi_head_attention(self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos),
+                                    is_causal=is_causal)
 
     def logit_bias(self, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor | None:
         """The additive logit bias ``(1, H, N, N)``: this module's relative position bias, else
@@ -96,6 +93,56 @@ class PrunedAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
                 f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}" + (", rotary" if self.rope is not None else ""))
+
+
+#: ``kernel(q, k, v, scale, attn_mask, rel_bias, is_causal)``: per-head queries and keys
+#: ``(B, H, N, d)`` and values ``(B, H, N, d_v)`` to ``softmax(scale * q k^T + attn_mask + rel_bias) v``,
+#: ``(B, H, N, d_v)``; ``attn_mask`` and ``rel_bias`` are additive logit biases or None,
+#: ``is_causal`` as in ``scaled_dot_product_attention``.
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None",
+                            "torch.Tensor | None", bool], torch.Tensor]
+#: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
+#: their own head dim).
+HeadsProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+#: Sees one batch's input of the attention's output projection, ``concat_h(A_h V_h)``, ``(B, N, H * d_v)``.
+ProjInputProbe = Callable[[torch.Tensor], None]
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
+                rel_bias: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+    """The :data:`AttentionKernel` of timm's attention: PyTorch's fused
+    ``scaled_dot_product_attention`` with the bias ``attn_mask + rel_bias``."""
+    if rel_bias is not None:
+        attn_mask = rel_bias if attn_mask is None else attn_mask + rel_bias
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head queries, keys and values of timm ``Attention`` or a :class:`PrunedAttention` on
+    normalised tokens ``x`` ``(B, N, dim)``: q, k ``(B, H, N, d)``, v ``(B, H, N, d_v)``."""
+    if isinstance(attn, PrunedAttention):
+        return attn.project_heads(x)
+    B, N, _ = x.shape
+    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, head_dims(attn)[0]).permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+
+def multi_head_attention(attn: nn.Module, x: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                         rel_bias: torch.Tensor | None = None, is_causal: bool = False,
+                         kernel: AttentionKernel = sdpa_kernel, on_heads: HeadsProbe | None = None,
+                         on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
+    """timm's attention forward, ``(B, N, dim)`` -> ``(B, N, dim)``, for timm ``Attention`` (or
+    ``RelPosAttention`` without qk-norm) and :class:`PrunedAttention`: ``qkv`` -> heads
+    (:func:`attention_heads`) -> ``kernel`` with ``attn.scale`` -> heads concatenated -> ``proj``.
+    The probes see the heads and the projection's input on the way."""
+    B, N, _ = x.shape
+    q, k, v = attention_heads(attn, x)
+    if on_heads is not None:
+        on_heads(q, k, v)
+    z = kernel(q, k, v, attn.scale, attn_mask, rel_bias, is_causal).transpose(1, 2).reshape(B, N, -1)
+    if on_proj_input is not None:
+        on_proj_input(z)
+    return attn.proj(z)
 
 
 class GatedLinear(nn.Module):

@@ -65,22 +65,21 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
     if keep != AUTO:
         return quantize(batches, rank(batches) if keep else [], keep)
     fit = HeldBack(batches)
-    torch_runner = TorchRunner(model)
-    reference = np.concatenate([torch_runner.infer(batch.numpy()) for batch in batches])
+    with TorchRunner(model) as torch_runner:
+        reference = np.concatenate([torch_runner.infer(batch.numpy()) for batch in batches])
     images, held_back = len(reference), fit.held_back(len(reference))
     linears = sum(isinstance(module, nn.Linear) for module in model.modules())
     ranking, tries = [], []
     for count in keep_float_ladder(linears):
         ranking = ranking or (rank(fit) if count else [])
         int8 = quantize(fit, ranking, count)
-        runner = OnnxRuntimeRunner(out_path, "cpu")
-        result = compare_outputs(reference, np.concatenate([runner.infer(batch.numpy()) for batch in batches]),
-                                 top1=model.num_classes > 0)
-        del runner
+        with OnnxRuntimeRunner(out_path, "cpu") as runner:
+            outputs = np.concatenate([runner.infer(batch.numpy()) for batch in batches])
+        result = compare_outputs(reference, outputs, top1=model.num_classes > 0)
         failed = tolerance.violations(result)
-        tries.append({"kept": count, "cosine": result["cosine"], "top1_agreement": result["top1_agreement"],
+        tries.append({"kept": count, "cosine": result.cosine, "top1_agreement": result.top1_agreement,
                       "passed": not failed})
-        log(f"{name}: {count} in float: min cosine {result['cosine']:.4f} on the {images} calibration images "
+        log(f"{name}: {count} in float: min cosine {result.cosine:.4f} on the {images} calibration images "
             f"({held_back} held back from the ranges)"
             + (f": {'; '.join(failed)}" if failed else ": meets the gate's tolerance"))
         if not failed:

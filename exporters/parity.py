@@ -1,37 +1,85 @@
-"""Numerical parity between two backends' outputs: the comparator and the pass/fail gate.
+"""Numerical parity between two backends' outputs: the comparator, its typed results and the
+pass/fail gate.
 
-Runners (``exporters.runners``, ``exporters.tensorrt``) produce outputs; :func:`compare_outputs`
-turns two outputs into numbers; :class:`Tolerance` decides whether those numbers pass.
+Runners (:mod:`exporters.runners`) produce outputs; :func:`compare_outputs` turns two outputs
+into a :class:`Comparison` (metrics from :mod:`exporters.metrics`); :class:`Tolerance` decides
+whether it passes; a :class:`ParityCheck` is one backend checked against a reference at each
+batch size, as ``export.json`` records it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from corp_deploy import CorpError
 
+from .metrics import as_rows, cosine, top1_matches
 
-def compare_outputs(reference: np.ndarray, candidate: np.ndarray, *, top1: bool = True) -> dict:
-    """Compare two ``(batch, features)`` outputs row by row.
 
-    Returns ``max_abs``, ``max_rel`` (``|a - b| / max(|a|, 1e-6 * max|a|)``), ``cosine``
-    (the smallest per-row cosine) and ``top1_agreement`` (fraction of rows whose argmax
-    agree; None when ``top1`` is False, e.g. for feature outputs without a classifier).
+@dataclass(frozen=True)
+class Comparison:
+    """Two ``(batch, features)`` outputs compared row by row (:func:`compare_outputs`).
+
+    ``max_abs``; ``max_rel`` (``|a - b| / max(|a|, 1e-6 * max|a|)``); ``cosine``, the smallest
+    per-row cosine; ``top1_agreement``, the fraction of rows whose argmax agree (None when not
+    measured, e.g. for feature outputs without a classifier).
     """
-    ref = np.asarray(reference, dtype=np.float64).reshape(len(reference), -1)
-    cand = np.asarray(candidate, dtype=np.float64).reshape(len(candidate), -1)
+
+    max_abs: float
+    max_rel: float
+    cosine: float
+    top1_agreement: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_outputs(reference: np.ndarray, candidate: np.ndarray, *, top1: bool = True) -> Comparison:
+    """Compare two ``(batch, features)`` outputs row by row, in float64 (:class:`Comparison`);
+    ``top1`` False leaves the top-1 agreement unmeasured."""
+    ref, cand = as_rows(reference), as_rows(candidate)
     if ref.shape != cand.shape:
         raise ValueError(f"output shapes differ: {ref.shape} vs {cand.shape}")
     diff = np.abs(ref - cand)
     floor = max(1e-6 * float(np.abs(ref).max(initial=0.0)), 1e-12)
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1)
-    cosine = np.sum(ref * cand, axis=1) / np.maximum(norms, 1e-30)
-    return {"max_abs": float(diff.max(initial=0.0)),
-            "max_rel": float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)),
-            "cosine": float(cosine.min(initial=1.0)),
-            "top1_agreement": float(np.mean(ref.argmax(1) == cand.argmax(1))) if top1 else None}
+    return Comparison(max_abs=float(diff.max(initial=0.0)),
+                      max_rel=float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)),
+                      cosine=float(cosine(ref, cand).min(initial=1.0)),
+                      top1_agreement=float(np.mean(top1_matches(ref, cand))) if top1 else None)
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """``file`` run on ``backend`` checked against ``reference`` (backend names as in
+    :attr:`exporters.runners.Runner.name`): a :class:`Comparison` per batch size, or ``skipped``,
+    why the check could not run here."""
+
+    file: str
+    backend: str
+    reference: str
+    batches: dict[int, Comparison] = field(default_factory=dict)
+    skipped: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The check's key in ``export.json`` (``onnxruntime_vs_pytorch``)."""
+        return f"{self.backend}_vs_{self.reference}"
+
+    def worst(self) -> Comparison:
+        """The worst of every batch's numbers (top-1 agreement: None when never measured); not for
+        a skipped check."""
+        results = list(self.batches.values())
+        top1 = [r.top1_agreement for r in results if r.top1_agreement is not None]
+        return Comparison(max_abs=max(r.max_abs for r in results), max_rel=max(r.max_rel for r in results),
+                          cosine=min(r.cosine for r in results), top1_agreement=min(top1) if top1 else None)
+
+    def to_dict(self) -> dict:
+        """``{"batch_<b>": numbers}``, or ``{"skipped": reason}``: the check as ``export.json`` has it."""
+        if self.skipped is not None:
+            return {"skipped": self.skipped}
+        return {f"batch_{b}": result.to_dict() for b, result in self.batches.items()}
 
 
 @dataclass(frozen=True)
@@ -59,14 +107,14 @@ class Tolerance:
         """The default limits for ``precision`` with the given non-None ``overrides``."""
         return replace(DEFAULT_TOLERANCES[precision], **{k: v for k, v in overrides.items() if v is not None})
 
-    def violations(self, result: dict) -> list[str]:
-        """What ``result`` (from :func:`compare_outputs`) fails, in words; empty when it passes."""
+    def violations(self, result: Comparison) -> list[str]:
+        """What ``result`` fails, in words; empty when it passes."""
         failed = []
-        if self.atol is not None and not result["max_abs"] <= self.atol:
-            failed.append(f"max abs error {result['max_abs']:.3g} > atol {self.atol:g}")
-        if self.min_cosine is not None and not result["cosine"] >= self.min_cosine:
-            failed.append(f"cosine {result['cosine']:.6f} < {self.min_cosine:g}")
-        top1 = result.get("top1_agreement")
+        if self.atol is not None and not result.max_abs <= self.atol:
+            failed.append(f"max abs error {result.max_abs:.3g} > atol {self.atol:g}")
+        if self.min_cosine is not None and not result.cosine >= self.min_cosine:
+            failed.append(f"cosine {result.cosine:.6f} < {self.min_cosine:g}")
+        top1 = result.top1_agreement
         if self.min_top1 is not None and top1 is not None and not top1 >= self.min_top1:
             failed.append(f"top-1 agreement {top1:.3f} < {self.min_top1:g}")
         return failed

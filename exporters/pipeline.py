@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,10 +31,11 @@ from . import tensorrt as trt_backend
 from .keep_float import AUTO, quantize_keeping_float
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
-from .parity import Tolerance, compare_outputs
+from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
 from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
-from .runners import BackendUnavailable, OnnxRuntimeRunner, TorchRunner
+from .results import ExportResult, ModelExport
+from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
 EXIT_INCOMPLETE = 3
@@ -109,14 +111,6 @@ class ExportOptions:
             object.__setattr__(self, "timing_cache", cache.resolve())
 
 
-@dataclass
-class ExportResult:
-    out_dir: Path
-    manifest: dict
-    #: Why the export is not complete here (TensorRT or a GPU missing); empty when complete.
-    incomplete: list[str] = field(default_factory=list)
-
-
 def default_export_dir(artifact: str | Path, precision: str) -> Path:
     """``<artifact>/export-<precision>``: exports live with the artifact they came from and are
     replaced with it."""
@@ -156,7 +150,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
 
     entries, graph, onnxruntime = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch, \
-            staged_output(out_dir, "export") as tmp:
+            staged_output(out_dir, "export") as tmp, ExitStack() as runners:
         calibration = (int8_calibration_images(models["model"], config, options, Path(scratch))
                        if options.precision == "int8" else None)
         for name, model in models.items():
@@ -166,31 +160,33 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
                                         log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
-            if options.trt and not trt_missing:
-                onnxruntime[name] = runner  # the engine's reference, later
+            checked = {}
             if runner is None:
-                parity = {"skipped": reason}
                 incomplete.append(f"{name}.onnx not checked: {reason}")
             else:
-                parity = check_parity(f"{name}.onnx on ONNX Runtime vs PyTorch", TorchRunner(model), runner,
-                                      images, PARITY_BATCHES, tolerance, classifier)
-            entries[name] = {"onnx": graph["files"], "engine": None, "params": count_params(model),
-                             "macs": count_macs(model, input_size),
-                             "parity": {"onnxruntime_vs_pytorch": parity}}
-            if int8 is not None:
-                entries[name]["int8"] = int8
+                runners.enter_context(runner)
+                with TorchRunner(model) as reference:
+                    checked = check_parity(f"{name}.onnx on ONNX Runtime vs PyTorch", reference, runner, images,
+                                           PARITY_BATCHES, tolerance, classifier)
+                if options.trt and not trt_missing:
+                    onnxruntime[name] = runner  # the engine's reference, later
+                else:
+                    runner.close()
+            parity = ParityCheck(f"{name}.onnx", OnnxRuntimeRunner.name, TorchRunner.name, checked, skipped=reason)
+            entries[name] = ModelExport(onnx=graph["files"], params=count_params(model),
+                                        macs=count_macs(model, input_size), parity=[parity], int8=int8)
         if options.trt:
             _write_build_script(tmp, list(models), options, input_size)
             if not trt_missing:
                 for name, model in models.items():
-                    reference = onnxruntime.get(name) or TorchRunner(model)
+                    reference = onnxruntime.get(name) or runners.enter_context(TorchRunner(model))
                     _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
                                             engine_batches, tolerance, classifier, log)
         if recorded_checksums(artifact) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
         manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
-    return ExportResult(out_dir, manifest, incomplete)
+    return ExportResult(out_dir, manifest, entries, incomplete)
 
 
 def export_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
@@ -248,11 +244,11 @@ def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptio
     return SpooledBatches(images, folder), images.summary()
 
 
-def check_parity(label: str, reference, candidate, images: np.ndarray, batches, tolerance: Tolerance,
-                 classifier: bool) -> dict:
+def check_parity(label: str, reference: Runner, candidate: Runner, images: np.ndarray, batches,
+                 tolerance: Tolerance, classifier: bool) -> dict[int, Comparison]:
     """Compare two runners on disjoint slices of ``images`` of each size in ``batches``.
 
-    Returns ``{"batch_<b>": numbers}``; raises :class:`ParityError` with every number when any
+    Returns ``{batch size: comparison}``; raises :class:`ParityError` with every number when any
     batch breaks ``tolerance``.
     """
     results, failures, start = {}, [], 0
@@ -260,11 +256,11 @@ def check_parity(label: str, reference, candidate, images: np.ndarray, batches, 
         x = images[start:start + b]
         start += b
         result = compare_outputs(reference.infer(x), candidate.infer(x), top1=classifier)
-        results[f"batch_{b}"] = result
+        results[b] = result
         failures += [f"batch {b}: {v}" for v in tolerance.violations(result)]
     if failures:
-        numbers = "; ".join(f"{key}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.items() if v is not None)
-                            for key, r in results.items())
+        numbers = "; ".join(f"batch_{b}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.to_dict().items() if v is not None)
+                            for b, r in results.items())
         raise ParityError(f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
                           "Nothing was written. Loosen the limits with --atol / --min-cosine only if this "
                           "precision loss is acceptable.")
@@ -292,24 +288,24 @@ def _write_build_script(folder: Path, names: list[str], options: ExportOptions, 
     script.chmod(0o755)
 
 
-def _build_and_check_engine(folder: Path, name: str, entry: dict, reference, options: ExportOptions,
-                            input_size, images: np.ndarray, batches, tolerance: Tolerance, classifier: bool,
-                            log) -> None:
+def _build_and_check_engine(folder: Path, name: str, entry: ModelExport, reference: Runner,
+                            options: ExportOptions, input_size, images: np.ndarray, batches, tolerance: Tolerance,
+                            classifier: bool, log) -> None:
     """Build ``<name>.engine``, gate it against ``reference`` (ONNX Runtime on the same graph, or
-    PyTorch for bf16 where ONNX Runtime cannot run it) and record both in the manifest ``entry``."""
+    PyTorch for bf16 where ONNX Runtime cannot run it) and record both in ``entry``."""
     log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
-    entry["engine_build"] = trt_backend.build_engine(
+    entry.engine_build = trt_backend.build_engine(
         folder / f"{name}.onnx", folder / f"{name}.engine", batch=options.batch, image_shape=input_size,
         workspace_gb=options.workspace_gb, timing_cache=options.timing_cache)
-    entry["engine"] = f"{name}.engine"
-    ref_name = "onnxruntime" if isinstance(reference, OnnxRuntimeRunner) else "pytorch"
-    log(f"{name}: checking TensorRT against {ref_name} at batch sizes {tuple(batches)} ...")
-    with trt_backend.TensorRTRunner(folder / f"{name}.engine") as engine:
-        entry["parity"][f"tensorrt_vs_{ref_name}"] = check_parity(
-            f"{name}.engine on TensorRT vs {ref_name}", reference, engine, images, batches, tolerance, classifier)
+    entry.engine = f"{name}.engine"
+    log(f"{name}: checking TensorRT against {reference.name} at batch sizes {tuple(batches)} ...")
+    with trt_backend.TensorRTRunner(folder / entry.engine) as engine:
+        entry.parity.append(ParityCheck(entry.engine, engine.name, reference.name, check_parity(
+            f"{name}.engine on TensorRT vs {reference.name}", reference, engine, images, batches, tolerance,
+            classifier)))
 
 
-def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: dict, models: dict,
+def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: dict, models: dict[str, ModelExport],
               options: ExportOptions, tolerance: Tolerance, trt_missing: str | None) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -322,7 +318,7 @@ def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: di
         "parity_inputs": {"images": "seeded random crops of scikit-image's bundled photos, preprocessed "
                                     "with the model's data config", "batches": list(PARITY_BATCHES)},
         "tolerance": tolerance.to_dict(),
-        "models": models,
+        "models": {name: entry.to_dict() for name, entry in models.items()},
         "tensorrt": {"requested": options.trt, "built": options.trt and trt_missing is None,
                      "not_built_reason": trt_missing, "batch_profile": options.batch.to_dict(),
                      "workspace_gb": options.workspace_gb,

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from corp_deploy import CorpError, PrunedAttention, blocks_of, head_dims, is_prunable_attention
+from corp_deploy import CorpError, PrunedAttention, blocks_of, head_dims, is_prunable_attention, multi_head_attention
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: What ``corp-deploy export --precision`` takes: the float graphs above, and int8, quantized from
@@ -59,14 +59,20 @@ class Float32SoftmaxAttention(PrunedAttention):
                 shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         if is_causal:
             raise CorpError("causal attention is not supported in reduced-precision export")
-        B, N, _ = x.shape
-        q, k, v = self.project_heads(x)
-        logits = ((q * self.scale) @ k.transpose(-2, -1)).float()
-        for bias in (self.logit_bias(shared_rel_pos), attn_mask):  # Swin's shift mask is an additive attn_mask
-            if bias is not None:
-                logits = logits + bias.float()
-        weights = logits.softmax(dim=-1).to(v.dtype)
-        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, -1))
+        return multi_head_attention(self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos),
+                                    kernel=float32_softmax_kernel)
+
+
+def float32_softmax_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           attn_mask: torch.Tensor | None, rel_bias: torch.Tensor | None,
+                           is_causal: bool = False) -> torch.Tensor:
+    """The attention kernel (:data:`corp_deploy.layers.AttentionKernel`, not causal) written out:
+    logits in the parameters' dtype, then biases, softmax in float32, weights cast back for ``@ v``."""
+    logits = ((q * scale) @ k.transpose(-2, -1)).float()
+    for bias in (rel_bias, attn_mask):  # Swin's shift mask is an additive attn_mask
+        if bias is not None:
+            logits = logits + bias.float()
+    return logits.softmax(dim=-1).to(v.dtype) @ v
 
 
 class ReducedPrecisionModel(nn.Module):

@@ -1,12 +1,21 @@
-"""Backends that run a model on a batch of images, one small class per backend.
+"""Backends that run a model on a batch of images: one :class:`Runner` protocol, one small class
+per backend (PyTorch and ONNX Runtime here; TensorRT in :mod:`exporters.tensorrt`).
 
-Every runner has ``infer(images) -> outputs`` on float32 numpy arrays ``(B, 3, H, W)`` ->
-``(B, features)``, host memory in and out (so a GPU runner's time includes the copies).
-The TensorRT runner lives in :mod:`exporters.tensorrt`.
+A runner follows Polygraphy's runners (activate / infer / deactivate) with Python's resource
+idiom: constructing it opens (loads) the model on its backend, raising
+:class:`BackendUnavailable` when the backend cannot run it here; ``infer(images) -> outputs``
+takes float32 NumPy images ``(B, 3, H, W)`` and returns float32 outputs ``(B, features)``, host
+memory in and out (so a GPU runner's time includes the copies); ``close()`` releases what it
+holds (a session, an engine's context, a GPU copy of the model), after which ``infer`` refuses.
+Every runner is a context manager that closes on exit::
+
+    with OnnxRuntimeRunner(path) as runner:
+        outputs = runner.infer(images)
 """
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +36,47 @@ class BackendUnavailable(CorpError):
     """A backend cannot run here (missing package, GPU or kernels); the message says why."""
 
 
-class TorchRunner:
+class Runner(ABC):
+    """The runner protocol (see the module docstring); a backend implements ``_infer`` on
+    contiguous float32 images and, when it holds anything, ``_release``.
+
+    ``name`` is the backend's name in the export's parity records (``onnxruntime_vs_pytorch``).
+    """
+
+    name: str
+    closed: bool = False
+
+    def infer(self, images: np.ndarray) -> np.ndarray:
+        """``(B, 3, H, W)`` float32 images -> ``(B, features)`` float32 outputs, on the host."""
+        if self.closed:
+            raise CorpError(f"the {self.name} runner is closed")
+        return self._infer(np.ascontiguousarray(images, np.float32))
+
+    def close(self) -> None:
+        """Release the backend's resources; closing twice does nothing."""
+        if not self.closed:
+            self._release()
+            self.closed = True
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @abstractmethod
+    def _infer(self, images: np.ndarray) -> np.ndarray:
+        """``infer`` on contiguous float32 images."""
+
+    def _release(self) -> None:
+        """Drop what the runner holds (nothing by default)."""
+
+
+class TorchRunner(Runner):
     """A PyTorch module in eval mode, float32, on ``device`` (``cpu`` is the parity reference;
     for another device a copy of the module is moved there)."""
+
+    name = "pytorch"
 
     def __init__(self, model: nn.Module, device: str = "cpu") -> None:
         if device == "cuda" and not torch.cuda.is_available():
@@ -38,18 +85,22 @@ class TorchRunner:
         self.model = (model if device == "cpu" else copy.deepcopy(model)).eval().float().to(self.device)
 
     @torch.no_grad()
-    def infer(self, images: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(np.ascontiguousarray(images, np.float32)).to(self.device)
-        return self.model(x).cpu().numpy()
+    def _infer(self, images: np.ndarray) -> np.ndarray:
+        return self.model(torch.from_numpy(images).to(self.device)).cpu().numpy()
+
+    def _release(self) -> None:
+        del self.model  # frees a GPU copy; the caller's CPU module is the caller's
 
 
-class OnnxRuntimeRunner:
+class OnnxRuntimeRunner(Runner):
     """An ONNX file on ONNX Runtime.
 
     ``device="cpu"`` uses the CPU provider (always present); ``"cuda"`` and ``"tensorrt"``
     the CUDA and TensorRT providers, and fail with :class:`BackendUnavailable` unless that
     provider really is the one in use (ONNX Runtime otherwise falls back to the CPU silently).
     """
+
+    name = "onnxruntime"
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
         import onnxruntime as ort
@@ -72,5 +123,8 @@ class OnnxRuntimeRunner:
             raise BackendUnavailable(f"ONNX Runtime's {providers[0]} is not usable here")
         self.input_name = self.session.get_inputs()[0].name
 
-    def infer(self, images: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(images, np.float32)})[0]
+    def _infer(self, images: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input_name: images})[0]
+
+    def _release(self) -> None:
+        del self.session

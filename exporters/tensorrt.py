@@ -18,6 +18,7 @@ import torch
 from corp_deploy import CorpError
 
 from .onnx_export import INPUT_NAME, OUTPUT_NAME
+from .runners import Runner
 
 INSTALL_HINT = "pip install 'corp-deploy[trt]'"
 SCRIPT_NAME = "build_engine.sh"
@@ -80,14 +81,25 @@ def tensorrt_version() -> str | None:
     return tensorrt.__version__
 
 
+@dataclass(frozen=True)
+class EngineBuild:
+    """How long an engine took to build (seconds, rounded to 0.01) and on which GPU."""
+
+    build_s: float
+    device: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def build_engine(onnx_path: str | Path, engine_path: str | Path, *, batch: BatchProfile,
                  image_shape: tuple[int, ...], workspace_gb: float | None = None,
-                 timing_cache: str | Path | None = None) -> dict:
+                 timing_cache: str | Path | None = None) -> EngineBuild:
     """Build a serialized engine from ``onnx_path`` into ``engine_path``.
 
     Strongly typed network, one optimisation profile for the input's batch axis,
     ``workspace_gb`` caps the builder's workspace pool, and ``timing_cache`` is read when it
-    exists and updated after the build. Returns ``{"build_s", "device"}``.
+    exists and updated after the build.
     """
     import tensorrt as trt
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
@@ -107,26 +119,26 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, *, batch: Batch
     except Exception as exc:  # Polygraphy reports build failures as PolygraphyException
         raise CorpError(f"TensorRT could not build an engine from {Path(onnx_path).name}: {exc}") from None
     Path(engine_path).write_bytes(bytes(engine))
-    return {"build_s": round(time.perf_counter() - start, 2), "device": torch.cuda.get_device_name()}
+    return EngineBuild(build_s=round(time.perf_counter() - start, 2), device=torch.cuda.get_device_name())
 
 
-class TensorRTRunner:
-    """A serialized engine on the GPU (Polygraphy's ``TrtRunner``); use it as a context manager."""
+class TensorRTRunner(Runner):
+    """A serialized engine on the GPU (Polygraphy's ``TrtRunner``, activated on construction and
+    deactivated by ``close``)."""
+
+    name = "tensorrt"
 
     def __init__(self, engine_path: str | Path) -> None:
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
         self._runner = TrtRunner(EngineFromBytes(Path(engine_path).read_bytes()))
-
-    def __enter__(self) -> "TensorRTRunner":
         self._runner.activate()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._runner.deactivate()
-
-    def infer(self, images: np.ndarray) -> np.ndarray:
-        outputs = self._runner.infer({INPUT_NAME: np.ascontiguousarray(images, np.float32)})
+    def _infer(self, images: np.ndarray) -> np.ndarray:
+        outputs = self._runner.infer({INPUT_NAME: images})
         return np.array(outputs[OUTPUT_NAME], copy=True)  # the runner reuses its host buffers
+
+    def _release(self) -> None:
+        self._runner.deactivate()
 
 
 def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: BatchProfile,

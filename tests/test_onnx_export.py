@@ -1,4 +1,6 @@
 """ONNX export of dense and compressed ViTs: graph shape, ONNX Runtime parity, precisions, large files."""
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -6,7 +8,7 @@ import torch
 
 from corp_deploy import CompressConfig, compress
 from exporters.onnx_export import export_onnx
-from exporters.parity import Tolerance, compare_outputs
+from exporters.parity import Comparison, Tolerance, compare_outputs
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner
 from tests.conftest import image_batches, small_vit
 
@@ -37,7 +39,7 @@ def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, expor
     assert info["outputs"] == [{"name": "outputs", "shape": ["batch", 1000], "dtype": "float32"}]
     for batch in (1, 5):
         result = ort_parity(model, tmp_path / "m.onnx", batch)
-        assert result["max_abs"] < 1e-4 and result["top1_agreement"] == 1.0, result
+        assert result.max_abs < 1e-4 and result.top1_agreement == 1.0, result
 
 
 def value_shapes(path):
@@ -64,7 +66,7 @@ def test_pruned_attention_exports_as_plain_matmul_softmax_with_unequal_head_dims
         consumer = next(n for n in graph.node if softmax.output[0] in n.input)
         assert consumer.op_type == "MatMul" and shapes[consumer.input[1]][1:] == [3, 17, 16]  # v dim 16
     # The scale is the original one: scaling by 8**-0.5 instead would break parity.
-    assert ort_parity(pruned, tmp_path / "m.onnx", 3)["max_abs"] < 1e-4
+    assert ort_parity(pruned, tmp_path / "m.onnx", 3).max_abs < 1e-4
 
 
 def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, pruned):
@@ -77,7 +79,7 @@ def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, 
     assert all(t.ByteSize() < 1024 for t in graph.initializer if t not in external)
     assert sum(int(e.value) for t in external for e in t.external_data if e.key == "length") == \
         (tmp_path / "m.onnx.data").stat().st_size
-    assert ort_parity(pruned, tmp_path / "m.onnx", 2)["max_abs"] < 1e-4
+    assert ort_parity(pruned, tmp_path / "m.onnx", 2).max_abs < 1e-4
 
 
 def test_fp16_keeps_layernorm_and_softmax_in_fp32_and_stays_close(tmp_path, pruned):
@@ -95,7 +97,7 @@ def test_fp16_keeps_layernorm_and_softmax_in_fp32_and_stays_close(tmp_path, prun
     assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 5  # 2 blocks x 2 + final
     result = ort_parity(pruned, tmp_path / "m.onnx", 5)
     assert not Tolerance.for_precision("fp16").violations(result), result
-    assert result["max_abs"] > 1e-6  # it really computed in fp16
+    assert result.max_abs > 1e-6  # it really computed in fp16
 
 
 def test_bf16_graph_is_valid_onnx_but_onnxruntime_cpu_cannot_run_it(tmp_path, pruned):
@@ -118,21 +120,21 @@ def test_failed_export_leaves_nothing(tmp_path):
 def test_compare_outputs_on_known_inputs():
     a = np.array([[1.0, 2.0, 3.0], [3.0, 1.0, 0.0]])
     same = compare_outputs(a, a.copy())
-    assert same == {"max_abs": 0.0, "max_rel": 0.0, "cosine": pytest.approx(1.0), "top1_agreement": 1.0}
+    assert same.to_dict() == {"max_abs": 0.0, "max_rel": 0.0, "cosine": pytest.approx(1.0), "top1_agreement": 1.0}
     b = np.array([[1.0, 2.0, 3.5], [0.0, 1.0, 0.0]])
     diff = compare_outputs(a, b)
-    assert diff["max_abs"] == 3.0 and diff["top1_agreement"] == 0.5
-    assert diff["cosine"] == pytest.approx(1 / np.sqrt(10))
-    assert diff["max_rel"] == pytest.approx(1.0)
-    assert compare_outputs(a, b, top1=False)["top1_agreement"] is None
+    assert diff.max_abs == 3.0 and diff.top1_agreement == 0.5
+    assert diff.cosine == pytest.approx(1 / np.sqrt(10))
+    assert diff.max_rel == pytest.approx(1.0)
+    assert compare_outputs(a, b, top1=False).top1_agreement is None
 
 
 def test_tolerance_names_each_violation():
-    result = {"max_abs": 2e-3, "max_rel": 0.1, "cosine": 0.998, "top1_agreement": 0.5}
+    result = Comparison(max_abs=2e-3, max_rel=0.1, cosine=0.998, top1_agreement=0.5)
     assert Tolerance.for_precision("fp32").violations(result) == [
         "max abs error 0.002 > atol 0.0001", "cosine 0.998000 < 0.99999"]
     assert Tolerance.for_precision("fp16").violations(result) == [
         "cosine 0.998000 < 0.999", "top-1 agreement 0.500 < 0.85"]
     assert Tolerance.for_precision("fp16", atol=1e-2, min_cosine=0.99).violations(result) == [
         "top-1 agreement 0.500 < 0.85"]
-    assert Tolerance.for_precision("bf16").violations({**result, "top1_agreement": None}) == []
+    assert Tolerance.for_precision("bf16").violations(replace(result, top1_agreement=None)) == []

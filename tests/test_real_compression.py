@@ -7,7 +7,8 @@ method's claims, not tuned numbers: compensation must beat plain slicing of the 
 import pytest
 import torch
 
-from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.held_out import feature_cosine
+from corp_deploy.calibration import split_builtin_images
 from benchmarks.real_weights import build_dinov2, find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
 

@@ -14,7 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.held_out import feature_cosine
+from corp_deploy.calibration import split_builtin_images
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, model_transform
 from corp_deploy.artifact import library_versions

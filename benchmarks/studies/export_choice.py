@@ -51,7 +51,7 @@ def measure_model(name: str, model: torch.nn.Module, batch: int, rounds: int, th
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        errors = [compare_outputs(refs[b], session.run(None, {"images": x.numpy()})[0])["max_abs"]
+        errors = [compare_outputs(refs[b], session.run(None, {"images": x.numpy()})[0]).max_abs
                   for b, x in inputs.items()]
         sessions[key] = session
         rows[key] = {"exporter": exporter, "opset": opset, "export_s": round(export_s, 2),

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.held_out import feature_cosine, split_builtin_images
+from benchmarks.held_out import feature_cosine
+from corp_deploy.calibration import split_builtin_images
 from benchmarks.latency import interleaved, speedup, summarize
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, kept_count, model_transform

@@ -56,7 +56,7 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     from benchmarks.data import check_labels, eval_images
     from benchmarks.gate import GateLimits, read_report, regressions
     from benchmarks.harness import BenchSettings, run_bench
-    from benchmarks.int8 import int8_graphs, run_int8_bench
+    from benchmarks.int8 import Int8Graphs, int8_graphs, run_int8_bench
     from benchmarks.report import check_report_file, print_terminal, write_outputs
     from benchmarks.targets import calibration_overlap, load_models, resolve_target
 
@@ -103,11 +103,11 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     skipped = report["fidelity"]["data"].get("files_skipped")
     if skipped:
         warn(f"skipped {skipped} unreadable evaluation files ({'; '.join(report['fidelity']['data']['skipped_examples'][:3])})")
-    graphs = int8_graphs(artifact) if "ort" in settings.backends else None
-    if isinstance(graphs, str):
-        report["int8"] = {"skipped": graphs}
-    elif graphs is not None:
-        report["int8"] = run_int8_bench(graphs, dense.torch, evaluation, settings, log)
+    int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
+    if int8.skipped is not None:
+        report["int8"] = {"skipped": int8.skipped}
+    elif int8.graphs:
+        report["int8"] = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
     found = regressions(report, limits, previous)
     report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
                       "passed": not found, "regressions": found}

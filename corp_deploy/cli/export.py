@@ -71,6 +71,8 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
       corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision int8 --calib ./images
       corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
     """
+    from rich.console import Console
+
     from exporters.parity import Tolerance
     from exporters.pipeline import EXIT_INCOMPLETE, ExportOptions, default_export_dir, export_artifact
     from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
@@ -89,7 +91,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
-    _print_export_summary(result.manifest, result.out_dir)
+    Console().print(result.summary_table())
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
@@ -99,25 +101,3 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
                        f"or, with TensorRT's trtexec there,\n"
                        f"  bash {result.out_dir / SCRIPT_NAME}", err=True)
         sys.exit(EXIT_INCOMPLETE)
-
-
-def _print_export_summary(manifest: dict, path: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"corp-deploy export -> {path}",
-                  caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}")
-    for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
-        table.add_column(column, justify="left" if column in ("file", "checked against") else "right")
-    for entry in manifest["models"].values():
-        for check, batches in entry["parity"].items():
-            backend, reference = check.split("_vs_")
-            file = entry["engine"] if backend == "tensorrt" else entry["onnx"][0]
-            if "skipped" in batches:
-                table.add_row(file, reference, "not run", "", "")
-                continue
-            results = list(batches.values())
-            top1 = [r["top1_agreement"] for r in results if r["top1_agreement"] is not None]
-            table.add_row(file, reference, f"{max(r['max_abs'] for r in results):.2e}",
-                          f"{min(r['cosine'] for r in results):.6f}", f"{min(top1):.3f}" if top1 else "-")
-    Console().print(table)

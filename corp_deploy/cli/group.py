@@ -10,6 +10,7 @@ import os
 
 import click
 
+from .. import __version__
 from ..errors import CorpError, SettingError, first_line
 
 #: Exit statuses of every command (README, "Guarantees").
@@ -71,7 +72,7 @@ def _click_error(message: str, exit_code: int) -> click.ClickException:
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in EXIT_CODES.items()))
-@click.version_option(package_name="corp-deploy")
+@click.version_option(version=__version__)
 def cli():
     """Compress timm Vision Transformers one-shot with CORP and ship them.
 
