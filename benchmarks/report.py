@@ -201,6 +201,25 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     return path
 
 
+def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path | None
+                         ) -> tuple[dict[str, Path], Path | None]:
+    """The report files asked for (``{rendering: path or None}``) and the ``-o`` folder, checked
+    before any work (:func:`check_report_file`, :func:`corp_deploy.outputs.check_output_dir`):
+    ``({rendering: path}, folder or None)``. CorpError when a file lies inside the folder or two
+    renderings name one file."""
+    from corp_deploy.outputs import check_output_dir
+
+    checked = {rendering: check_report_file(path, rendering) for rendering, path in files.items() if path is not None}
+    out_dir = check_output_dir(folder, "bench") if folder is not None else None
+    inside = [path for path in checked.values() if out_dir is not None and out_dir in path.parents]
+    if inside:
+        raise CorpError(f"{inside[0]} lies inside -o {folder}; write it there without --json/--markdown/--plot, "
+                        "or elsewhere")
+    if len(set(checked.values())) < len(checked):
+        raise CorpError("--json, --markdown and --plot must name different files")
+    return checked, out_dir
+
+
 def _written_by_bench(path: Path, rendering: str) -> bool:
     try:
         if rendering == "json":

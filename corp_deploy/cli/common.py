@@ -18,6 +18,11 @@ def warn(message: str | None) -> None:
         click.secho(f"warning: {message}", fg="yellow", err=True)
 
 
+def given_on_command_line(parameter: str) -> bool:
+    """Whether the running command's ``parameter`` was given on the command line (not defaulted)."""
+    return click.get_current_context().get_parameter_source(parameter) == click.core.ParameterSource.COMMANDLINE
+
+
 def warn_builtin_calibration() -> None:
     warn("no --calib given; calibrating on built-in photos. Images from your deployment distribution give "
           "better accuracy.")

@@ -9,7 +9,8 @@ import click
 from ..config import DEFAULT_SPARSITY, CompressConfig
 from ..errors import CorpError
 from ..methods import METHODS, option_owners
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn, warn_builtin_calibration
+from .common import (DEFAULT_OUTPUT_ROOT, check_apart, dense_model, given_on_command_line, input_dir, warn,
+                     warn_builtin_calibration)
 from .group import cli
 from .options import method_options, model_source_options
 
@@ -130,9 +131,8 @@ def _warn_calibration_shortfall(summary: dict, requested: int) -> None:
 def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
     """Refuse options given on the command line that ``method`` would not read (even at their
     default value: a script that names them expects them to matter)."""
-    ctx = click.get_current_context()
     for name, owner in option_owners().items():
-        if owner != method.name and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+        if owner != method.name and given_on_command_line(name):
             raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method.name}")
     for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
         if value is not None and target not in method.targets:
