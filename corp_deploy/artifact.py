@@ -22,7 +22,7 @@ from .errors import CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import create_base_model
+from .models import base_skeleton, create_base_model
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 FORMAT = "corp-deploy-artifact"
@@ -66,7 +66,12 @@ def base_model_spec(model: nn.Module, name: str | None = None,
 def build_skeleton(config: dict) -> nn.Module:
     """The compressed model's structure with random weights, from a ``config.json`` dict."""
     base = config["base_model"]
-    model = create_base_model(base["name"], base["model_kwargs"], pretrained=False)
+    return _reshaped(create_base_model(base["name"], base["model_kwargs"], pretrained=False), config)
+
+
+def _reshaped(model: nn.Module, config: dict) -> nn.Module:
+    """The dense ``model`` (in standard form) with its blocks resized as ``config.json`` records
+    them (empty layers where a block was pruned), in eval mode."""
     fc2_bias, proj_bias = config.get("fc2_bias"), config.get("proj_bias")
     for i, (block, dims) in enumerate(zip(blocks_of(model), config["blocks"])):
         reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i],
@@ -276,7 +281,11 @@ def latest_artifact() -> Path:
 
 
 def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
-    skeleton = build_skeleton(config).state_dict()
+    """CorpError unless ``config`` rebuilds a model whose state dict has exactly the keys of
+    ``state``, each of the same shape: checked on a skeleton without weights
+    (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
+    base = config["base_model"]
+    skeleton = _reshaped(base_skeleton(base["name"], base["model_kwargs"]), config).state_dict()
     mismatch = sorted(set(skeleton) ^ set(state)) or \
         [k for k in state if skeleton[k].shape != state[k].shape]
     if mismatch:

@@ -1,5 +1,6 @@
 """Artifact save/load: bit-exact round trip, self-description, atomic writes."""
 import json
+import re
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from corp_deploy import (CompressConfig, compress, create_base_model, load_base_
                          read_config, save_artifact)
 from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
 from corp_deploy.errors import CorpError
+from corp_deploy.families import examples
+from corp_deploy.models import base_skeleton
 from tests.conftest import SMALL_VIT_KWARGS, image_batches
 
 
@@ -146,3 +149,48 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path):
     checkpoint.unlink()
     with pytest.raises(CorpError, match="no longer exists"):
         load_base_model(paths["checkpoint"])
+
+
+@pytest.mark.parametrize("change, mismatches", [
+    (lambda model: setattr(model.norm, "bias", None), ["norm.bias"]),
+    (lambda model: model.register_buffer("extra", torch.zeros(1)), ["extra"]),
+    (lambda model: setattr(model, "head", torch.nn.Linear(48, 5)), ["head.weight", "head.bias"]),
+], ids=["missing-tensor", "extra-tensor", "other-shape"])
+def test_a_model_its_base_model_does_not_rebuild_is_refused(compressed, tmp_path, change, mismatches):
+    """The check on the weightless skeleton refuses a state dict with a tensor missing, one too many,
+    or one of another shape, naming them, and writes nothing."""
+    dense, model, report = compressed
+    change(model)
+    with pytest.raises(CorpError, match=re.escape(f"does not rebuild this model (first mismatches: {mismatches})")):
+        save(model, report, tmp_path / "art")
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("family", sorted(examples()))
+def test_every_family_is_checked_without_weights_and_loads_the_weights_it_saved(family, tmp_path, monkeypatch):
+    """Saving checks the artifact against a skeleton on the meta device (no dense model is built; every
+    buffer, Swin's shift-mask groups included, has the shape of the real model's), and loading gives
+    back exactly the saved weights. Compressed models of every family are saved in test_families."""
+    from corp_deploy import artifact
+    example = examples()[family]
+    model = create_base_model(example.model, example.kwargs, pretrained=False, seed=0)
+    skeletons = []
+
+    def recorded_skeleton(*args, **kwargs):
+        skeletons.append(base_skeleton(*args, **kwargs))
+        return skeletons[-1]
+
+    def no_dense_model(*args, **kwargs):
+        raise AssertionError("saving built a dense model")
+
+    monkeypatch.setattr(artifact, "base_skeleton", recorded_skeleton)
+    monkeypatch.setattr(artifact, "create_base_model", no_dense_model)
+    path = save_artifact(model, tmp_path / "art", base_model={"name": example.model, "model_kwargs": example.kwargs,
+                                                             "weights": {"source": "random", "seed": 0}})
+    monkeypatch.undo()
+    [skeleton] = skeletons
+    assert {t.device.type for t in [*skeleton.parameters(), *skeleton.buffers()]} == {"meta"}
+    assert {k: v.shape for k, v in skeleton.named_buffers()} == {k: v.shape for k, v in model.named_buffers()}
+    loaded = load_compressed(path).state_dict()
+    assert list(loaded) == list(model.state_dict())
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

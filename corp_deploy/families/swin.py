@@ -172,7 +172,12 @@ def _standard_block(block: swin.SwinTransformerBlock) -> WindowedBlock:
                            proj_bias=old.proj.bias is not None,
                            rel_pos=TableRelativePosition(old.relative_position_bias_table, old.relative_position_index))
     attn = filled(attn.to(weight.device, weight.dtype), weight, old.qkv.bias, old.proj)
-    windows = ShiftedWindows(block.input_resolution, block.window_size, block.shift_size, block.attn_mask)
+    mask = block.attn_mask
+    if mask is not None and mask.is_meta:
+        # a model built on the meta device has a mask without values, from which no groups can be read:
+        # timm computes it again on the CPU, and the windows (mask and groups) then go to the meta device
+        mask = block.get_attn_mask(device=torch.device("cpu"), dtype=mask.dtype)
+    windows = ShiftedWindows(block.input_resolution, block.window_size, block.shift_size, mask).to(weight.device)
     return WindowedBlock(block.norm1, attn, block.norm2, block.mlp, windows, nn.Identity())
 
 
