@@ -1,53 +1,17 @@
-"""Shared fixtures: small random-weight timm ViTs and calibration batches, and a fixed seed
-for every test."""
+"""Shared fixtures: small random-weight timm ViTs and calibration batches, the command line run
+in-process, one small compressed artifact (built once per session), and a fixed seed for every
+test. Values needed where a fixture cannot be requested are in ``tests/helpers.py``."""
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-import timm
 import torch
 
-# A DeiT-shaped ViT small enough for exact linear algebra in tests:
-# 32 px / patch 8 -> 16 patches + class token, width 48, 3 heads of 16 dims, MLP 192.
-SMALL_VIT_KWARGS = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
-#: The same model as ``corp-deploy compress deit_tiny`` arguments.
-SMALL_VIT_CLI_ARGS = [arg for key, value in SMALL_VIT_KWARGS.items() for arg in ("--model-arg", f"{key}={value}")]
-
-
-def small_vit(seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False,
-                              **{**SMALL_VIT_KWARGS, **overrides})
-    # Random init gives near-zero biases; give them scale so bias handling is exercised.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    return model.eval()
-
-
-def run_cli(args, state_dir):
-    """Run ``corp-deploy ARGS`` in-process, remembering the latest artifact under ``state_dir``.
-
-    Returns ``(result, everything it printed)``.
-    """
-    from click.testing import CliRunner
-
-    from corp_deploy.cli import cli
-    result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
-    return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
-
-
-def image_batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]
-
-
-#: Tolerances for values computed in float32 and compared in float64 (float32's resolution,
-#: with headroom for sums of a few hundred terms).
-FLOAT32 = dict(rtol=1e-5, atol=1e-6)
+from tests.helpers import SMALL_VIT_CLI_ARGS, build_small_vit
 
 
 @pytest.fixture(autouse=True)
@@ -59,11 +23,71 @@ def _seed_every_random_draw():
     random.seed(0)
 
 
+@pytest.fixture(scope="session")
+def small_vit():
+    """``small_vit(seed=0, **overrides)``: the small ViT of ``tests/helpers.py`` with random weights
+    (biases drawn too) from ``seed``, in eval mode."""
+    return build_small_vit
+
+
+@pytest.fixture(scope="session")
+def image_batches():
+    """``image_batches(n_batches, batch, size=32, seed=1)``: batches of random images
+    ``(batch, 3, size, size)`` drawn from their own generator."""
+    def batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]
+    return batches
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """``run_cli(args, state_dir)``: ``corp-deploy ARGS`` run in-process, remembering the latest
+    artifact under ``state_dir``; returns ``(result, everything it printed)``."""
+    from click.testing import CliRunner
+
+    from corp_deploy.cli import cli
+
+    def run(args, state_dir):
+        result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
+        return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+    return run
+
+
 @pytest.fixture
-def vit():
+def vit(small_vit):
     return small_vit()
 
 
 @pytest.fixture
-def batches():
+def batches(image_batches):
     return image_batches(3, 8)
+
+
+def _compress_tiny(run_cli, root: Path, seed: int) -> Path:
+    """``corp-deploy compress`` of the small ViT with random weights from ``seed``, on 16 built-in
+    photos, at sparsity 0.5, into ``root/art``."""
+    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 16,
+                            "--s", 0.5, "--seed", seed, "-o", root / "art"], root / "state")
+    assert result.exit_code == 0, text
+    return root / "art"
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(run_cli, tmp_path_factory) -> Path:
+    """The small compressed artifact (random weights, seed 0) written by ``corp-deploy compress``,
+    built once and shared: tests only read it (``tiny_artifact_copy`` to change one)."""
+    return _compress_tiny(run_cli, tmp_path_factory.mktemp("tiny-artifact"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_artifact(run_cli, tmp_path_factory) -> Path:
+    """Another artifact of the same shapes as ``tiny_artifact`` (weights from seed 1), shared:
+    tests only read it."""
+    return _compress_tiny(run_cli, tmp_path_factory.mktemp("other-tiny-artifact"), seed=1)
+
+
+@pytest.fixture
+def tiny_artifact_copy(tiny_artifact, tmp_path) -> Path:
+    """A copy of ``tiny_artifact`` in the test's own folder (``tmp_path/art``), for tests that change it."""
+    return shutil.copytree(tiny_artifact, tmp_path / "art")

@@ -10,7 +10,6 @@ import corp_deploy.methods.corp as corp_method
 from corp_deploy import CompressConfig, compress, count_macs
 from corp_deploy.methods.corp.allocation import Unit, allocate, candidate_sizes
 from corp_deploy.errors import CorpError
-from tests.conftest import image_batches
 
 
 def convex_unit(total, macs_per_dim, scale, power=2.0):
@@ -90,11 +89,11 @@ def test_a_budget_below_the_floors_is_refused():
 
 
 @pytest.fixture
-def budget_batches():
+def budget_batches(image_batches):
     return image_batches(3, 8)
 
 
-def test_full_budget_reproduces_the_dense_model(vit, budget_batches):
+def test_full_budget_reproduces_the_dense_model(vit, budget_batches, image_batches):
     x = image_batches(1, 4, seed=7)[0]
     model, report = compress(vit, budget_batches, CompressConfig.from_settings(macs=1.0))
     assert report["macs"]["compressed"] == report["macs"]["dense"]

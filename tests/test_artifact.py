@@ -11,7 +11,7 @@ from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
 from corp_deploy.errors import CorpError
 from corp_deploy.families import examples
 from corp_deploy.models import base_skeleton
-from tests.conftest import SMALL_VIT_KWARGS, image_batches
+from tests.helpers import SMALL_VIT_KWARGS
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def save(model, report, path, name="deit_tiny_patch16_224", kwargs=SMALL_VIT_KWA
                          settings=CompressConfig().to_dict(), calibration={"images": 24}, report=report)
 
 
-def test_round_trip_is_bit_exact(compressed, tmp_path):
+def test_round_trip_is_bit_exact(compressed, tmp_path, image_batches):
     dense, model, report = compressed
     path = save(model, report, tmp_path / "art")
     loaded = load_compressed(path)
@@ -113,7 +113,7 @@ def test_latest_artifact_pointer(compressed, tmp_path, monkeypatch):
     assert latest_artifact() == path.resolve()
 
 
-def test_base_model_is_inferred_when_not_given(tmp_path):
+def test_base_model_is_inferred_when_not_given(tmp_path, image_batches):
     import timm
     torch.manual_seed(0)
     dense = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7).eval()
@@ -125,7 +125,7 @@ def test_base_model_is_inferred_when_not_given(tmp_path):
         assert torch.equal(load_compressed(path)(x), model(x))
 
 
-def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path):
+def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_batches):
     from safetensors.torch import save_file
     from corp_deploy.files import sha256_file
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=3)

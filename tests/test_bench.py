@@ -16,28 +16,25 @@ from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
 from benchmarks.targets import resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
-from tests.conftest import SMALL_VIT_CLI_ARGS, small_vit
-from tests.conftest import run_cli as run
 
 FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1",
         "--data-samples", "6"]
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    """A compressed random small ViT with its fp32 export (dense included) inside."""
+def artifact(tiny_artifact, tmp_path_factory, run_cli):
+    """A copy of the small compressed artifact with its fp32 export (dense included) inside."""
     root = tmp_path_factory.mktemp("bench")
-    for args in (["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8,
-                  "-o", root / "art"], ["export", root / "art", "--dense"]):
-        result, text = run(args, root / "state")
-        assert result.exit_code == 0, text
+    shutil.copytree(tiny_artifact, root / "art")
+    result, text = run_cli(["export", root / "art", "--dense"], root / "state")
+    assert result.exit_code == 0, text
     return root / "art"
 
 
 @pytest.fixture(scope="module")
-def bench_run(artifact, tmp_path_factory):
+def bench_run(artifact, tmp_path_factory, run_cli):
     out = tmp_path_factory.mktemp("out")
-    result, text = run(["bench", artifact, *FAST, "-o", out], out / "state")
+    result, text = run_cli(["bench", artifact, *FAST, "-o", out], out / "state")
     assert result.exit_code == 0, text
     return json.loads((out / "bench.json").read_text()), out, text
 
@@ -114,7 +111,7 @@ def test_interleaving_alternates_and_cancels_drift(monkeypatch):
     assert max(samples["B"]) > 2 * min(samples["B"])  # the drift was real
 
 
-def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run, artifact, tmp_path):
+def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run, artifact, tmp_path, run_cli):
     report, _, _ = bench_run
     limits = GateLimits(max_regression=0.05, min_parity_cosine=0.999)
     assert regressions(report, limits, copy.deepcopy(report)) == []
@@ -133,7 +130,7 @@ def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run
     # the CLI: exit 4, every regression printed, the reports still written
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(doctored))
-    result, text = run(["bench", artifact, *FAST, "--backends", "ort", "--baseline", baseline,
+    result, text = run_cli(["bench", artifact, *FAST, "--backends", "ort", "--baseline", baseline,
                         "--json", tmp_path / "new.json"], tmp_path / "state")
     assert result.exit_code == 4, text
     assert "regression gate FAILED" in text and "latency: ort-cpu, batch 1: compressed p50" in text
@@ -163,7 +160,7 @@ def test_fidelity_metrics_on_known_inputs():
     assert backbone.result()["top1_agreement"] is None and backbone.result()["kl_mean"] is None
 
 
-def test_accuracy_on_a_labelled_image_folder(tmp_path):
+def test_accuracy_on_a_labelled_image_folder(tmp_path, small_vit):
     model = small_vit()
     rng = np.random.default_rng(0)
     mapping = {"cats": 3, "dogs": 7}
@@ -199,7 +196,7 @@ def test_accuracy_on_a_labelled_image_folder(tmp_path):
         eval_images(tmp_path, transform, limit=10)
 
 
-def test_targets_and_bad_inputs(artifact, tmp_path):
+def test_targets_and_bad_inputs(artifact, tmp_path, other_tiny_artifact, run_cli):
     assert resolve_target(artifact) == (artifact, artifact / "export-fp32")
     assert resolve_target(artifact / "export-fp32") == (artifact, artifact / "export-fp32")
     not_a_report = tmp_path / "x.json"
@@ -214,7 +211,7 @@ def test_targets_and_bad_inputs(artifact, tmp_path):
         (["bench", tmp_path], "is not a corp-deploy artifact"),
     ]
     for args, message in cases:
-        result, text = run([*args, "--json", tmp_path / "r.json"], tmp_path / "state")
+        result, text = run_cli([*args, "--json", tmp_path / "r.json"], tmp_path / "state")
         assert result.exit_code == 1 and message in text and "Traceback" not in text, (args, text)
         assert not (tmp_path / "r.json").exists()
     moved = tmp_path / "copy"
@@ -226,10 +223,7 @@ def test_targets_and_bad_inputs(artifact, tmp_path):
         with pytest.raises(CorpError, match="config.json does not match the SHA-256"):
             load()
     # an export moved into another artifact is not taken for that artifact's export
-    other = tmp_path / "other"
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8,
-                        "--seed", 1, "-o", other], tmp_path / "state")
-    assert result.exit_code == 0, text
+    other = shutil.copytree(other_tiny_artifact, tmp_path / "other")
     shutil.copytree(artifact / "export-fp32", other / "export-fp32")
     with pytest.raises(CorpError, match="different version"):
         resolve_target(other)

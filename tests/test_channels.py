@@ -5,7 +5,7 @@ from timm.layers import Mlp
 
 from corp_deploy import channels as mlp_ops
 from corp_deploy.stats import MomentAccumulator
-from tests.conftest import FLOAT32
+from tests.helpers import FLOAT32
 
 
 def correlated_activations(n=2000, hidden=24, seed=0):

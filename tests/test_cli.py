@@ -10,7 +10,7 @@ from PIL import Image
 from corp_deploy import load_compressed, read_config
 from corp_deploy.artifact import latest_artifact
 from corp_deploy.cli import cli
-from tests.conftest import SMALL_VIT_CLI_ARGS as TINY
+from tests.helpers import SMALL_VIT_CLI_ARGS as TINY
 
 
 @pytest.fixture(autouse=True)

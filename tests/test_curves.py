@@ -10,7 +10,6 @@ from corp_deploy.blocks import BoundaryCache
 from corp_deploy.methods.corp.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
 from corp_deploy.engine import embed_tokens
 from corp_deploy.stats import MomentAccumulator, per_image_head_grams
-from tests.conftest import small_vit
 
 
 def correlated_stats(n=3000, hidden=24, seed=0):
@@ -95,7 +94,7 @@ def test_qk_probe_sizes():
     assert qk_probe_sizes(4) == (1, 2, 3)  # rounding duplicates collapse; never 0 or the full dim
 
 
-def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
+def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches, small_vit):
     """At a uniform size, each unit's curve gives the error of CORP's compression at that size:
     the reported MLP and value errors (no ridge, so the objective is the error itself), and the
     query/key unit's attention-output error measured on the probe images (8 is a probe size)."""
@@ -126,7 +125,7 @@ def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches):
             inputs = dense_block(inputs)
 
 
-def test_equal_head_dims_ties_query_key_and_value_units(batches):
+def test_equal_head_dims_ties_query_key_and_value_units(batches, small_vit):
     vit = small_vit()
     cache = BoundaryCache()
     cache.batches = [embed_tokens(vit, b) for b in batches]

@@ -5,12 +5,11 @@ import torch
 
 from corp_deploy import CompressConfig, PrunedAttention, compress, count_macs, count_params
 from corp_deploy.errors import CorpError
-from tests.conftest import image_batches, small_vit
 
 
 @pytest.mark.parametrize("mode", ["sequential", "independent"])
 @pytest.mark.parametrize("target", ["mlp", "attn", "both"])
-def test_zero_sparsity_reproduces_the_dense_model(vit, batches, mode, target):
+def test_zero_sparsity_reproduces_the_dense_model(vit, batches, mode, target, image_batches):
     x = image_batches(1, 4, seed=7)[0]
     model, report = compress(vit, batches, CompressConfig.from_settings(s_mlp=0.0, s_attn=0.0, target=target,
                                                           calibration=mode))
@@ -26,7 +25,7 @@ def test_input_model_is_left_unchanged(vit, batches):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_compensation_lowers_every_layer_error_and_output_error(vit, batches):
+def test_compensation_lowers_every_layer_error_and_output_error(vit, batches, image_batches):
     x = image_batches(2, 8, seed=9)
     comp, report = compress(vit, batches, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, ridge=1e-2))
     sliced, report_sliced = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, compensation=False))
@@ -124,7 +123,7 @@ def test_config_validation(kwargs):
         CompressConfig.from_settings(**kwargs)
 
 
-def test_unsupported_structures_are_refused(batches):
+def test_unsupported_structures_are_refused(batches, small_vit):
     gated = small_vit(qk_norm=True)
     with pytest.raises(CorpError, match="query/key or value pruning"):
         compress(gated, batches, CompressConfig(target="both"))

@@ -2,7 +2,6 @@
 import hashlib
 import json
 import os
-import shutil
 import stat
 import subprocess
 
@@ -15,26 +14,15 @@ from exporters import tensorrt as trt_backend
 from exporters.manifest import read_manifest
 from exporters.pipeline import EXIT_INCOMPLETE, EXIT_PARITY, PARITY_BATCHES, parity_images
 from exporters.runners import OnnxRuntimeRunner
-from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
-from tests.conftest import run_cli as run
+from tests.helpers import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
 
 NO_TENSORRT = trt_backend.unavailable_reason()
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    """A compressed random-weight small ViT (seed 0), written by `corp-deploy compress`."""
-    root = tmp_path_factory.mktemp("artifact")
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8,
-                        "--s", 0.5, "-o", root / "art"], root / "state")
-    assert result.exit_code == 0, text
-    return root / "art"
-
-
-@pytest.fixture(scope="module")
-def dense_export(artifact, tmp_path_factory):
+def dense_export(tiny_artifact, tmp_path_factory, run_cli):
     out = tmp_path_factory.mktemp("export") / "out"
-    result, text = run(["export", artifact, "--dense", "-o", out], out.parent / "state")
+    result, text = run_cli(["export", tiny_artifact, "--dense", "-o", out], out.parent / "state")
     assert result.exit_code == 0, text
     return out, text
 
@@ -43,7 +31,7 @@ def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_export_writes_checked_onnx_files_and_a_manifest(artifact, dense_export):
+def test_export_writes_checked_onnx_files_and_a_manifest(tiny_artifact, dense_export):
     out, text = dense_export
     assert sorted(p.name for p in out.iterdir()) == ["corp-deploy-record.json", "dense.onnx", "export.json",
                                                      "model.onnx"]
@@ -53,7 +41,7 @@ def test_export_writes_checked_onnx_files_and_a_manifest(artifact, dense_export)
     assert sorted(record["files"]) == ["dense.onnx", "export.json", "model.onnx"]
     for name, entry in record["files"].items():
         assert entry["bytes"] == (out / name).stat().st_size and entry["sha256"] == sha256(out / name)
-    assert manifest["artifact"]["weights_sha256"] == sha256(artifact / "model.safetensors")
+    assert manifest["artifact"]["weights_sha256"] == sha256(tiny_artifact / "model.safetensors")
     assert manifest["precision"] == "fp32" and manifest["exporter"] == "dynamo" and manifest["opset"] == 18
     assert manifest["inputs"] == [{"name": "images", "shape": ["batch", 3, 32, 32], "dtype": "float32"}]
     assert manifest["outputs"] == [{"name": "outputs", "shape": ["batch", 1000], "dtype": "float32"}]
@@ -69,22 +57,22 @@ def test_export_writes_checked_onnx_files_and_a_manifest(artifact, dense_export)
     assert models["dense"]["macs"] > models["model"]["macs"] and models["dense"]["params"] > models["model"]["params"]
 
 
-def test_exported_files_compute_what_the_models_compute(artifact, dense_export):
+def test_exported_files_compute_what_the_models_compute(tiny_artifact, dense_export):
     """Independently of the gate: the compressed file against the artifact, the dense file
     against the same random dense model rebuilt from its seed, at a batch size not traced."""
     out, _ = dense_export
-    x = parity_images(load_compressed(artifact), 3)
+    x = parity_images(load_compressed(tiny_artifact), 3)
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=0)
-    for name, model in (("model", load_compressed(artifact)), ("dense", dense)):
+    for name, model in (("model", load_compressed(tiny_artifact)), ("dense", dense)):
         with torch.no_grad():
             expected = model(torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(OnnxRuntimeRunner(out / f"{name}.onnx").infer(x), expected, atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
-def trt_export(artifact, tmp_path_factory):
+def trt_export(tiny_artifact, tmp_path_factory, run_cli):
     out = tmp_path_factory.mktemp("trt") / "out"
-    result, text = run(["export", artifact, "--trt", "--batch", "2:4:16", "--workspace", 2,
+    result, text = run_cli(["export", tiny_artifact, "--trt", "--batch", "2:4:16", "--workspace", 2,
                         "--timing-cache", out.parent / "trt.cache", "-o", out], out.parent / "state")
     return out, result, text
 
@@ -141,8 +129,8 @@ def test_build_script_without_trtexec_says_what_to_install(trt_export):
     assert done.returncode == 127 and "trtexec not found: install TensorRT" in done.stderr
 
 
-def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(artifact, tmp_path):
-    result, text = run(["export", artifact, "--precision", "fp16", "--atol", 1e-6, "-o", tmp_path / "out"],
+def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(tiny_artifact, tmp_path, run_cli):
+    result, text = run_cli(["export", tiny_artifact, "--precision", "fp16", "--atol", 1e-6, "-o", tmp_path / "out"],
                        tmp_path / "state")
     assert result.exit_code == EXIT_PARITY, text
     assert "parity gate failed" in text and "max abs error" in text and "batch_8: max_abs=" in text
@@ -151,12 +139,13 @@ def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(artifact
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a CUDA GPU, ONNX Runtime may check bf16 here")
-def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(artifact, tmp_path):
-    art = shutil.copytree(artifact, tmp_path / "art")
+def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(tiny_artifact_copy, tmp_path,
+                                                                                 run_cli):
+    art = tiny_artifact_copy
     state = tmp_path / "state"
     state.mkdir()
     (state / "latest.json").write_text(json.dumps({"artifact": str(art)}))
-    result, text = run(["export", "--precision", "bf16"], state)
+    result, text = run_cli(["export", "--precision", "bf16"], state)
     assert result.exit_code == EXIT_INCOMPLETE, text
     assert f"exporting the most recent artifact: {art}" in text and "no bfloat16 kernels" in text
     manifest = read_manifest(art / "export-bf16")
@@ -164,7 +153,7 @@ def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(
     assert load_compressed(art) is not None  # the export inside does not disturb the artifact
 
 
-def test_bad_inputs_give_one_message_and_leave_nothing(artifact, tmp_path):
+def test_bad_inputs_give_one_message_and_leave_nothing(tiny_artifact, tmp_path, run_cli):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
@@ -172,34 +161,34 @@ def test_bad_inputs_give_one_message_and_leave_nothing(artifact, tmp_path):
     cases = [
         (["export", tmp_path / "missing"], "is not a corp-deploy artifact"),
         (["export"], "none recorded"),
-        (["export", artifact, "--batch", "8:4:2"], "1 <= MIN <= OPT <= MAX"),
-        (["export", artifact, "--batch", "big"], "--batch expects MIN:OPT:MAX"),
-        (["export", artifact, "--opset", 12], "--opset must be between 17"),
-        (["export", artifact, "--workspace", 0], "--workspace must be a number of GB from"),
-        (["export", artifact, "--atol", -1], "--atol must be a finite number >= 0"),
-        (["export", artifact, "--min-cosine", 2], "--min-cosine must be in [-1, 1]"),
-        (["export", artifact, "--timing-cache", tmp_path / "nowhere" / "c"], "does not exist"),
-        (["export", artifact, "-o", foreign], "refusing to write an export to"),
+        (["export", tiny_artifact, "--batch", "8:4:2"], "1 <= MIN <= OPT <= MAX"),
+        (["export", tiny_artifact, "--batch", "big"], "--batch expects MIN:OPT:MAX"),
+        (["export", tiny_artifact, "--opset", 12], "--opset must be between 17"),
+        (["export", tiny_artifact, "--workspace", 0], "--workspace must be a number of GB from"),
+        (["export", tiny_artifact, "--atol", -1], "--atol must be a finite number >= 0"),
+        (["export", tiny_artifact, "--min-cosine", 2], "--min-cosine must be in [-1, 1]"),
+        (["export", tiny_artifact, "--timing-cache", tmp_path / "nowhere" / "c"], "does not exist"),
+        (["export", tiny_artifact, "-o", foreign], "refusing to write an export to"),
     ]
     for args, message in cases:
         if "-o" not in args:
             args = [*args, "-o", out]
-        result, text = run(args, tmp_path / "state")
+        result, text = run_cli(args, tmp_path / "state")
         assert result.exit_code == 1, (args, text)
         assert message in text and "Traceback" not in text, (args, text)
         assert not out.exists()
     assert (foreign / "notes.txt").read_text() == "keep me" and len(list(foreign.iterdir())) == 1
 
 
-def test_dense_export_refuses_a_changed_checkpoint(tmp_path):
+def test_dense_export_refuses_a_changed_checkpoint(tmp_path, run_cli):
     from safetensors.torch import save_file
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=1)
     checkpoint = tmp_path / "dense.safetensors"
     save_file(dense.state_dict(), str(checkpoint))
     state = tmp_path / "state"
-    result, text = run(["compress", "deit_tiny", *SMALL_VIT_CLI_ARGS, "--checkpoint", checkpoint,
+    result, text = run_cli(["compress", "deit_tiny", *SMALL_VIT_CLI_ARGS, "--checkpoint", checkpoint,
                         "--calib-samples", 4, "-o", tmp_path / "art"], state)
     assert result.exit_code == 0, text
     save_file({k: v + 1 for k, v in dense.state_dict().items()}, str(checkpoint))
-    result, text = run(["export", tmp_path / "art", "--dense", "-o", tmp_path / "out"], state)
+    result, text = run_cli(["export", tmp_path / "art", "--dense", "-o", tmp_path / "out"], state)
     assert result.exit_code == 1 and "has changed since" in text and not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """`corp-deploy export --precision int8`: a calibrated QDQ graph of the compressed (and dense) model,
 its fidelity gate against float32 PyTorch on held-out images, and bad options."""
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -20,23 +21,15 @@ from exporters.parity import Tolerance
 from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
 from exporters.manifest import read_manifest
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
-from tests.conftest import SMALL_VIT_CLI_ARGS
-from tests.conftest import run_cli as run
-
-
-def compress(root, *args):
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 16,
-                        *args, "-o", root / "art"], root / "state")
-    assert result.exit_code == 0, text
-    return root / "art"
+from tests.helpers import SMALL_VIT_CLI_ARGS
 
 
 @pytest.fixture(scope="module")
-def int8_export(tmp_path_factory):
+def int8_export(tiny_artifact, tmp_path_factory, run_cli):
     root = tmp_path_factory.mktemp("int8")
-    artifact = compress(root, "--s", 0.5)
+    artifact = shutil.copytree(tiny_artifact, root / "art")
     for precision in ("int8", "fp32"):  # into the artifact's export-int8/ and export-fp32/
-        result, text = run(["export", artifact, "--dense", "--precision", precision], root / "state")
+        result, text = run_cli(["export", artifact, "--dense", "--precision", precision], root / "state")
         assert result.exit_code == 0, text
     return artifact, artifact / "export-int8", artifact / "export-fp32"
 
@@ -75,9 +68,9 @@ def test_int8_graphs_are_checked_qdq_graphs_with_int8_weights(int8_export):
             assert runner.infer(x).shape == (batch, 1000)
 
 
-def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(int8_export, tmp_path):
+def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(int8_export, tmp_path, run_cli):
     artifact, int8, fp32 = int8_export
-    result, text = run(["bench", artifact, "--backends", "ort", "--batch", "1,2", "--min-time", 0.05,
+    result, text = run_cli(["bench", artifact, "--backends", "ort", "--batch", "1,2", "--min-time", 0.05,
                         "--data-samples", 6, "-o", tmp_path / "bench"], tmp_path / "state")
     assert result.exit_code == 0, text
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())["int8"]
@@ -97,22 +90,22 @@ def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(i
     assert "## INT8" in (tmp_path / "bench" / "bench.md").read_text()
 
 
-def test_bench_says_why_int8_is_not_measured_without_dense_graphs(tmp_path):
-    artifact = compress(tmp_path, "--s", 0.5)
-    result, text = run(["export", artifact, "--precision", "int8", "--calib-samples", 4], tmp_path / "state")
+def test_bench_says_why_int8_is_not_measured_without_dense_graphs(tmp_path, tiny_artifact_copy, run_cli):
+    artifact = tiny_artifact_copy
+    result, text = run_cli(["export", artifact, "--precision", "int8", "--calib-samples", 4], tmp_path / "state")
     assert result.exit_code == 0, text
-    result, text = run(["bench", artifact, "--backends", "torch", "--batch", "1", "--min-time", 0.05,
+    result, text = run_cli(["bench", artifact, "--backends", "torch", "--batch", "1", "--min-time", 0.05,
                         "--data-samples", 2], tmp_path / "state")
     assert result.exit_code == 0 and "int8 not measured" not in text  # no ONNX Runtime: not asked for
-    result, text = run(["bench", artifact, "--backends", "ort", "--batch", "1", "--min-time", 0.05,
+    result, text = run_cli(["bench", artifact, "--backends", "ort", "--batch", "1", "--min-time", 0.05,
                         "--data-samples", 2, "--json", tmp_path / "b.json"], tmp_path / "state")
     assert result.exit_code == 0, text
     assert "no export-fp32/ beside export-int8/" in json.loads((tmp_path / "b.json").read_text())["int8"]["skipped"]
 
 
-def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path):
-    artifact = compress(tmp_path, "--s", 0.5)
-    result, text = run(["export", artifact, "--precision", "int8", "--trt", "--calib-samples", 4,
+def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path, tiny_artifact, run_cli):
+    artifact = tiny_artifact
+    result, text = run_cli(["export", artifact, "--precision", "int8", "--trt", "--calib-samples", 4,
                         "-o", tmp_path / "out"], tmp_path / "state")
     assert result.exit_code == (EXIT_INCOMPLETE if trt_backend.unavailable_reason() else 0), text
     script = (tmp_path / "out" / trt_backend.SCRIPT_NAME).read_text()
@@ -121,11 +114,11 @@ def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path):
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, exporter):
+def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, exporter, tiny_artifact, run_cli):
     """With either exporter (module paths from the dynamo exporter's metadata or the TorchScript
     exporter's scoped node names), the layers named in export.json really stay float."""
-    artifact = compress(tmp_path, "--s", 0.5)
-    result, text = run(["export", artifact, "--precision", "int8", "--int8-keep-float", 3, "--calib-samples", 8,
+    artifact = tiny_artifact
+    result, text = run_cli(["export", artifact, "--precision", "int8", "--int8-keep-float", 3, "--calib-samples", 8,
                         "--exporter", exporter, "-o", tmp_path / "out"], tmp_path / "state")
     assert result.exit_code == 0, text
     int8 = read_manifest(tmp_path / "out")["models"]["model"]["int8"]
@@ -168,11 +161,11 @@ def _plant_outlier(producer: torch.nn.Linear, row: int, consumer: torch.nn.Linea
         consumer.weight[:, column] = 0
 
 
-def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path):
+def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path, tiny_artifact):
     """Default ``--int8-keep-float auto``: the dense model with an outlier channel before block 0's
     fc2 fails the gate's tolerance on the calibration images with every Linear in int8 and passes
     with that one layer in float; the compressed model, without outliers, keeps none."""
-    artifact = compress(tmp_path, "--s", 0.5)
+    artifact = tiny_artifact
     dense = load_base_model(artifact)
     _plant_outlier(dense.blocks[0].mlp.fc1, 0, dense.blocks[0].mlp.fc2, 0)
     result = export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", dense=True), dense_model=dense)
@@ -187,10 +180,10 @@ def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path):
     assert models["dense"]["int8"]["calibration_images"] == 16  # ranges refitted on all
 
 
-def test_auto_keep_float_stops_at_a_quarter_of_the_layers_and_the_gate_fails(tmp_path):
+def test_auto_keep_float_stops_at_a_quarter_of_the_layers_and_the_gate_fails(tmp_path, tiny_artifact):
     """Outliers before three of the 9 Linear layers: ``auto`` tries 0, 1 and 2 (a quarter) in float,
     none is enough, and the export gate fails as usual: ParityError, nothing written."""
-    artifact = compress(tmp_path, "--s", 0.5)
+    artifact = tiny_artifact
     dense = load_base_model(artifact)
     width = dense.embed_dim
     for block in dense.blocks:
@@ -219,7 +212,8 @@ def test_auto_keep_float_holds_back_every_fourth_calibration_image():
     assert HeldBack.held_back(13) == 3 and HeldBack.held_back(3) == 0
 
 
-def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tmp_path, monkeypatch):
+def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tmp_path, monkeypatch,
+                                                                             tiny_artifact):
     """Streaming range collection: ONNX Runtime's calibrator runs at most CALIBRATION_CHUNK images at a
     time and keeps nothing between runs (so memory does not grow with the number of images), and the
     merged min/max of every Linear layer's input equal its extremes over all images, computed
@@ -229,7 +223,7 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
 
     from exporters import quantize
 
-    model = load_compressed(compress(tmp_path, "--s", 0.5))
+    model = load_compressed(tiny_artifact)
     export_onnx(model, tmp_path / "m.onnx", (3, 32, 32))
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randn(7, 3, 32, 32, generator=generator) for _ in range(5)]
@@ -283,9 +277,12 @@ class _Counting:
 
 @pytest.mark.parametrize("args", [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5],
                                   ["--macs", 0.7, "--target", "all"]], ids=["vbp", "toast", "budget"])
-def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path):
-    artifact = compress(tmp_path, *args)
-    result, text = run(["export", artifact, "--precision", "int8", "--int8-calibration", "percentile",
+def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path, run_cli):
+    artifact = tmp_path / "art"
+    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 16,
+                            *args, "-o", artifact], tmp_path / "state")
+    assert result.exit_code == 0, text
+    result, text = run_cli(["export", artifact, "--precision", "int8", "--int8-calibration", "percentile",
                         "--int8-keep-float", 0, "--calib-samples", 8, "-o", tmp_path / "out"], tmp_path / "state")
     assert result.exit_code == 0, text
     assert read_manifest(tmp_path / "out")["models"]["model"]["int8"]["calibration_images"] == 8
@@ -354,8 +351,8 @@ def test_auto_keep_float_makes_the_dense_real_dinov2_pass_the_gate(tmp_path):
     (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
     (["--precision", "int4"], "Invalid value for '--precision'"),
 ])
-def test_bad_int8_options_get_one_message(args, message, tmp_path):
-    artifact = compress(tmp_path, "--s", 0.5)
-    result, text = run(["export", artifact, *args, "-o", tmp_path / "out"], tmp_path / "state")
+def test_bad_int8_options_get_one_message(args, message, tmp_path, tiny_artifact, run_cli):
+    artifact = tiny_artifact
+    result, text = run_cli(["export", artifact, *args, "-o", tmp_path / "out"], tmp_path / "state")
     assert result.exit_code != 0 and message in text and "Traceback" not in text
     assert not (tmp_path / "out").exists()

@@ -10,7 +10,7 @@ import torch
 from corp_deploy import (METHODS, CompressConfig, CorpError, compress, count_macs, load_compressed, read_config,
                          save_artifact)
 from exporters import ExportOptions, export_artifact
-from tests.conftest import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS, image_batches, run_cli
+from tests.helpers import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
 
 TOKENS, WIDTH, HEADS, HEAD_DIM, HIDDEN = 17, 48, 3, 16, 192
 
@@ -40,7 +40,7 @@ CASES = {  # method config -> each block's (MLP hidden, q/k dim, v dim), or None
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, case):
+def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, case, image_batches):
     kwargs, expected = CASES[case]
     config = CompressConfig.from_settings(**kwargs)
     model, report = compress(vit, batches, config)
@@ -69,7 +69,7 @@ def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, c
 
 
 @pytest.mark.parametrize("method", ["vbp", "toast"])
-def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method):
+def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method, image_batches):
     x = image_batches(1, 4, seed=7)[0]
     model, _ = compress(vit, batches, CompressConfig(method=method, s_mlp=0.0, s_attn=0.0))
     with torch.no_grad():
@@ -87,7 +87,7 @@ def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method):
     (["--method", "vbp", "--token-fraction", "0.05"], "--token-fraction applies to --method toast only"),
     (["--method", "toast", "--token-fraction", "0"], "--token-fraction must be in (0, 1]"),
 ])
-def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, message):
+def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, message, run_cli):
     out = tmp_path / "out"
     result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", out],
                            tmp_path / "state")
@@ -95,12 +95,12 @@ def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, mes
     assert not out.exists()
 
 
-def test_unknown_method_is_a_usage_error(tmp_path):
+def test_unknown_method_is_a_usage_error(tmp_path, run_cli):
     result, text = run_cli(["compress", "deit_tiny", "--method", "magic"], tmp_path / "state")
     assert result.exit_code == 2 and "'magic' is not one of 'corp', 'vbp', 'toast'" in text
 
 
-def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch):
+def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--method", "vbp",
                             "--s", "0.3", "--calib-samples", 6], tmp_path / "state")

@@ -10,28 +10,33 @@ from corp_deploy import CompressConfig, compress
 from exporters.onnx_export import export_onnx
 from exporters.parity import Comparison, Tolerance, compare_outputs
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner
-from tests.conftest import image_batches, small_vit
 
 SIZE = (3, 32, 32)
 
 
 @pytest.fixture(scope="module")
-def pruned():
+def pruned(small_vit, image_batches):
     """The small ViT with MLP and query/key dims pruned by half (q/k head dim 8 != v head dim 16)."""
     model, _ = compress(small_vit(), image_batches(2, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
     return model
 
 
-def ort_parity(model, path, batch, seed=7):
-    x = image_batches(1, batch, seed=seed)[0]
-    with torch.no_grad():
-        ref = model(x).numpy()
-    return compare_outputs(ref, OnnxRuntimeRunner(path).infer(x.numpy()))
+@pytest.fixture
+def ort_parity(image_batches):
+    """``ort_parity(model, path, batch)``: ONNX Runtime's outputs of the graph at ``path`` against
+    ``model``'s on ``batch`` random images (:func:`compare_outputs`)."""
+    def parity(model, path, batch, seed=7):
+        x = image_batches(1, batch, seed=seed)[0]
+        with torch.no_grad():
+            ref = model(x).numpy()
+        return compare_outputs(ref, OnnxRuntimeRunner(path).infer(x.numpy()))
+    return parity
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("compressed", [False, True])
-def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, exporter, compressed):
+def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, exporter, compressed, small_vit,
+                                                          ort_parity):
     model = pruned if compressed else small_vit()
     info = export_onnx(model, tmp_path / "m.onnx", SIZE, exporter=exporter, trace_batch=2)
     assert info["files"] == ["m.onnx"] and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
@@ -49,7 +54,7 @@ def value_shapes(path):
             for v in [*graph.value_info, *graph.input, *graph.output]}, graph
 
 
-def test_pruned_attention_exports_as_plain_matmul_softmax_with_unequal_head_dims(tmp_path, pruned):
+def test_pruned_attention_exports_as_plain_matmul_softmax_with_unequal_head_dims(tmp_path, pruned, ort_parity):
     """q/k head dim 8, v head dim 16: the graph must carry both, without a fused Attention op,
     so that ONNX Runtime and TensorRT run it; the logits use the ORIGINAL scale 16**-0.5."""
     export_onnx(pruned, tmp_path / "m.onnx", SIZE)
@@ -69,7 +74,7 @@ def test_pruned_attention_exports_as_plain_matmul_softmax_with_unequal_head_dims
     assert ort_parity(pruned, tmp_path / "m.onnx", 3).max_abs < 1e-4
 
 
-def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, pruned):
+def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, pruned, ort_parity):
     info = export_onnx(pruned, tmp_path / "m.onnx", SIZE, single_file_limit=10_000)
     assert info["files"] == ["m.onnx", "m.onnx.data"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
@@ -82,7 +87,7 @@ def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, 
     assert ort_parity(pruned, tmp_path / "m.onnx", 2).max_abs < 1e-4
 
 
-def test_fp16_keeps_layernorm_and_softmax_in_fp32_and_stays_close(tmp_path, pruned):
+def test_fp16_keeps_layernorm_and_softmax_in_fp32_and_stays_close(tmp_path, pruned, ort_parity):
     info = export_onnx(pruned, tmp_path / "m.onnx", SIZE, precision="fp16")
     assert info["inputs"][0]["dtype"] == info["outputs"][0]["dtype"] == "float32"
     graph = onnx.load(str(tmp_path / "m.onnx")).graph

@@ -6,17 +6,16 @@ from torch import nn
 
 from corp_deploy import CompressConfig, CorpError, compress, standard_form
 from exporters.precision import Float32Island, Float32SoftmaxAttention, for_export
-from tests.conftest import image_batches, small_vit
 
 
 @pytest.fixture(scope="module")
-def pruned():
+def pruned(small_vit, image_batches):
     model, _ = compress(small_vit(), image_batches(2, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
     return model
 
 
 @pytest.mark.parametrize("compressed", [False, True])
-def test_explicit_attention_equals_the_module_it_replaces_in_float32(pruned, compressed):
+def test_explicit_attention_equals_the_module_it_replaces_in_float32(pruned, compressed, small_vit):
     """Written out by hand (layout, unequal q/k and v head dims, fixed scale), the attention
     must compute exactly what timm's Attention / PrunedAttention computes."""
     attn = (pruned if compressed else small_vit()).blocks[0].attn
@@ -40,7 +39,7 @@ POSITION_TERMS = {
 
 @pytest.mark.parametrize("term", sorted(POSITION_TERMS))
 @pytest.mark.parametrize("compressed", [False, True])
-def test_explicit_attention_keeps_the_position_terms(term, compressed):
+def test_explicit_attention_keeps_the_position_terms(term, compressed, image_batches):
     (name, kwargs, tokens, width, target), present = POSITION_TERMS[term]
     torch.manual_seed(0)
     model = standard_form(timm.create_model(name, **kwargs).eval())
@@ -57,7 +56,8 @@ def test_explicit_attention_keeps_the_position_terms(term, compressed):
 
 
 @pytest.mark.parametrize("precision,min_cosine", [("fp16", 0.999), ("bf16", 0.99)])
-def test_reduced_precision_model_is_close_and_keeps_fragile_parts_in_float32(pruned, precision, min_cosine):
+def test_reduced_precision_model_is_close_and_keeps_fragile_parts_in_float32(pruned, precision, min_cosine,
+                                                                             image_batches):
     low = for_export(pruned, precision)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     islands = [m for m in low.modules() if isinstance(m, Float32Island)]
@@ -74,7 +74,7 @@ def test_reduced_precision_model_is_close_and_keeps_fragile_parts_in_float32(pru
     assert not torch.equal(ref, out)
 
 
-def test_unsupported_attention_is_refused():
+def test_unsupported_attention_is_refused(small_vit):
     model = small_vit(qk_norm=True)
     with pytest.raises(CorpError, match="qk-norm"):
         for_export(model, "fp16")

@@ -5,7 +5,6 @@ Calibration and held-out images come from disjoint bundled photos. The threshold
 method's claims, not tuned numbers: compensation must beat plain slicing of the same dims.
 """
 import pytest
-import torch
 
 from benchmarks.held_out import feature_cosine
 from corp_deploy.calibration import split_builtin_images

@@ -33,8 +33,8 @@ from corp_deploy.calibration import load_rgb
 from corp_deploy.cli import cli
 from corp_deploy.files import write_json
 from corp_deploy.outputs import RECORD_FILE, staged_output, verify_files, write_record
-from tests.conftest import SMALL_VIT_CLI_ARGS as TINY
-from tests.conftest import small_vit
+from tests.helpers import SMALL_VIT_CLI_ARGS as TINY
+from tests.helpers import build_small_vit
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
@@ -117,14 +117,14 @@ def flip_byte(path: Path, offset: int = 4000) -> None:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A compressed tiny ViT with its dense fp32 export inside, and a second artifact of the same
-    shapes (another seed)."""
+def built(tiny_artifact, other_tiny_artifact, tmp_path_factory):
+    """A copy of the small compressed artifact with its dense fp32 export inside (``art``), and a
+    copy of the second artifact of the same shapes (another seed; ``other``)."""
     root = tmp_path_factory.mktemp("built")
-    for args in ([*BASE, "-o", root / "art"], ["export", root / "art", "--dense"],
-                 [*BASE, "--seed", "1", "-o", root / "other"]):
-        code, text, _ = invoke(args, root / "state")
-        assert code == 0, text
+    shutil.copytree(tiny_artifact, root / "art")
+    shutil.copytree(other_tiny_artifact, root / "other")
+    code, text, _ = invoke(["export", root / "art", "--dense"], root / "state")
+    assert code == 0, text
     return root
 
 
@@ -156,7 +156,7 @@ class Refusal(NamedTuple):
 
 def _checkpoint(w: Path, change: Callable[[dict], dict], suffix=".safetensors") -> Path:
     from safetensors.torch import save_file
-    state = small_vit().state_dict()
+    state = build_small_vit().state_dict()
     path = w / f"weights{suffix}"
     state = change(state)
     if suffix == ".safetensors":
@@ -229,7 +229,7 @@ def _record_naming_outside_files(w: Path) -> Path:
 
 def _sparse_checkpoint(w: Path) -> Path:
     path = w / "sparse.pth"
-    torch.save({k: v.to_sparse() if v.ndim == 2 else v for k, v in small_vit().state_dict().items()}, path)
+    torch.save({k: v.to_sparse() if v.ndim == 2 else v for k, v in build_small_vit().state_dict().items()}, path)
     return path
 
 

@@ -1,7 +1,7 @@
 import torch
 
 from corp_deploy.stats import MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
-from tests.conftest import FLOAT32
+from tests.helpers import FLOAT32
 
 
 def symmetric_gram(x):

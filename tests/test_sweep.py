@@ -8,11 +8,11 @@ import pytest
 from benchmarks.sweep import at_macs
 from corp_deploy import read_config
 from exporters.manifest import read_manifest
-from tests.conftest import SMALL_VIT_CLI_ARGS, run_cli
+from tests.helpers import SMALL_VIT_CLI_ARGS
 
 
 @pytest.mark.slow
-def test_sweep_compares_methods_in_one_table_and_plot(tmp_path):
+def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
     out = tmp_path / "sweep"
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
                             "--methods", "corp,vbp,toast,uncompensated", "--calib-samples", 8, "--data-samples", 6,
@@ -66,7 +66,7 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
     (["--methods", "corp,corp"], "methods must be distinct"),
     (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
 ])
-def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message):
+def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message, run_cli):
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args,
                             "-o", tmp_path / "sweep"], tmp_path / "state")
     assert result.exit_code == 1 and message in text and "Traceback" not in text, text
@@ -74,7 +74,7 @@ def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message):
 
 
 @pytest.mark.slow
-def test_sweep_over_mac_budgets(tmp_path):
+def test_sweep_over_mac_budgets(tmp_path, run_cli):
     out = tmp_path / "sweep"
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--macs", "0.8,0.5",
                             "--methods", "corp,uncompensated", "--calib-samples", 8, "--data-samples", 4,

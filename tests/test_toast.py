@@ -9,7 +9,7 @@ from timm.layers.attention import Attention
 from corp_deploy.blocks import project_qk
 from corp_deploy.methods.toast import (TokenChannelImportance, class_token_attention, geometric_median,
                                        head_dim_importance, median_distances, prune_heads, top_dims)
-from tests.conftest import FLOAT32
+from tests.helpers import FLOAT32
 
 
 def test_geometric_median_of_constructed_sets():

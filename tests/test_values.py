@@ -7,7 +7,6 @@ from corp_deploy import CompressConfig, PrunedAttention, compress
 from corp_deploy import channels, values
 from corp_deploy.blocks import attention_forward
 from corp_deploy.stats import MomentAccumulator
-from tests.conftest import image_batches
 
 WIDTH, HEADS, HEAD_DIM, TOKENS = 24, 3, 8, 11
 
@@ -69,7 +68,7 @@ def test_value_slicing_without_compensation_drops_the_channels():
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_engine_value_pruning_matches_the_report_and_lowers_the_error(vit):
+def test_engine_value_pruning_matches_the_report_and_lowers_the_error(vit, image_batches):
     batches = image_batches(3, 8)
     model, report = compress(vit, batches, CompressConfig(target="vo", s_vo=0.5))
     sliced, report_sliced = compress(vit, batches, CompressConfig(target="vo", s_vo=0.5, compensation=False))

@@ -5,7 +5,6 @@ import torch
 
 from corp_deploy import CompressConfig, compress
 from corp_deploy.methods.vbp import ChannelMoments, global_kept_counts
-from tests.conftest import image_batches
 
 
 def test_channel_moments_match_a_two_pass_computation_on_offset_data():
@@ -40,7 +39,7 @@ def _make_constant_channels(model, per_block: int) -> None:
             block.mlp.fc1.bias[:per_block] = torch.linspace(0.5, 2.0, per_block)
 
 
-def test_mean_fold_is_exact_for_constant_channels(vit, batches):
+def test_mean_fold_is_exact_for_constant_channels(vit, batches, image_batches):
     _make_constant_channels(vit, per_block=48)  # 96 of 384 hidden channels in all: s = 0.25
     x = image_batches(1, 4, seed=7)[0]
     folded, report = compress(vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0))
