@@ -7,11 +7,10 @@ import torch
 from corp_deploy import CorpError
 from exporters.onnx_export import export_onnx
 from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
-from tests.conftest import image_batches, small_vit
 
 
 @pytest.fixture(scope="module")
-def model_and_graph(tmp_path_factory):
+def model_and_graph(tmp_path_factory, small_vit):
     model = small_vit().eval()
     path = tmp_path_factory.mktemp("runner") / "m.onnx"
     export_onnx(model, path, (3, 32, 32), exporter="torchscript")
@@ -19,7 +18,7 @@ def model_and_graph(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["pytorch", "onnxruntime"])
-def test_each_cpu_runner_is_a_context_manager_that_closes(model_and_graph, backend):
+def test_each_cpu_runner_is_a_context_manager_that_closes(model_and_graph, image_batches, backend):
     model, path = model_and_graph
     x = image_batches(1, 3)[0]
     with torch.no_grad():
