@@ -281,7 +281,8 @@ def _as_recorded(path: Path, recorded: dict) -> bool:
 def _remove_output(folder: Path) -> list[str]:
     """Delete an output that :func:`foreign_content` accepted: its recorded files, its inner outputs,
     its record and the folder itself. Each file is checked against its record again right before it
-    is deleted, so that one changed since the check is kept. Returns what could not be removed (the
+    is deleted (the record itself: still the one read at the start), so that one changed since the
+    check is kept. Returns what could not be removed (the
     file system refused, or it changed or appeared meanwhile), which is left in place."""
     record = read_record(folder)
     problems = []
@@ -293,7 +294,7 @@ def _remove_output(folder: Path) -> list[str]:
         path = folder / name
         if not (path.is_symlink() or path.exists()):
             continue
-        intact = _as_recorded(path, files[name]) if name != RECORD_FILE else path.is_file() and not path.is_symlink()
+        intact = _as_recorded(path, files[name]) if name != RECORD_FILE else read_record(folder) == record
         if not intact:
             problems.append(f"{path.relative_to(folder.parent)}: changed since it was checked")
             continue

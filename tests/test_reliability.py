@@ -690,6 +690,26 @@ def test_a_file_of_the_old_output_changed_after_the_check_is_kept(work, monkeypa
     assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
 
 
+def test_the_old_record_rewritten_after_it_was_read_is_kept(work, monkeypatch):
+    """The old output's record is deleted only while it is still the one read at the start of the
+    removal: one another program rewrote meanwhile stays, named in the warning."""
+    import corp_deploy.outputs as outputs
+    original = outputs.read_record
+
+    def read_then_rewrite(folder):
+        record = original(folder)
+        path = Path(folder) / outputs.RECORD_FILE
+        if ".art.old-" in str(folder) and record is not None and "rewritten" not in record:
+            path.write_text(json.dumps({**record, "rewritten": True}))
+        return record
+    monkeypatch.setattr(outputs, "read_record", read_then_rewrite)
+    with pytest.warns(UserWarning, match="corp-deploy-record.json: changed since it was checked"):
+        code, text, _ = invoke([*BASE, "--seed", 5, "-o", work / "art"], work.parent / "state")
+    assert code == 0, text
+    (left,) = [p for p in work.iterdir() if p.name.startswith(".art.old-")]
+    assert json.loads((left / outputs.RECORD_FILE).read_text())["rewritten"] is True
+
+
 def test_a_failure_after_the_swap_keeps_the_new_output(tmp_path):
     """Once the staged output is in place its name is the destination's: an error raised afterwards
     (here the leftover warning turned into an error) removes nothing."""
