@@ -86,13 +86,19 @@ def attention_residual(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe |
     return x + block.ls1(attention_output(block, block.norm1(x), on_heads, on_proj_input))
 
 
-def mlp_residual(block: nn.Module, x: torch.Tensor, on_hidden: HiddenProbe | None = None) -> torch.Tensor:
-    """The block's second half: ``x + ls2(mlp(norm2(x)))``."""
+def mlp_branch(block: nn.Module, x: torch.Tensor, on_hidden: HiddenProbe | None = None) -> torch.Tensor:
+    """The block's MLP branch ``mlp(norm2(x))`` (before its LayerScale); with a probe (for MLPs
+    whose hidden channels go straight into fc2) computed as ``fc2(act(fc1(.)))``."""
     if on_hidden is None:
-        return x + block.ls2(block.mlp(block.norm2(x)))
+        return block.mlp(block.norm2(x))
     h = mlp_hidden(block, x)
     on_hidden(h)
-    return x + block.ls2(block.mlp.fc2(h))
+    return block.mlp.fc2(h)
+
+
+def mlp_residual(block: nn.Module, x: torch.Tensor, on_hidden: HiddenProbe | None = None) -> torch.Tensor:
+    """The block's second half: ``x + ls2(mlp(norm2(x)))``."""
+    return x + block.ls2(mlp_branch(block, x, on_hidden))
 
 
 def block_forward(block: nn.Module, x: torch.Tensor, *, on_heads: HeadsProbe | None = None,

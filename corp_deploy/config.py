@@ -42,8 +42,8 @@ class CompressConfig:
             dense weights whatever their sparsity says. ``None`` picks the method's default
             (``all`` for CORP with a budget).
         round_to: kept dims are rounded to a multiple of this (hardware alignment).
-        compensation: fold the method's compensation in (CORP's closed-form step, VBP's
-            mean fold); False keeps the same channels and slices the weights (ablation).
+        compensation: fold the method's compensation in (CORP's closed-form step and drift
+            refit, VBP's mean fold); False keeps the same channels and slices the weights (ablation).
             ToaSt has no compensation step, so it must stay True there.
         device: ``cpu`` or ``cuda``; where calibration runs.
         options: the method's own settings, an instance of its ``options_class``

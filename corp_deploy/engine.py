@@ -10,8 +10,10 @@ calibration set (``images x tokens x width`` float32 on the calibration device,
 e.g. 155 MB for DeiT-B with 256 images) and overwritten in place as calibration moves
 through a block, so no second copy is held. CORP's attention statistics add per-image query
 and key Grams (``images x heads x d x d`` float64 x 2, 100 MB for DeiT-B / 256 images)
-for one block at a time; its MLP statistics one ``H x H`` float64 matrix. No gradient is
-ever taken. Measured numbers: benchmarks/RESULTS.md.
+for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's drift refit
+(docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
+states) and, for one block at a time, the dense block's input, attention and MLP outputs (three
+more). No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

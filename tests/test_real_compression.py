@@ -6,7 +6,7 @@ method's claims, not tuned numbers: compensation must beat plain slicing of the 
 """
 import pytest
 
-from benchmarks.held_out import feature_cosine
+from benchmarks.held_out import feature_cosine, unlike_images
 from corp_deploy.calibration import split_builtin_images
 from benchmarks.real_weights import build_dinov2, find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
@@ -68,3 +68,18 @@ def test_corp_beats_vbp_at_no_more_cost(setup):
           f"VBP s=0.4 {cos_vbp:.4f} at {report_vbp['macs']['compressed']} MACs")
     assert report_corp["macs"]["compressed"] <= 1.01 * report_vbp["macs"]["compressed"]
     assert cos_corp > cos_vbp
+
+
+def test_drift_refit_keeps_more_of_the_dense_model_on_photos_and_on_unlike_images(setup):
+    """The drift refit (the default) against CORP alone at joint s = 0.5, held out on photos and
+    on images unlike the calibration photos (benchmarks/RESULTS.md, "The drift refit")."""
+    dense, calib, held = setup
+    unlike = unlike_images(model_transform(dense)[0], 32)
+    refitted, report = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5))
+    corp, _ = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, refit="none"))
+    assert report["refit"] == {"layers": ["proj", "fc2"], "shrink": 1.0}
+    for images in (held, unlike):
+        with_refit = feature_cosine(dense, refitted, images)
+        without = feature_cosine(dense, corp, images)
+        print(f"DINOv2 joint s=0.5: refit {with_refit}, CORP alone {without}")
+        assert with_refit["token_cosine"] > without["token_cosine"]

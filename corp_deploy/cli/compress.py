@@ -54,8 +54,8 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
 @click.option("--round-to", type=click.IntRange(min=1), default=1, show_default=True,
               help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
 @click.option("--no-compensation", is_flag=True,
-              help="Keep the same channels but only slice (ablation): no closed-form step (corp), no "
-                   "mean fold (vbp).")
+              help="Keep the same channels but only slice (ablation): no closed-form step and no refit "
+                   "(corp), no mean fold (vbp).")
 @method_options
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,

@@ -17,6 +17,7 @@ from ..base import BlockRun, Method
 from .budget import allocation_table, plan_budget
 from .compress import compress_block, compress_block_sequential
 from .options import CorpOptions
+from .refit import REFIT_LAYERS, DenseTargets, DriftRefit
 from .sizes import uniform_sizes
 
 if TYPE_CHECKING:
@@ -39,10 +40,23 @@ class Corp(Method):
             sizes, run.report["budget"] = plan_budget(model, run, config)
         else:
             sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
-        compress = compress_block_sequential if config.options.calibration == "sequential" else compress_block
+        options = config.options
+        # the refit needs independent calibration (CorpOptions refuses it with sequential) and is a
+        # compensation (no refit when only slicing)
+        refit = DriftRefit(model, run.cache, REFIT_LAYERS[options.refit], options.refit_shrink) \
+            if options.refit != "none" and config.compensation else None
+        if refit is not None:
+            run.report["refit"] = {"layers": list(refit.layers), "shrink": options.refit_shrink}
+        compress = compress_block_sequential if options.calibration == "sequential" else compress_block
         layers = []
         for block, size in zip(blocks_of(model), sizes):
-            layers.append(compress(block, run, config, size))
+            if refit is None:
+                layers.append(compress(block, run, config, size))
+            else:
+                targets = DenseTargets()
+                layers.append(compress_block(block, run, config, size, targets))
+                with run.timer("refit"):
+                    layers[-1]["refit"] = refit.refit_block(block, targets)
             run.block_done()
         return layers
 

@@ -17,29 +17,47 @@ from torch import nn
 
 from ... import attention as attn_ops
 from ... import channels, values
-from ...blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_hidden, mlp_residual,
-                       probe_query_keys, residual_weight)
+from ...blocks import (
+    attention_output,
+    attention_residual,
+    block_exit,
+    block_forward,
+    mlp_branch,
+    mlp_hidden,
+    mlp_residual,
+    probe_query_keys,
+    residual_weight,
+)
 from ...layers import block_dims
 from ...stats import HeadGrams, MomentAccumulator
 from ..base import BlockRun
+from .refit import DenseTargets
 from .sizes import BlockSizes
 
 if TYPE_CHECKING:
     from ...config import CompressConfig
 
 
-def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes) -> dict:
+def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes,
+                   targets: DenseTargets | None = None) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
-    advances through the dense block."""
+    advances through the dense block. ``targets``: where to keep what the dense block
+    computes, for the drift refit (None: not kept)."""
     grams = HeadGrams() if sizes.qk is not None else None
     proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False) \
         if sizes.v is not None else None
     moments = _mlp_moments(block, run, config) if sizes.mlp is not None else None
+
+    def dense_step(x: torch.Tensor) -> torch.Tensor:
+        a = attention_output(block, block.norm1(x), grams.add if grams is not None else None,
+                             proj_inputs.update if proj_inputs is not None else None)
+        mid = x + block.ls1(a)
+        m = mlp_branch(block, mid, moments.update if moments is not None else None)
+        if targets is not None:
+            targets.add(x, a, m)
+        return block_exit(block, mid + block.ls2(m))
     with run.timer("block_statistics"):
-        run.cache.advance(lambda x: block_forward(
-            block, x, on_heads=grams.add if grams is not None else None,
-            on_proj_input=proj_inputs.update if proj_inputs is not None else None,
-            on_hidden=moments.update if moments is not None else None))
+        run.cache.advance(dense_step)
     info: dict = {}
     if grams is not None:
         with run.timer("attention_solve"):

