@@ -71,15 +71,16 @@ def test_corp_beats_vbp_at_no_more_cost(setup):
 
 
 def test_drift_refit_keeps_more_of_the_dense_model_on_photos_and_on_unlike_images(setup):
-    """The drift refit (the default) against CORP alone at joint s = 0.5, held out on photos and
-    on images unlike the calibration photos (benchmarks/RESULTS.md, "The drift refit")."""
+    """The drift refit (the default) against CORP alone at joint s = 0.7, held out on photos and
+    on images unlike the calibration photos (benchmarks/RESULTS.md, "The drift refit": token
+    cosine 0.595 -> 0.759 and 0.712 -> 0.736 with 128 calibration images)."""
     dense, calib, held = setup
     unlike = unlike_images(model_transform(dense)[0], 32)
-    refitted, report = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5))
-    corp, _ = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, refit="none"))
+    refitted, report = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.7, s_attn=0.7))
+    corp, _ = compress(dense, calib, CompressConfig.from_settings(s_mlp=0.7, s_attn=0.7, refit="none"))
     assert report["refit"] == {"layers": ["proj", "fc2"], "shrink": 1.0}
     for images in (held, unlike):
         with_refit = feature_cosine(dense, refitted, images)
         without = feature_cosine(dense, corp, images)
-        print(f"DINOv2 joint s=0.5: refit {with_refit}, CORP alone {without}")
+        print(f"DINOv2 joint s=0.7: refit {with_refit}, CORP alone {without}")
         assert with_refit["token_cosine"] > without["token_cosine"]
