@@ -10,7 +10,6 @@ set shows there.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -18,8 +17,20 @@ import torch
 from PIL import Image, ImageDraw, ImageOps
 from torch import nn
 
-from corp_deploy.calibration import HELD_OUT_PHOTOS, builtin_photo_paths, load_rgb
+from benchmarks.real_weights import build_dinov2
+from corp_deploy.calibration import (HELD_OUT_PHOTOS, builtin_photo_paths, load_rgb, model_transform,
+                                     split_builtin_images)
 from exporters.metrics import tensor_cosine
+
+
+def dinov2_study_setup(n_calib: int, n_held_out: int) -> tuple[nn.Module, Callable, list[torch.Tensor],
+                                                                list[torch.Tensor]]:
+    """What the DINOv2 studies start from: the real DINOv2 ViT-S/14 (dense), its preprocessing, and
+    :func:`~corp_deploy.calibration.split_builtin_images`' calibration and held-out batches, decoded once."""
+    dense = build_dinov2()
+    transform, _ = model_transform(dense)
+    calib, held = split_builtin_images(transform, n_calib, n_held_out)
+    return dense, transform, list(calib), list(held)
 
 
 @torch.no_grad()
@@ -49,7 +60,7 @@ def unlike_images(transform: Callable, count: int, batch_size: int = 32, seed: i
     sums of random gratings with noise. Returns preprocessed batches ``(B, 3, H, W)``."""
     rng = random.Random(seed)
     photos = [load_rgb(p) for p in builtin_photo_paths(HELD_OUT_PHOTOS)]
-    pictures = [load_rgb(p) for p in _skimage_paths(UNLIKE_PICTURES)]
+    pictures = [load_rgb(p) for p in builtin_photo_paths(UNLIKE_PICTURES)]
     makers = (lambda: ImageOps.grayscale(_crop(rng.choice(photos), rng)).convert("RGB"),
               lambda: _thumbnail(_crop(rng.choice(photos), rng), rng),
               lambda: _crop(rng.choice(pictures), rng),
@@ -57,11 +68,6 @@ def unlike_images(transform: Callable, count: int, batch_size: int = 32, seed: i
               lambda: _texture(rng))
     images = [transform(makers[i % len(makers)]()) for i in range(count)]
     return [torch.stack(images[i:i + batch_size]) for i in range(0, count, batch_size)]
-
-
-def _skimage_paths(names: tuple[str, ...]) -> list[Path]:
-    import skimage.data
-    return [Path(skimage.data.__file__).parent / name for name in names]
 
 
 def _crop(im: Image.Image, rng: random.Random) -> Image.Image:

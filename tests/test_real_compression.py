@@ -6,9 +6,8 @@ method's claims, not tuned numbers: compensation must beat plain slicing of the 
 """
 import pytest
 
-from benchmarks.held_out import feature_cosine, unlike_images
-from corp_deploy.calibration import split_builtin_images
-from benchmarks.real_weights import build_dinov2, find_dinov2_onnx
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images
+from benchmarks.real_weights import find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
 
 pytestmark = [pytest.mark.real_weights, pytest.mark.slow,
@@ -18,10 +17,8 @@ pytestmark = [pytest.mark.real_weights, pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def setup():
-    dense = build_dinov2()
-    transform, _ = model_transform(dense)
-    calib, held = split_builtin_images(transform, n_calib=64, n_held_out=32, batch_size=32)
-    return dense, list(calib), list(held)
+    dense, _, calib, held = dinov2_study_setup(n_calib=64, n_held_out=32)
+    return dense, calib, held
 
 
 def run(setup, **cfg):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from corp_deploy import CompressConfig, compress
+from corp_deploy.engine import embed_tokens
 from corp_deploy.errors import SettingError
 from corp_deploy.methods.corp.refit import solve_refit
 from corp_deploy.stats import MomentAccumulator
@@ -100,8 +101,7 @@ def block_streams(model, images: list[torch.Tensor]):
     streams = [dict(x=[], mid=[], end=[], proj_in=[], fc2_in=[]) for _ in model.blocks]
     with torch.no_grad():
         for batch in images:
-            x = model.patch_embed(batch)
-            x = model.norm_pre(model.patch_drop(model._pos_embed(x)))
+            x = embed_tokens(model, batch)
             for block, s in zip(model.blocks, streams):
                 s["x"].append(x)
                 hooks = [block.attn.proj.register_forward_pre_hook(lambda m, a, s=s: s["proj_in"].append(a[0])),

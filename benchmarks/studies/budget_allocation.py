@@ -27,10 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import feature_cosine
-from corp_deploy.calibration import split_builtin_images
-from benchmarks.real_weights import build_dinov2
-from corp_deploy import CompressConfig, compress, count_macs, kept_count, model_transform
+from benchmarks.held_out import dinov2_study_setup, feature_cosine
+from corp_deploy import CompressConfig, compress, count_macs, kept_count
 from corp_deploy.artifact import library_versions
 from corp_deploy.methods.corp.options import DISTORTIONS
 
@@ -63,10 +61,7 @@ def main() -> None:
 
     from corp_deploy.methods.corp.curves import macs_per_dim
 
-    dense = build_dinov2()
-    transform, _ = model_transform(dense)
-    calib, held = split_builtin_images(transform, args.calib, args.held_out)
-    calib, held = list(calib), list(held)
+    dense, _, calib, held = dinov2_study_setup(args.calib, args.held_out)
     blocks, block = len(dense.blocks), dense.blocks[0]
     tokens = calib[0].shape[-1] // 14 * (calib[0].shape[-2] // 14) + 1
     per_dim = {part: macs_per_dim(part, tokens, block) for part in ("mlp", "qk", "vo")}

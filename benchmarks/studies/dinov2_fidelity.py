@@ -14,10 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import feature_cosine
-from corp_deploy.calibration import split_builtin_images
-from benchmarks.real_weights import build_dinov2
-from corp_deploy import CompressConfig, compress, model_transform
+from benchmarks.held_out import dinov2_study_setup, feature_cosine
+from corp_deploy import CompressConfig, compress
 from corp_deploy.artifact import library_versions
 
 SETTINGS = [
@@ -50,10 +48,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    dense = build_dinov2()
-    transform, _ = model_transform(dense)
-    calib, held = split_builtin_images(transform, args.calib, args.held_out)
-    calib, held = list(calib), list(held)
+    dense, _, calib, held = dinov2_study_setup(args.calib, args.held_out)
     rows = []
     for label, cfg in [(label, cfg) for label, cfg in SETTINGS if any(part in label for part in args.only.split(","))]:
         start = time.perf_counter()

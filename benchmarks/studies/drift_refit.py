@@ -19,11 +19,9 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import feature_cosine, unlike_images
-from benchmarks.real_weights import build_dinov2
-from corp_deploy import CompressConfig, compress, model_transform
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images
+from corp_deploy import CompressConfig, compress
 from corp_deploy.artifact import library_versions
-from corp_deploy.calibration import split_builtin_images
 
 
 def main() -> None:
@@ -38,10 +36,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    dense = build_dinov2()
-    transform, _ = model_transform(dense)
-    calib, held = split_builtin_images(transform, args.calib, args.held_out)
-    calib, held = list(calib), list(held)
+    dense, transform, calib, held = dinov2_study_setup(args.calib, args.held_out)
     unlike = unlike_images(transform, args.unlike)
     rows = []
 
@@ -74,7 +69,7 @@ def main() -> None:
 
     for s in (float(v) for v in args.sparsities.split(",")):
         reference = CompressConfig.from_settings(s_mlp=s, s_attn=s, refit="none")
-        budget = compress(dense, calib[:1], reference)[1]["macs"]  # the MACs do not depend on the images
+        budget = compress(dense, [calib[0][:1]], reference)[1]["macs"]  # the MACs do not depend on the images
         fraction = budget["compressed"] / budget["dense"]
         settings = [(f"s={s} {mode} refit {refit}", CompressConfig.from_settings(**sizes, refit=refit))
                     for mode, sizes in (("uniform", dict(s_mlp=s, s_attn=s)), ("budget", dict(macs=fraction)))

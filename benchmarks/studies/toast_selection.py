@@ -28,11 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.held_out import feature_cosine
-from corp_deploy.calibration import split_builtin_images
+from benchmarks.held_out import dinov2_study_setup, feature_cosine
 from benchmarks.latency import interleaved, speedup, summarize
-from benchmarks.real_weights import build_dinov2
-from corp_deploy import CompressConfig, compress, kept_count, model_transform
+from corp_deploy import CompressConfig, compress, kept_count
 from corp_deploy.artifact import library_versions
 from corp_deploy.blocks import project_qk
 from corp_deploy.methods.toast import TokenChannelImportance, class_token_attention
@@ -97,9 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    dense = build_dinov2()
-    transform, _ = model_transform(dense)
-    calib, held = (list(part) for part in split_builtin_images(transform, args.calib, args.held_out))
+    dense, transform, calib, held = dinov2_study_setup(args.calib, args.held_out)
     rows, models = [], {"dense": dense}
     for s in (float(v) for v in args.sparsities.split(",")):
         static, _ = compress(dense, calib, CompressConfig.from_settings(method="toast", target="mlp", s_mlp=s,

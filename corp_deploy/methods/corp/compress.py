@@ -17,17 +17,8 @@ from torch import nn
 
 from ... import attention as attn_ops
 from ... import channels, values
-from ...blocks import (
-    attention_output,
-    attention_residual,
-    block_exit,
-    block_forward,
-    mlp_branch,
-    mlp_hidden,
-    mlp_residual,
-    probe_query_keys,
-    residual_weight,
-)
+from ...blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_branch, mlp_hidden,
+                       mlp_residual, probe_query_keys, residual_weight)
 from ...layers import block_dims
 from ...stats import HeadGrams, MomentAccumulator
 from ..base import BlockRun

@@ -26,14 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...blocks import (
-    BoundaryCache,
-    attention_output,
-    attention_residual,
-    block_exit,
-    mlp_hidden,
-    mlp_residual,
-)
+from ...blocks import BoundaryCache, attention_output, block_exit, block_forward, mlp_hidden, mlp_residual
 from ...errors import CorpError
 from ...families import check_prunable, windows_of
 from ...stats import MomentAccumulator
@@ -157,10 +150,10 @@ class DriftRefit:
         if "proj" in self.layers and windows_of(block) is None:  # windowed attention: proj sees window tokens
             report["proj"] = self._refit_proj(block, targets)
         if "fc2" in self.layers:
-            report["fc2"] = self._refit_fc2(block, targets)
+            report["fc2"] = self._refit_fc2(block, targets)  # leaves the path after the attention
+            self.path.advance(lambda x: block_exit(block, mlp_residual(block, x)))
         else:
-            self.path.advance(lambda x: attention_residual(block, x))
-        self.path.advance(lambda x: block_exit(block, mlp_residual(block, x)))
+            self.path.advance(lambda x: block_forward(block, x))
         return report
 
     def _refit_proj(self, block: nn.Module, targets: DenseTargets) -> dict:
