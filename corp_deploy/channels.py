@@ -94,7 +94,7 @@ def solve_channels(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tenso
     lam = ridge_lambda(stats, alpha)
     if compensate and len(P):
         eye = torch.eye(len(S), dtype=cov.dtype, device=cov.device)
-        B = _spd_solve(sig_ss + lam * eye, sig_ps.T).T
+        B = spd_solve(sig_ss + lam * eye, sig_ps.T).T
         c = mu[P] - B @ mu[S]
     else:
         B = torch.zeros(len(P), len(S), dtype=cov.dtype, device=cov.device)
@@ -262,7 +262,7 @@ def _cholesky(a: torch.Tensor) -> torch.Tensor:
     return chol
 
 
-def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Solve ``a x = b`` for symmetric positive (semi-)definite ``a``: Cholesky, else lstsq."""
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:

@@ -10,7 +10,8 @@ one process (F I F S F I F S F for two rounds of ``independent,sequential``), so
 ratios are robust on a shared, noisy machine: each compress time is divided by the mean of
 the forward passes just before and after it; the summary gives the median ratio per mode.
 Modes: ``independent`` and ``sequential`` compress at joint sparsity --s (MLP and query/key);
-``budget`` compresses to --macs with the defaults of budget mode.
+``budget`` compresses to --macs with the defaults of budget mode; ``independent-refit-none`` and
+``budget-refit-none`` are the same without the drift refit (docs/method.md §10).
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def main() -> None:
 
     modes = args.modes.split(",")
     configs = {"independent": CompressConfig(s_mlp=args.s, s_attn=args.s),
+               "independent-refit-none": CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s, refit="none"),
                "sequential": CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
-               "budget": CompressConfig.from_settings(macs=args.macs)}
+               "budget": CompressConfig.from_settings(macs=args.macs),
+               "budget-refit-none": CompressConfig.from_settings(macs=args.macs, refit="none")}
     forwards = [timed_forward(model, batches)]
     runs = []
     for mode in modes * args.rounds:

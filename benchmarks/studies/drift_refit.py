@@ -8,7 +8,7 @@ images unlike the calibration set.
 For every s in --sparsities the budget F is the MAC fraction of uniform CORP at s (MLP and
 query/key). Settings (``--only`` picks those whose label contains one of its texts):
 ``uniform`` and ``budget`` (``--macs F``), each with ``--refit none``, ``fc2`` and ``proj+fc2``,
-and the budget with ``proj+fc2`` at other shrinkages (--shrinks). Every row: mean cosine to
+and with ``proj+fc2`` at other shrinkages (--shrinks). Every row: mean cosine to
 the dense model of the pooled output and of all output tokens, on 64 crops of the held-out
 photos and on 64 unlike images (benchmarks/held_out.py), and the compress wall time.
 """
@@ -71,12 +71,12 @@ def main() -> None:
         reference = CompressConfig.from_settings(s_mlp=s, s_attn=s, refit="none")
         budget = compress(dense, [calib[0][:1]], reference)[1]["macs"]  # the MACs do not depend on the images
         fraction = budget["compressed"] / budget["dense"]
+        modes = (("uniform", dict(s_mlp=s, s_attn=s)), ("budget", dict(macs=fraction)))
         settings = [(f"s={s} {mode} refit {refit}", CompressConfig.from_settings(**sizes, refit=refit))
-                    for mode, sizes in (("uniform", dict(s_mlp=s, s_attn=s)), ("budget", dict(macs=fraction)))
-                    for refit in ("none", "fc2", "proj+fc2")]
-        settings += [(f"s={s} budget refit proj+fc2 shrink {a}",
-                      CompressConfig.from_settings(macs=fraction, refit="proj+fc2", refit_shrink=float(a)))
-                     for a in args.shrinks.split(",") if a]
+                    for mode, sizes in modes for refit in ("none", "fc2", "proj+fc2")]
+        settings += [(f"s={s} {mode} refit proj+fc2 shrink {a}",
+                      CompressConfig.from_settings(**sizes, refit="proj+fc2", refit_shrink=float(a)))
+                     for mode, sizes in modes for a in args.shrinks.split(",") if a]
         for label, config in settings:
             if wanted(label):
                 run(label, config)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ...blocks import BoundaryCache, attention_output, block_exit, block_forward, mlp_hidden, mlp_residual
+from ...channels import spd_solve
 from ...errors import CorpError
 from ...families import check_prunable, windows_of
 from ...stats import MomentAccumulator
@@ -87,7 +88,7 @@ def solve_refit(joint: MomentAccumulator, weight: torch.Tensor, bias: torch.Tens
     row_lam = lam / torch.where(reach, g2, torch.ones_like(g2))  # (out,)
     rhs = cov_ht + row_lam * w0.T  # (k, out)
     if bool((row_lam == row_lam[0]).all()):
-        w = torch.linalg.solve(cov_h + row_lam[0] * torch.eye(k, dtype=cov.dtype, device=cov.device), rhs).T
+        w = spd_solve(cov_h + row_lam[0] * torch.eye(k, dtype=cov.dtype, device=cov.device), rhs).T
     else:
         evals, basis = torch.linalg.eigh(cov_h)
         w = (basis @ ((basis.T @ rhs) / (evals[:, None] + row_lam))).T
@@ -146,43 +147,47 @@ class DriftRefit:
     def refit_block(self, block: nn.Module, targets: DenseTargets) -> dict:
         """Refit ``block``'s consumers (compressed, in place) toward ``targets``, then advance the
         compressed path through the refitted block; returns the report of each refitted layer."""
-        report = {}
+        report, proj_inputs = {}, None
         if "proj" in self.layers and windows_of(block) is None:  # windowed attention: proj sees window tokens
-            report["proj"] = self._refit_proj(block, targets)
+            report["proj"], proj_inputs = self._refit_proj(block, targets)
         if "fc2" in self.layers:
-            report["fc2"] = self._refit_fc2(block, targets)  # leaves the path after the attention
+            report["fc2"] = self._refit_fc2(block, targets, proj_inputs)  # leaves the path after the attention
             self.path.advance(lambda x: block_exit(block, mlp_residual(block, x)))
         else:
             self.path.advance(lambda x: block_forward(block, x))
         return report
 
-    def _refit_proj(self, block: nn.Module, targets: DenseTargets) -> dict:
-        """Target: the dense attention branch plus the drift of the block's input, ``a_d + (x_d - x_c) / gamma1``."""
+    def _refit_proj(self, block: nn.Module, targets: DenseTargets) -> tuple[dict, list[torch.Tensor]]:
+        """Target: the dense attention branch plus the drift of the block's input, ``a_d + (x_d - x_c) / gamma1``.
+        Returns the report and, per batch, the input ``(B, N, k)`` of ``proj`` on the compressed path
+        (it does not depend on ``proj``: the attention need not run again after the refit)."""
         attn = block.attn
         gamma = _layer_scale(block.ls1, self.path.batches[0])
         joint = MomentAccumulator(attn.proj.in_features + attn.proj.out_features, self.path.device,
                                   track_positive=False)
+        inputs: list[torch.Tensor] = []
         for x, x_dense, a_dense in zip(self.path.batches, targets.inputs, targets.attention):
-            inputs: list[torch.Tensor] = []
             attention_output(block, block.norm1(x), on_proj_input=inputs.append)
-            joint.update(torch.cat([inputs[0], a_dense + (x_dense - x) / gamma], -1))
+            joint.update(torch.cat([inputs[-1], a_dense + (x_dense - x) / gamma], -1))
         solution = solve_refit(joint, attn.proj.weight, attn.proj.bias, self.alpha,
                                getattr(block.ls1, "gamma", None))
         attn.proj = _refitted(attn.proj, solution)
-        return _report(solution)
+        return _report(solution), inputs
 
-    def _refit_fc2(self, block: nn.Module, targets: DenseTargets) -> dict:
+    def _refit_fc2(self, block: nn.Module, targets: DenseTargets, proj_inputs: list[torch.Tensor] | None) -> dict:
         """Target: the dense MLP branch plus the drift after the attention,
         ``m_d + ((x_d - x_c) + ls1(a_d - a_c)) / gamma2``. Moves the compressed path to after the
-        block's (refitted) attention."""
+        block's (refitted) attention. ``proj_inputs``: per batch, the input of ``attn.proj`` on the
+        compressed path, when known (None: the attention is run)."""
         fc2 = block.mlp.fc2
         gamma = _layer_scale(block.ls2, self.path.batches[0])
         joint = MomentAccumulator(fc2.in_features + fc2.out_features, self.path.device, track_positive=False)
         dense = iter(zip(targets.inputs, targets.attention, targets.mlp))
+        attention = iter(proj_inputs) if proj_inputs is not None else None
 
         def through_attention(x: torch.Tensor) -> torch.Tensor:
             x_dense, a_dense, m_dense = next(dense)
-            a = attention_output(block, block.norm1(x))
+            a = attention_output(block, block.norm1(x)) if attention is None else block.attn.proj(next(attention))
             mid = x + block.ls1(a)
             drift = (x_dense - x) + block.ls1(a_dense - a)
             joint.update(torch.cat([mlp_hidden(block, mid), m_dense + drift / gamma], -1))
