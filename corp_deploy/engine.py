@@ -13,7 +13,8 @@ and key Grams (``images x heads x d x d`` float64 x 2, 100 MB for DeiT-B / 256 i
 for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's drift refit
 (docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
 states) and, for one block at a time, the dense block's input, attention and MLP outputs and the
-compressed attention's output-projection inputs (four more, at most). No gradient is ever taken. Measured numbers: benchmarks/RESULTS.md.
+compressed attention's output-projection inputs (four more, at most). No gradient is ever taken.
+Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
