@@ -30,12 +30,15 @@ def split_head_dims(scores: torch.Tensor, kept: int) -> tuple[torch.Tensor, torc
     return order[:, :kept].sort(dim=1).values, order[:, kept:].sort(dim=1).values
 
 
-def kronecker_sum(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``sum_i A_i ⊗ G_i`` for symmetric ``A_i, G_i`` of shape ``(N, k, k)``: ``(k^2, k^2)``.
+def kronecker_sum(a: torch.Tensor, g: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """``Z = sum_i A_i ⊗ G_i`` for symmetric ``A_i, G_i`` of shape ``(N, k, k)``: ``(m, m)``.
 
-    Formed as one product ``sum_i vec(A_i) vec(G_i)^T`` over the packed upper triangles
-    (``k(k+1)/2`` entries, symmetry makes the rest copies), then unpacked and permuted
-    from ``[(a, c), (b, d)]`` to ``[(a, b), (c, d)]`` (row-major ``vec``).
+    Entry ``Z[(p, q), (r, s)] = sum_i A_i[p, r] G_i[q, s]``, its rows and columns listed by the
+    index pairs ``pairs = (p, q)`` (each ``(m,)``; default: all ``k^2`` pairs in row-major ``vec``
+    order, ``(0, 0), (0, 1), ...``). Formed as one product ``sum_i vec(A_i) vec(G_i)^T`` over the
+    packed upper triangles (``k(k+1)/2`` entries, symmetry makes the rest copies), unpacked to
+    ``[(p, r), (q, s)]`` and gathered in the pairs' order (two ``k^2 x k^2`` copies in all).
     """
     k = a.shape[-1]
     iu = torch.triu_indices(k, k, device=a.device)
@@ -44,8 +47,12 @@ def kronecker_sum(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     packed[iu[1], iu[0]] = packed[iu[0], iu[1]]
     z_packed = a[:, iu[0], iu[1]].T @ g[:, iu[0], iu[1]]
     flat = packed.reshape(-1)
-    z = z_packed[flat][:, flat]
-    return z.reshape(k, k, k, k).permute(0, 2, 1, 3).reshape(k * k, k * k)
+    z = z_packed[flat[:, None], flat[None, :]].view(k, k, k, k)  # [p, r, q, s]
+    if pairs is None:
+        index = torch.arange(k, device=a.device)
+        pairs = index.repeat_interleave(k), index.repeat(k)
+    p, q = pairs
+    return z[p[:, None], p[None, :], q[:, None], q[None, :]]
 
 
 def head_ridge_lambda(a_full: torch.Tensor, g_full: torch.Tensor, alpha: float) -> float:
@@ -132,34 +139,35 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     lam = head_ridge_lambda(a_full, g_full, alpha)
     # pair (a, b) -> position in "max order": shell m = max(a, b) lists (m, 0..m), then (0..m-1, m)
     pairs = [p for m in range(d) for p in [(m, b) for b in range(m + 1)] + [(a_, m) for a_ in range(m)]]
-    perm = torch.tensor([p * d + q for p, q in pairs], device=a.device)
-    zr = kronecker_sum(a, g)[perm][:, perm]
+    rows, cols = torch.tensor(pairs, device=a.device).T
+    zr = kronecker_sum(a, g, (rows, cols))
     zr.diagonal().add_(lam)
     chol = torch.linalg.cholesky(zr)
     del zr
     diag_pos = torch.tensor([m * m + m for m in range(d)], device=a.device)
-    r = (a @ g).sum(0).reshape(-1)[perm]
-    y = torch.linalg.solve_triangular(chol, r[:, None], upper=False)[:, 0]
-    unit = torch.zeros(d * d, d, dtype=a.dtype, device=a.device)
-    unit[diag_pos, torch.arange(d, device=a.device)] = 1.0
-    inv_e = torch.linalg.solve_triangular(chol, unit, upper=False).cumsum(1)  # column k-1: L^-1 e_k
+    # one triangular solve for y = L^-1 r and the columns L^-1 e_(j) of the identity's diagonal pairs
+    rhs = torch.zeros(d * d, d + 1, dtype=a.dtype, device=a.device)
+    rhs[:, 0] = (a @ g).sum(0)[rows, cols]
+    rhs[diag_pos, torch.arange(1, d + 1, device=a.device)] = 1.0
+    solved = torch.linalg.solve_triangular(chol, rhs, upper=False)
+    y, inv_e = solved[:, 0], solved[:, 1:].cumsum(1)  # column k-1 of inv_e: L^-1 e_k
     lt_e = chol[diag_pos].cumsum(0)  # row k-1: (L^T e_k)^T
+    v = y - lt_e + lam * inv_e.T  # row k-1: L_k^-1 r_k on its first k^2 entries
+    prefix = torch.arange(d * d, device=a.device) < torch.arange(1, d + 1, device=a.device)[:, None] ** 2
     products = (a * g).sum(0)  # sum_i A_i ∘ G_i: err_sliced(k) sums its trailing block [k:, k:]
     sliced = products.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
     curve = torch.zeros(d + 1, dtype=a.dtype, device=a.device)
     curve[0] = products.sum()
+    curve[1:d] = sliced[1:] - (v.square() * prefix).sum(1)[:d - 1]
     solutions = {}
-    for k in range(1, d):
+    for k in sorted(size for size in solutions_at if 0 < size < d):
         size = k * k
-        v = y[:size] - lt_e[k - 1, :size] + lam * inv_e[:size, k - 1]
-        curve[k] = sliced[k] - v.square().sum()
-        if k in solutions_at:
-            m_vec = torch.linalg.solve_triangular(chol[:size, :size].T, v[:, None], upper=True)[:, 0]
-            m_ranked = torch.zeros(k, k, dtype=a.dtype, device=a.device)
-            rows, cols = zip(*pairs[:size])
-            m_ranked[list(rows), list(cols)] = m_vec
-            ascending = torch.argsort(order[:k])
-            solutions[k] = m_ranked[ascending][:, ascending]
+        # L_k^T m = v_k as m^T L_k = v_k^T (a right-sided solve reads the leading block in place)
+        m_vec = torch.linalg.solve_triangular(chol[:size, :size], v[k - 1, None, :size], upper=False, left=False)[0]
+        m_ranked = torch.zeros(k, k, dtype=a.dtype, device=a.device)
+        m_ranked[rows[:size], cols[:size]] = m_vec
+        ascending = torch.argsort(order[:k])
+        solutions[k] = m_ranked[ascending][:, ascending]
     if d in solutions_at:  # nothing pruned
         solutions[d] = torch.zeros(d, d, dtype=a.dtype, device=a.device)
     return curve.clamp_min(0.0) / n, solutions
