@@ -135,3 +135,42 @@ def test_equal_head_dims_ties_query_key_and_value_units(batches, small_vit):
     assert [c.part for c in curves] == ["mlp", "qkvo"] * 2
     assert curves[1].macs_per_dim == 2 * 3 * (2 * 17 * 48 + 17 ** 2)
 
+
+
+
+def test_normed_distortion_weighs_errors_and_energy_as_the_next_norm_reads_them(batches, small_vit):
+    """``normed``: each unit's error and the stream's energy where the next norm reads it, weighted
+    by that norm's gain: the MLP's by the next block's ``norm1`` (the final ``norm`` after the last
+    block) after the MLP, the attention's by the block's ``norm2`` after the attention. Checked
+    against the actual errors of the compressed blocks (no ridge: the objective is the error)."""
+    vit = small_vit()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for norm in [b.norm1 for b in vit.blocks] + [b.norm2 for b in vit.blocks] + [vit.norm]:
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) * 2)
+    config = CompressConfig.from_settings(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0,
+                                          distortion="normed", refit="none")
+    mlp_model, _ = compress(vit, batches, config)
+    qk_model, _ = compress(vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0,
+                                                                         refit="none"))
+    cache = BoundaryCache()
+    cache.batches = [embed_tokens(vit, b) for b in batches]
+    inputs = torch.cat(cache.batches)
+    with torch.no_grad():
+        curves = measure_curves(vit, cache, config)
+        gain_after_mlp = [vit.blocks[1].norm1.weight, vit.norm.weight]
+        for index, dense in enumerate(vit.blocks):
+            mid = inputs + dense.ls1(dense.attn(dense.norm1(inputs)))
+            out = mid + dense.ls2(dense.mlp(dense.norm2(mid)))
+            h = dense.norm2(mid)
+            checks = [(curves[3 * index], 96, gain_after_mlp[index], out,
+                       dense.ls2(mlp_model.blocks[index].mlp(h)) - dense.ls2(dense.mlp(h)))]
+            x = dense.norm1(inputs[:PROBE_IMAGES])
+            checks.append((curves[3 * index + 1], 8, dense.norm2.weight, mid,
+                           dense.ls1(qk_model.blocks[index].attn(x)) - dense.ls1(dense.attn(x))))
+            for curve, size, gain, stream, error in checks:
+                expected = float((error * gain).double().square().sum(-1).mean())
+                energy = float(((stream - stream.mean(-1, keepdim=True)) * gain).double().square().sum(-1).mean())
+                assert float(curve.error[size]) == pytest.approx(expected, rel=1e-4)
+                assert float(curve.distortion[size]) == pytest.approx(expected / energy, rel=1e-4)
+            inputs = out

@@ -8,7 +8,8 @@ images unlike the calibration set.
 For every s in --sparsities the budget F is the MAC fraction of uniform CORP at s (MLP and
 query/key). Settings (``--only`` picks those whose label contains one of its texts):
 ``uniform`` and ``budget`` (``--macs F``), each with ``--refit none``, ``fc2`` and ``proj+fc2``,
-and with ``proj+fc2`` at other shrinkages (--shrinks). Every row: mean cosine to
+and with ``proj+fc2`` at other shrinkages (--shrinks); budget rows for every distortion measure in
+--distortions (labelled ``budget normed`` etc.; ``budget`` is ``residual``). Every row: mean cosine to
 the dense model of the pooled output and of all output tokens, on 64 crops of the held-out
 photos and on 64 unlike images (benchmarks/held_out.py), and the compress wall time.
 """
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--unlike", type=int, default=64)
     parser.add_argument("--sparsities", default="0.3,0.5,0.7")
     parser.add_argument("--shrinks", default="0.1,10")
+    parser.add_argument("--distortions", default="residual", help="budget rows for each of these distortion "
+                                                                  "measures (docs/method.md §8)")
     parser.add_argument("--only", default="", help="run only settings whose label contains one of these "
                                                    "comma-separated texts")
     parser.add_argument("--out", type=Path, required=True)
@@ -57,7 +60,8 @@ def main() -> None:
     def write() -> None:
         write_dinov2_study(args.out, f"python -m benchmarks.studies.drift_refit --calib {args.calib} --held-out "
                                      f"{args.held_out} --unlike {args.unlike} --sparsities {args.sparsities} "
-                                     f"--shrinks '{args.shrinks}' --only '{args.only}' --out {args.out}", rows=rows)
+                                     f"--shrinks '{args.shrinks}' --distortions {args.distortions} --only "
+                                     f"'{args.only}' --out {args.out}", rows=rows)
 
     def wanted(label: str) -> bool:
         return any(part in label for part in args.only.split(","))
@@ -66,7 +70,9 @@ def main() -> None:
         reference = CompressConfig.from_settings(s_mlp=s, s_attn=s, refit="none")
         budget = compress(dense, [calib[0][:1]], reference)[1]["macs"]  # the MACs do not depend on the images
         fraction = budget["compressed"] / budget["dense"]
-        modes = (("uniform", dict(s_mlp=s, s_attn=s)), ("budget", dict(macs=fraction)))
+        modes = (("uniform", dict(s_mlp=s, s_attn=s)),
+                 *((f"budget {d}" if d != "residual" else "budget", dict(macs=fraction, distortion=d))
+                   for d in args.distortions.split(",")))
         settings = [(f"s={s} {mode} refit {refit}", CompressConfig.from_settings(**sizes, refit=refit))
                     for mode, sizes in modes for refit in ("none", "fc2", "proj+fc2")]
         settings += [(f"s={s} {mode} refit proj+fc2 shrink {a}",

@@ -92,13 +92,18 @@ def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
 
 
 class ResidualEnergy:
-    """Mean over tokens of ``||x - mean_c(x)||^2``, the residual stream's energy as LayerNorm sees it."""
+    """Mean over tokens of ``||gain * (x - mean_c(x))||^2``, the residual stream's energy as a
+    LayerNorm with affine ``gain`` ``(C,)`` sees it (None: ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gain: torch.Tensor | None = None) -> None:
         self.total, self.tokens = 0.0, 0
+        self.gain = gain
 
     def update(self, x: torch.Tensor) -> None:
-        self.total += float((x - x.mean(-1, keepdim=True)).square().sum(-1).double().sum())
+        centred = x - x.mean(-1, keepdim=True)
+        if self.gain is not None:
+            centred = centred * self.gain.to(x.dtype)
+        self.total += float(centred.square().sum(-1).double().sum())
         self.tokens += x[..., 0].numel()
 
     @property
@@ -132,39 +137,46 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     per block, or ``qkvo`` instead of the last two with ``equal_head_dims``)."""
     units: list[UnitCurve] = []
     tokens, options = cache.tokens, config.options
-    for index, block in enumerate(blocks_of(model)):
+    blocks = blocks_of(model)
+    for index, block in enumerate(blocks):
         attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
         proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
             if "vo" in config.parts else None
         hidden = MomentAccumulator(block.mlp.fc1.out_features, cache.device,
                                    track_positive=options.ranker == "active") if "mlp" in config.parts else None
-        attn_energy, mlp_energy = ResidualEnergy(), ResidualEnergy()
+        normed = options.distortion == "normed"  # energies where the next norms read the stream, weighted as they do
+        attn_gain, mlp_gain = _next_norm_gains(model, blocks, index) if normed else (None, None)
+        attn_energy, mlp_energy = ResidualEnergy(attn_gain), ResidualEnergy(mlp_gain)
         probe: list[torch.Tensor] = []
 
         def step(x: torch.Tensor) -> torch.Tensor:
             if grams is not None and sum(len(p) for p in probe) < PROBE_IMAGES:
                 probe.append(x[:PROBE_IMAGES - sum(len(p) for p in probe)].clone())
-            attn_energy.update(x)
+            if not normed:
+                attn_energy.update(x)
             x = x + block.ls1(attention_output(block, block.norm1(x), grams.add if grams is not None else None,
                                                proj_inputs.update if proj_inputs is not None else None))
-            mlp_energy.update(x)
-            return block_exit(block, mlp_residual(block, x, hidden.update if hidden is not None else None))
+            (attn_energy if normed else mlp_energy).update(x)
+            x = mlp_residual(block, x, hidden.update if hidden is not None else None)
+            if normed:
+                mlp_energy.update(x)
+            return block_exit(block, x)
 
         cache.advance(step)
         block_units = {}
         if hidden is not None:
             w = residual_weight(block.mlp.fc2, block.ls2)
             order = channels.keep_order(hidden, w, options.ranker, options.ridge)
-            error = channels.prefix_objective(hidden, w, order, options.ridge)
+            error = channels.prefix_objective(hidden, _gained(w, mlp_gain), order, options.ridge)
             block_units["mlp"] = _unit(index, block, "mlp", error, mlp_energy.value, tokens, options.distortion, order)
         if grams is not None:
-            error = _qk_curve(block, grams, torch.cat(probe), options.ridge)
+            error = _qk_curve(block, grams, torch.cat(probe), options.ridge, attn_gain)
             block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, options.distortion)
         if proj_inputs is not None:
             w = residual_weight(attn.proj, block.ls1)
             order = channels.keep_order(proj_inputs, w, options.ranker, options.ridge, groups=heads)
-            error = channels.prefix_objective(proj_inputs, w, order, options.ridge)[::heads]
+            error = channels.prefix_objective(proj_inputs, _gained(w, attn_gain), order, options.ridge)[::heads]
             block_units["vo"] = _unit(index, block, "vo", error, attn_energy.value, tokens, options.distortion, order)
         if options.equal_head_dims:
             block_units["qk"] = block_units["qk"].tied_with(block_units.pop("vo"))
@@ -173,10 +185,35 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     return units
 
 
-def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float) -> torch.Tensor:
+def _next_norm_gains(model: nn.Module, blocks: list[nn.Module], index: int
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The affine gains ``(C,)`` float64 of the norms that next read what block ``index``'s
+    attention and MLP write (its ``norm2``; the next block's ``norm1``, or the model's final
+    ``norm`` after the last block); None where that is not a norm of the stream's width with a
+    per-channel weight (e.g. across a Swin patch merging, or a model pooled before its norm)."""
+    block = blocks[index]
+    width = block.attn.proj.out_features
+    after_mlp = blocks[index + 1].norm1 if index + 1 < len(blocks) else getattr(model, "norm", None)
+
+    def gain(norm: nn.Module | None) -> torch.Tensor | None:
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.shape != (width,):
+            return None
+        return weight.detach().double()
+    return gain(block.norm2), gain(after_mlp)
+
+
+def _gained(weight: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """``diag(gain) weight``: a consumer's residual-stream weight as the next norm weighs it."""
+    return weight if gain is None else gain.to(weight)[:, None] * weight
+
+
+def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float,
+              gain: torch.Tensor | None = None) -> torch.Tensor:
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
     the summed logit curves of the heads, times the measured ratio of output to logit error.
-    ``probe``: block inputs ``(B, N, C)`` of the probe images."""
+    ``probe``: block inputs ``(B, N, C)`` of the probe images; ``gain`` ``(C,)``: weighs the
+    output error per channel (None: ones)."""
     attn, head_dim = block.attn, head_dims(block.attn)[0]
     a_full, g_full = grams.head_major()
     scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
@@ -190,11 +227,12 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
         solutions.append(ms)
     del a_full, g_full
     dense_output = block.ls1(attention_output(block, block.norm1(probe)))
+    gain = dense_output.new_ones(()) if gain is None else gain.to(dense_output)
     ratios = {}
     for k in sizes:
         pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [ms[k] for ms in solutions])
-        measured = float((block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output)
-                         .double().square().sum(-1).mean())
+        measured = float(((block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output)
+                          * gain).double().square().sum(-1).mean())
         if measured > 0 and logit[k] > 0:
             ratios[k] = measured / float(logit[k])
     if not ratios:  # no logit error at any probe size: nothing to convert
@@ -206,7 +244,8 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
 def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,
           distortion: str, order: torch.Tensor | None = None) -> UnitCurve:
     error = error.double().cpu()
-    scale = {"residual": residual_energy, "relative": float(error[0]), "absolute": 1.0}[distortion]
+    scale = {"residual": residual_energy, "normed": residual_energy, "relative": float(error[0]),
+             "absolute": 1.0}[distortion]
     return UnitCurve(index, part, len(error) - 1, macs_per_dim(part, tokens, block), error,
                      error / scale if scale > 0 else torch.zeros_like(error),
                      {part: order} if order is not None else {})

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 RANKERS = channels.RANKERS
 CALIBRATION_MODES = ("independent", "sequential")
-DISTORTIONS = ("residual", "relative", "absolute")
+DISTORTIONS = ("residual", "normed", "relative", "absolute")
 #: Channel selection without a budget (the paper's ranking) and with one (measured:
 #: benchmarks/RESULTS.md, "Kept sets").
 UNIFORM_RANKER, BUDGET_RANKER = "combined", "greedy"
