@@ -11,6 +11,7 @@ whichever dims are kept, so that the systems of nested kept sets are nested (:fu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -115,9 +116,9 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
 
 
 def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, alpha: float,
-               solutions_at: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+               solutions_at: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, HeadSolution]]:
     """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d, and the
-    compensation ``M_k`` of the prefixes ``k`` in ``solutions_at``.
+    solution (what :func:`solve_head` returns for ``S_k``) of the prefixes ``k`` in ``solutions_at``.
 
     ``J(k) = min_M sum_i ||Q_P K_P^T - Q_S M K_S^T||^2 + lambda ||M||^2`` divided by the number
     of images (unscaled logit units), ``(d + 1,)`` float64; the compensated logit error is
@@ -129,8 +130,10 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     ``r_k = vec(sum_i A_i G_i)|_k - Zr_k e_k + lambda e_k`` (``e_k``: the identity of ``S_k``),
     hence ``L_k^-1 r_k = y_k - L_k^T e_k + lambda L_k^-1 e_k`` with ``y = L^-1 vec(sum_i A_i G_i)``,
     ``J(k) = err_sliced(k) - ||L_k^-1 r_k||^2`` and ``vec(M_k) = L_k^-T L_k^-1 r_k``
-    (docs/method.md §8). Each ``M_k`` is ``(k, k)`` in the coordinates of ``S_k`` sorted ascending,
-    as :func:`solve_head` and :func:`fold_attention` take it.
+    (docs/method.md §8). Every ``M_k`` comes from one triangular solve with the full ``L^T``: its
+    right-hand side ``L_k^-1 r_k`` padded with zeros has a solution that is zero beyond ``k^2``.
+    Each ``M_k`` is ``(k, k)`` in the coordinates of ``S_k`` sorted ascending, as
+    :func:`solve_head` and :func:`fold_attention` take it.
     Cost: a ``d^2 x d^2`` factorisation (``d^6 / 3`` multiply-adds).
     """
     n, d = a_full.shape[0], a_full.shape[-1]
@@ -159,17 +162,24 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     curve = torch.zeros(d + 1, dtype=a.dtype, device=a.device)
     curve[0] = products.sum()
     curve[1:d] = sliced[1:] - (v.square() * prefix).sum(1)[:d - 1]
+    energy = float(curve[0]) / n
+    solutions_at = set(solutions_at)
+    wanted = sorted(size for size in solutions_at if 0 < size < d)
+    padded = torch.zeros(d * d, len(wanted), dtype=a.dtype, device=a.device)
+    for column, k in enumerate(wanted):
+        padded[:k * k, column] = v[k - 1, :k * k]
+    m_vecs = torch.linalg.solve_triangular(chol.T, padded, upper=True)  # column j: vec(M_k), zero beyond k^2
     solutions = {}
-    for k in sorted(size for size in solutions_at if 0 < size < d):
-        size = k * k
-        # L_k^T m = v_k as m^T L_k = v_k^T (a right-sided solve reads the leading block in place)
-        m_vec = torch.linalg.solve_triangular(chol[:size, :size], v[k - 1, None, :size], upper=False, left=False)[0]
+    for column, k in enumerate(wanted):
+        m_vec = m_vecs[:k * k, column]
         m_ranked = torch.zeros(k, k, dtype=a.dtype, device=a.device)
-        m_ranked[rows[:size], cols[:size]] = m_vec
+        m_ranked[rows[:k * k], cols[:k * k]] = m_vec
         ascending = torch.argsort(order[:k])
-        solutions[k] = m_ranked[ascending][:, ascending]
+        compensated = float(curve[k]) - lam * float(m_vec.square().sum())  # J(k) without its ridge term
+        solutions[k] = HeadSolution(m_ranked[ascending][:, ascending], lam, float(sliced[k]) / n,
+                                    max(compensated, 0.0) / n, energy)
     if d in solutions_at:  # nothing pruned
-        solutions[d] = torch.zeros(d, d, dtype=a.dtype, device=a.device)
+        solutions[d] = HeadSolution(torch.zeros(d, d, dtype=a.dtype, device=a.device), 0.0, 0.0, 0.0, energy)
     return curve.clamp_min(0.0) / n, solutions
 
 

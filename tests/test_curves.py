@@ -78,14 +78,17 @@ def test_head_curve_and_its_solutions_match_direct_re_solves(alpha):
     order = torch.argsort(attn_ops.qk_dim_scores(a[:, None], gk[:, None])[0], descending=True, stable=True)
     curve, solutions = attn_ops.head_curve(a, gk, order, alpha, solutions_at=(1, 3, 5, 8))
     assert curve[0] == pytest.approx(float((a * gk).sum()) / 20) and curve[8] == 0
-    assert torch.equal(solutions[8], torch.zeros(8, 8, dtype=torch.float64))
-    for kept in range(1, 8):
+    for kept in range(1, 9):
         S, P = order[:kept].sort().values, order[kept:].sort().values
         sol = attn_ops.solve_head(a, gk, S, P, alpha)
         assert float(curve[kept]) == pytest.approx(sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20,
                                                    rel=1e-9)
         if kept in solutions:
-            torch.testing.assert_close(solutions[kept], sol.M, rtol=1e-8, atol=1e-10)
+            shared = solutions[kept]
+            torch.testing.assert_close(shared.M, sol.M, rtol=1e-8, atol=1e-10)
+            assert shared.ridge_lambda == pytest.approx(sol.ridge_lambda, rel=1e-12, abs=0)
+            for name in ("error_uncompensated", "error_compensated", "logit_energy"):
+                assert getattr(shared, name) == pytest.approx(getattr(sol, name), rel=1e-9, abs=1e-12), name
 
 
 def test_qk_probe_sizes():

@@ -39,6 +39,8 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
         for field in _SIZE_FIELDS[curve.part]:
             per_block[curve.block][field] = size
         per_block[curve.block]["orders"].update(curve.orders)
+        if curve.qk_solutions and config.compensation:  # only slicing: nothing to reuse
+            per_block[curve.block]["qk_solutions"] = curve.qk_solutions[size]
     sizes = [BlockSizes(**parts) for parts in per_block]
     planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
     report = {

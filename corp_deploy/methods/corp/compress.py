@@ -33,8 +33,9 @@ def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", si
                    targets: DenseTargets | None = None) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
     advances through the dense block. ``targets``: where to keep what the dense block
-    computes, for the drift refit (None: not kept)."""
-    grams = HeadGrams() if sizes.qk is not None else None
+    computes, for the drift refit (None: not kept). The query/key dims are folded from
+    ``sizes.qk_solutions`` where the budget's curves solved them already."""
+    grams = HeadGrams() if sizes.qk is not None and sizes.qk_solutions is None else None
     proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False) \
         if sizes.v is not None else None
     moments = _mlp_moments(block, run, config) if sizes.mlp is not None else None
@@ -53,6 +54,9 @@ def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", si
     if grams is not None:
         with run.timer("attention_solve"):
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
+    elif sizes.qk is not None:
+        info["attention"] = fold_solved_attention(block, sizes.orders["qk"][:, :sizes.qk].sort(dim=1).values,
+                                                  sizes.qk_solutions)
     if proj_inputs is not None:
         with run.timer("values_solve"):
             info["values"] = compress_values(block, proj_inputs, config, sizes.v, sizes.orders.get("vo"))
@@ -117,13 +121,21 @@ def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConf
     S, P = attn_ops.split_head_dims(scores, kept)
     heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.options.ridge,
                                  config.compensation) for h in range(H)]
-    block.attn = attn_ops.fold_attention(attn, S, [s.M for s in heads])
+    return fold_solved_attention(block, S, heads)
+
+
+def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[attn_ops.HeadSolution]) -> dict:
+    """Fold every head's solution into ``block.attn`` (replaced by a
+    :class:`~corp_deploy.layers.PrunedAttention`) keeping the dims ``kept`` ``(H, d')`` (each row
+    ascending); returns its report."""
+    attn = block.attn
+    block.attn = attn_ops.fold_attention(attn, kept, [s.M for s in heads])
     scale2 = attn.scale ** 2
     err_unc = sum(s.error_uncompensated for s in heads) * scale2
     err_comp = sum(s.error_compensated for s in heads) * scale2
     energy = sum(s.logit_energy for s in heads) * scale2
     return {
-        "qk_head_dim": kept,
+        "qk_head_dim": kept.shape[1],
         "error_uncompensated": err_unc,
         "error_compensated": err_comp,
         "relative_error_uncompensated": err_unc / energy if energy else 0.0,

@@ -49,9 +49,11 @@ class UnitCurve:
     dims per head in every head), or ``qkvo`` (query/key and value tied to the same count).
     ``macs_per_dim``: MACs one kept dim costs (for head dims: that dim in every head).
     ``error``: ``(total + 1,)`` float64, residual-stream MSE per token; ``distortion`` the same
-    made comparable across units. ``orders``: the channel selection orders the curve was computed
-    for (``mlp`` hidden channels, ``vo`` proj-input channels; prefixes are the kept sets), so
-    that compression from the same statistics keeps the same sets without selecting again.
+    made comparable across units. ``orders``: the selection orders the curve was computed for
+    (``mlp`` hidden channels, ``vo`` proj-input channels, ``qk`` ``(H, d)`` head dims per head;
+    prefixes are the kept sets), and ``qk_solutions``: every head's query/key solution at every
+    kept size ``1..d`` (from the curve's factorisation), so that compression from the same
+    statistics keeps the same sets and compensations without selecting or solving again.
     """
 
     block: int
@@ -61,12 +63,13 @@ class UnitCurve:
     error: torch.Tensor
     distortion: torch.Tensor
     orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    qk_solutions: dict[int, list[attn_ops.HeadSolution]] = field(default_factory=dict)
 
     def tied_with(self, other: "UnitCurve") -> "UnitCurve":
         """Query/key and value/output of one block as one unit (``equal_head_dims``)."""
         return UnitCurve(self.block, "qkvo", self.total, self.macs_per_dim + other.macs_per_dim,
                          self.error + other.error, self.distortion + other.distortion,
-                         {**self.orders, **other.orders})
+                         {**self.orders, **other.orders}, self.qk_solutions or other.qk_solutions)
 
 
 def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
@@ -171,8 +174,9 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
             error = channels.prefix_objective(hidden, _gained(w, mlp_gain), order, options.ridge)
             block_units["mlp"] = _unit(index, block, "mlp", error, mlp_energy.value, tokens, options.distortion, order)
         if grams is not None:
-            error = _qk_curve(block, grams, torch.cat(probe), options.ridge, attn_gain)
-            block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, options.distortion)
+            error, order, solutions = _qk_curve(block, grams, torch.cat(probe), options.ridge, attn_gain)
+            block_units["qk"] = _unit(index, block, "qk", error, attn_energy.value, tokens, options.distortion, order)
+            block_units["qk"].qk_solutions = solutions
         if proj_inputs is not None:
             w = residual_weight(attn.proj, block.ls1)
             order = channels.keep_order(proj_inputs, w, options.ranker, options.ridge, groups=heads)
@@ -209,9 +213,11 @@ def _gained(weight: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
 
 
 def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float,
-              gain: torch.Tensor | None = None) -> torch.Tensor:
+              gain: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
-    the summed logit curves of the heads, times the measured ratio of output to logit error.
+    the summed logit curves of the heads, times the measured ratio of output to logit error; the
+    heads' ranked dims ``(H, d)``; and every head's solution at every kept size ``1..d``.
     ``probe``: block inputs ``(B, N, C)`` of the probe images; ``gain`` ``(C,)``: weighs the
     output error per channel (None: ones)."""
     attn, head_dim = block.attn, head_dims(block.attn)[0]
@@ -220,25 +226,27 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     orders = torch.argsort(scores, dim=1, descending=True, stable=True)
     sizes = qk_probe_sizes(head_dim)
     logit = torch.zeros(head_dim + 1, dtype=torch.float64)
-    solutions = []
+    per_head = []
     for h in range(attn.num_heads):
-        curve, ms = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha, solutions_at=sizes)
+        curve, solutions = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha,
+                                               solutions_at=range(1, head_dim + 1))
         logit += attn.scale ** 2 * curve.cpu()
-        solutions.append(ms)
+        per_head.append(solutions)
     del a_full, g_full
+    by_size = {k: [solutions[k] for solutions in per_head] for k in range(1, head_dim + 1)}
     dense_output = block.ls1(attention_output(block, block.norm1(probe)))
     gain = dense_output.new_ones(()) if gain is None else gain.to(dense_output)
     ratios = {}
     for k in sizes:
-        pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [ms[k] for ms in solutions])
+        pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
         measured = float(((block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output)
                           * gain).double().square().sum(-1).mean())
         if measured > 0 and logit[k] > 0:
             ratios[k] = measured / float(logit[k])
     if not ratios:  # no logit error at any probe size: nothing to convert
-        return logit
+        return logit, orders, by_size
     log_ratio = np.interp(np.arange(head_dim + 1), list(ratios), np.log(list(ratios.values())))
-    return logit * torch.from_numpy(np.exp(log_ratio))
+    return logit * torch.from_numpy(np.exp(log_ratio)), orders, by_size
 
 
 def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,

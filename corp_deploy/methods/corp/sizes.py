@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...attention import HeadSolution
 from ...dims import kept_count
 from ...layers import head_dims
 
@@ -18,14 +19,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BlockSizes:
     """Kept dims of one block's parts; None leaves that part dense. ``qk`` and ``v`` are per head.
-    ``orders``: channel selection orders already computed from the dense statistics of this block
-    (``mlp``, ``vo``; see :class:`~.curves.UnitCurve`), reused by independent calibration,
-    whose statistics are the same."""
+    ``orders`` (``mlp``, ``vo``, ``qk``) and ``qk_solutions`` (every head's query/key solution at
+    size ``qk``): selections and compensations already computed from the dense statistics of this
+    block (see :class:`~.curves.UnitCurve`), reused by independent calibration, whose statistics
+    are the same."""
 
     mlp: int | None = None
     qk: int | None = None
     v: int | None = None
     orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    qk_solutions: list[HeadSolution] | None = None
 
 
 def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
