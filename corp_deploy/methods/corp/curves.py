@@ -18,8 +18,9 @@ one currency, the mean squared error a unit adds to the residual stream per toke
 
 ``distortion`` is what the allocation compares (benchmarks/RESULTS.md measures the choices):
 ``residual`` divides each error by the energy of the residual stream where the unit writes into
-it (the scale the next LayerNorm removes), ``relative`` by the unit's own error at full pruning,
-``absolute`` leaves it as it is.
+it (the scale the next LayerNorm removes), ``normed`` weighs error and energy per channel by the
+gain of the norm that next reads the stream and takes the energy where that norm reads it,
+``relative`` divides by the unit's own error at full pruning, ``absolute`` leaves it as it is.
 """
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ class CorpOptions(MethodOptions):
             keeps at least this fraction of its dims.
         distortion: budget: how the errors of different units are made comparable
             (``residual``, the default: each unit's error in the residual stream relative to the
-            stream's energy there; ``relative``: relative to the unit's error when fully pruned;
+            stream's energy there; ``normed``: both weighted by the gain of the norm that next
+            reads the stream; ``relative``: relative to the unit's error when fully pruned;
             ``absolute``: as it is); see docs/method.md §8 and benchmarks/RESULTS.md.
         equal_head_dims: prune query/key and value dims to the same count in every head, so
             the exported attention has equal head dims (needs target ``all``).
