@@ -117,17 +117,27 @@ def residual_weight(layer: nn.Linear, layer_scale: nn.Module) -> torch.Tensor:
 
 
 class BoundaryCache:
-    """The hidden states entering the current block for the whole calibration set, one
-    ``(B, N, C)`` tensor per batch, overwritten in place as calibration moves through a block."""
+    """The hidden states entering the current block for the whole calibration set (under
+    torch.distributed: this rank's batches of it), one ``(B, N, C)`` tensor per batch, overwritten in
+    place as calibration moves through a block."""
 
     def __init__(self) -> None:
         self.batches: list[torch.Tensor] = []
         self.input_size: tuple[int, ...] = ()
+        self.offsets: list[int] = []  # where the batches are not consecutive: see image_offsets
 
     @property
     def tokens(self) -> int:
         """Tokens per image entering the current block (``N``, or ``H * W`` of a feature map)."""
         return self.batches[0][0, ..., 0].numel() if self.batches else 0
+
+    def image_offsets(self) -> list[int]:
+        """Per batch, the index of its first image in the whole calibration set: ``offsets`` where
+        the engine recorded them (this rank's batches under torch.distributed), else consecutive."""
+        if self.offsets:
+            return self.offsets
+        sizes = [len(x) for x in self.batches]
+        return [sum(sizes[:i]) for i in range(len(sizes))]
 
     @property
     def device(self) -> torch.device:
@@ -137,7 +147,7 @@ class BoundaryCache:
         """An independent copy (to run ahead through the model and keep this one where it is)."""
         copy = BoundaryCache()
         copy.batches = [x.clone() for x in self.batches]
-        copy.input_size = self.input_size
+        copy.input_size, copy.offsets = self.input_size, list(self.offsets)
         return copy
 
     def advance(self, step: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from . import distributed
 from .blocks import BoundaryCache
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
@@ -57,6 +58,9 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
+    if distributed.active() and config.method != "corp":
+        raise SettingError(f"{{setting}} {config.method} does not run under torch.distributed yet (CORP does); "
+                           "run it in one process", "method")
     method = METHODS[config.method]
     method.check_model(model, config)
     check_rounding(model, config)
@@ -66,8 +70,14 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     with _Progress(progress) as bar, torch.no_grad():
         with timer("embed"):
             cache, n_images = _embed_all(model, calibration_batches, device, bar.images)
+        images_per_rank = distributed.gather_counts(n_images)
+        n_images = sum(images_per_rank)
         if n_images == 0:
             raise CorpError("the calibration set is empty")
+        if min(images_per_rank) == 0:
+            raise CorpError(f"the {n_images} calibration images come in fewer batches than there are processes "
+                            f"({distributed.world_size()}): give every process at least one batch (a smaller "
+                            "batch size or more images)")
         input_size = cache.input_size
         dense_macs = count_macs(model, input_size)
         bar.start_blocks(method.block_steps(model, config))
@@ -82,6 +92,8 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         "macs": {"dense": dense_macs, "compressed": count_macs(model, input_size)},
         "layers": layers,
         **run.report,
+        **({"distributed": {"world_size": distributed.world_size(), "images_per_rank": images_per_rank}}
+           if distributed.active() else {}),
         "time_s": timer.totals(),
         "peak_memory_mb": peak_memory_mb(device),
     }
@@ -120,10 +132,13 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
 
 def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
                on_batch: Callable[[int], None]) -> tuple[BoundaryCache, int]:
-    """Run each batch up to the first block (patch + position embedding, prefix tokens)."""
+    """Run each batch up to the first block (patch + position embedding, prefix tokens); under
+    torch.distributed only this rank's batches (batch ``b`` goes to rank ``b mod world size``;
+    every batch is checked on every rank, so that a bad one stops all ranks alike). Returns the
+    cache and the number of images in it."""
     cache = BoundaryCache()
-    n = 0
-    for images in batches:
+    n = seen = 0
+    for index, images in enumerate(batches):
         if not isinstance(images, torch.Tensor) or images.ndim != 4:
             raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
         if not torch.isfinite(images).all():
@@ -132,8 +147,11 @@ def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.
             raise CorpError(f"calibration batches differ in image size: {tuple(images.shape[1:])} "
                             f"after {cache.input_size}")
         cache.input_size = tuple(images.shape[1:])
-        cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
-        n += images.shape[0]
+        if index % distributed.world_size() == distributed.rank():
+            cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
+            cache.offsets.append(seen)
+            n += images.shape[0]
+        seen += images.shape[0]
         on_batch(images.shape[0])
     return cache, n
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import distributed
+
 
 def _add_lower_gram(out: torch.Tensor, x: torch.Tensor, block: int = 384) -> None:
     """``out += x^T x`` on the lower triangle of ``out`` (``(d, d)``); ``x``: ``(n, d)``.
@@ -63,9 +65,12 @@ class MomentAccumulator:
         self._pending = 0
         self._covariance: torch.Tensor | None = None
         self.positive = torch.zeros(dim, dtype=torch.float64, device=device) if track_positive else None
+        self._reduced = False
 
     def update(self, x: torch.Tensor) -> None:
         """Add samples ``x`` of shape ``(..., d)`` (leading dims are flattened)."""
+        if self._reduced:
+            raise RuntimeError("samples added after all_reduce: the sums of the ranks would be counted twice")
         x = x.reshape(-1, x.shape[-1]).float()
         if x.shape[0] == 0:
             return
@@ -81,6 +86,30 @@ class MomentAccumulator:
         self._covariance = None
         if self._pending >= self._flush_samples:
             self._flush()
+
+    def all_reduce(self) -> None:
+        """Sum the statistics over the ranks of torch.distributed (no-op in one process): every
+        rank then holds those of all ranks' samples; no samples may be added afterwards.
+
+        Each rank's sums are first moved onto a common shift ``c`` (the ranks' shifts averaged,
+        weighted by their samples) with ``delta = K_r - c``: ``sum (x - c) = s + n delta`` and
+        ``sum (x - c)(x - c)^T = G + delta s^T + s delta^T + n delta delta^T``."""
+        if not distributed.active():
+            return
+        self._flush()
+        own = self._shift.double() if self._shift is not None else self._sum.new_zeros(self._sum.shape)
+        weighted = distributed.all_reduce_sum(torch.cat([own * self.n, own.new_tensor([self.n])]))
+        total = int(weighted[-1])
+        common = weighted[:-1] / max(total, 1)
+        delta = own - common
+        self._gram64 += torch.outer(delta, self._sum) + torch.outer(self._sum, delta) + self.n * torch.outer(delta, delta)
+        self._sum += self.n * delta
+        distributed.all_reduce_sum(self._sum)
+        distributed.all_reduce_sum(self._gram64)
+        if self.positive is not None:
+            distributed.all_reduce_sum(self.positive)
+        self.n, self._shift, self._covariance = total, common, None
+        self._reduced = True
 
     def _flush(self) -> None:
         self._gram64 += self._gram32
@@ -140,6 +169,13 @@ class HeadGrams:
         """``q``, ``k``: ``(B, H, N, d)`` (``v`` is not used: the signature of a heads probe)."""
         self.query.append(per_image_head_grams(q))
         self.key.append(per_image_head_grams(k))
+
+    def all_reduce(self) -> None:
+        """Every rank's per-image Grams on every rank of torch.distributed, in rank order (no-op in
+        one process): all the sums over images formed from them are then the whole set's."""
+        if distributed.active():
+            self.query = [distributed.all_gather_rows(torch.cat(self.query))]
+            self.key = [distributed.all_gather_rows(torch.cat(self.key))]
 
     def head_major(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(H, N_images, d, d)`` float64 each, every head contiguous."""

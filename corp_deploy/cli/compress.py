@@ -65,8 +65,13 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     \b
+    Under torchrun every process calibrates on its share of the images and the statistics are
+    summed over the processes (README "Scaling out"); the first process writes the artifact.
+
+    
     Examples:
       corp-deploy compress deit_base --s 0.5
+      torchrun --nproc-per-node 4 --no-python -- corp-deploy compress deit_base --s 0.5 -o out/deit
       corp-deploy compress deit_base --macs 0.6                 # best model within 60% of the MACs
       corp-deploy compress deit_base --speedup 2 --round-to 8 --equal-head-dims
       corp-deploy compress deit_base --target all --s 0.3       # MLP, query/key and value dims
@@ -76,13 +81,9 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
       corp-deploy compress vit_small_patch14_dinov2 --model-arg img_size=224 \\
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
     """
-    from rich.console import Console
-
-    from ..artifact import record_latest, save_artifact
-    from ..calibration import CalibrationImages, model_transform
-    from ..engine import compress as run_compress, resolve_device, summary_tables
+    from .. import distributed
+    from ..engine import resolve_device
     from ..outputs import check_output_dir
-    from ..resources import check_fits, compress_bytes
 
     _check_method_options(METHODS[method], s_attn, s_vo)
     budget = method_options["macs"] is not None or method_options["speedup"] is not None
@@ -97,16 +98,39 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib}, records_state=True)
     resolve_device(device)
+    distributed.init_from_environment(device)
+    try:
+        _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size,
+                           config, out_dir)
+    finally:
+        distributed.shutdown()
+
+
+def _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size,
+                       config, out_dir) -> None:
+    """The work of ``compress`` once its settings are checked; under torchrun only the first
+    process writes and prints."""
+    from rich.console import Console
+
+    from .. import distributed
+    from ..artifact import record_latest, save_artifact
+    from ..calibration import CalibrationImages, model_transform
+    from ..engine import compress as run_compress, summary_tables
+    from ..resources import check_fits, compress_bytes
+
+    first = distributed.rank() == 0
     base, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
     transform, data_config = model_transform(base)
     check_fits(f"compressing {base_model['name']} on {calib_samples} images",
                compress_bytes(base, tuple(data_config["input_size"]), calib_samples, batch_size),
                "use fewer --calib-samples or a smaller --batch-size")
-    if calib is None:
+    if calib is None and first:
         warn_builtin_calibration()
     images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size,
                                            seed=seed)
-    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty())
+    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty() and first)
+    if not first:
+        return
     summary = images.summary()
     _warn_calibration_shortfall(summary, calib_samples)
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}

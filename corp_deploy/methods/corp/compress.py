@@ -50,6 +50,9 @@ def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", si
         return block_exit(block, mid + block.ls2(m))
     with run.timer("block_statistics"):
         run.cache.advance(dense_step)
+        for statistics in (grams, proj_inputs, moments):
+            if statistics is not None:
+                statistics.all_reduce()
     info: dict = {}
     if grams is not None:
         with run.timer("attention_solve"):
@@ -77,6 +80,7 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compress
         with run.timer("attention_statistics"):
             for x in run.cache.batches:
                 probe_query_keys(block, x, grams.add)
+            grams.all_reduce()
         with run.timer("attention_solve"):
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
     if sizes.v is not None:
@@ -84,6 +88,7 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compress
         with run.timer("values_statistics"):
             for x in run.cache.batches:
                 attention_output(block, block.norm1(x), on_proj_input=proj_inputs.update)
+            proj_inputs.all_reduce()
         with run.timer("values_solve"):
             info["values"] = compress_values(block, proj_inputs, config, sizes.v)
     if sizes.mlp is not None:
@@ -95,6 +100,7 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compress
             return x
         with run.timer("block_statistics"):
             run.cache.advance(through_attention)
+            moments.all_reduce()
         with run.timer("mlp_solve"):
             info["mlp"] = compress_mlp(block, moments, config, sizes.mlp)
         with run.timer("propagate"):

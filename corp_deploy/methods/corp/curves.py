@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ... import attention as attn_ops
-from ... import channels
+from ... import channels, distributed
 from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
 from ...families import blocks_of, windows_of
 from ...layers import GatedLinear, head_dims
@@ -110,6 +110,10 @@ class ResidualEnergy:
         self.total += float(centred.square().sum(-1).double().sum())
         self.tokens += x[..., 0].numel()
 
+    def all_reduce(self) -> None:
+        """Sum over the ranks of torch.distributed (no-op in one process)."""
+        self.total, self.tokens = distributed.sum_floats(self.total, self.tokens)
+
     @property
     def value(self) -> float:
         return self.total / max(self.tokens, 1)
@@ -152,11 +156,12 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
         normed = options.distortion == "normed"  # energies where the next norms read the stream, weighted as they do
         attn_gain, mlp_gain = _next_norm_gains(model, blocks, index) if normed else (None, None)
         attn_energy, mlp_energy = ResidualEnergy(attn_gain), ResidualEnergy(mlp_gain)
-        probe: list[torch.Tensor] = []
+        probe: list[torch.Tensor] = []  # the inputs of the calibration set's first PROBE_IMAGES images
+        offsets = iter(cache.image_offsets())
 
         def step(x: torch.Tensor) -> torch.Tensor:
-            if grams is not None and sum(len(p) for p in probe) < PROBE_IMAGES:
-                probe.append(x[:PROBE_IMAGES - sum(len(p) for p in probe)].clone())
+            if grams is not None:
+                probe.append(x[:max(0, PROBE_IMAGES - next(offsets))].clone())
             if not normed:
                 attn_energy.update(x)
             x = x + block.ls1(attention_output(block, block.norm1(x), grams.add if grams is not None else None,
@@ -168,6 +173,11 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
             return block_exit(block, x)
 
         cache.advance(step)
+        for statistics in (grams, proj_inputs, hidden):
+            if statistics is not None:
+                statistics.all_reduce()
+        attn_energy.all_reduce()
+        mlp_energy.all_reduce()
         block_units = {}
         if hidden is not None:
             w = residual_weight(block.mlp.fc2, block.ls2)
@@ -219,7 +229,8 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
     the summed logit curves of the heads, times the measured ratio of output to logit error; the
     heads' ranked dims ``(H, d)``; and every head's solution at every kept size ``1..d``.
-    ``probe``: block inputs ``(B, N, C)`` of the probe images; ``gain`` ``(C,)``: weighs the
+    ``probe``: block inputs ``(B, N, C)`` of the probe images (under torch.distributed: those this
+    rank holds, maybe none; the errors are summed over the ranks); ``gain`` ``(C,)``: weighs the
     output error per channel (None: ones)."""
     attn, head_dim = block.attn, head_dims(block.attn)[0]
     a_full, g_full = grams.head_major()
@@ -240,8 +251,9 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     ratios = {}
     for k in sizes:
         pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
-        measured = float(((block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output)
-                          * gain).double().square().sum(-1).mean())
+        error = (block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output) * gain
+        total, tokens = distributed.sum_floats(float(error.double().square().sum()), error[..., 0].numel())
+        measured = total / tokens
         if measured > 0 and logit[k] > 0:
             ratios[k] = measured / float(logit[k])
     if not ratios:  # no logit error at any probe size: nothing to convert

@@ -169,6 +169,7 @@ class DriftRefit:
         for x, x_dense, a_dense in zip(self.path.batches, targets.inputs, targets.attention):
             attention_output(block, block.norm1(x), on_proj_input=inputs.append)
             joint.update(torch.cat([inputs[-1], a_dense + (x_dense - x) / gamma], -1))
+        joint.all_reduce()
         solution = solve_refit(joint, attn.proj.weight, attn.proj.bias, self.alpha,
                                getattr(block.ls1, "gamma", None))
         attn.proj = _refitted(attn.proj, solution)
@@ -193,6 +194,7 @@ class DriftRefit:
             joint.update(torch.cat([mlp_hidden(block, mid), m_dense + drift / gamma], -1))
             return mid
         self.path.advance(through_attention)
+        joint.all_reduce()
         solution = solve_refit(joint, fc2.weight, fc2.bias, self.alpha, getattr(block.ls2, "gamma", None))
         block.mlp.fc2 = _refitted(fc2, solution)
         return _report(solution)
