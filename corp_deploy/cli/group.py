@@ -73,7 +73,8 @@ def _click_error(message: str, exit_code: int) -> click.ClickException:
              epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in EXIT_CODES.items()))
 @click.version_option(version=__version__)
-def cli():
+@click.pass_context
+def cli(ctx):
     """Compress timm Vision Transformers one-shot with CORP and ship them.
 
     \b
@@ -81,3 +82,8 @@ def cli():
       corp-deploy compress deit_base --s 0.5 && corp-deploy export --trt
       corp-deploy compress deit_small --s-mlp 0.5 --s-attn 0.3 --calib ./images
     """
+    from ..distributed import launched_by_torchrun
+
+    if launched_by_torchrun() and ctx.invoked_subcommand != "compress":
+        raise CorpError(f"only compress runs under torchrun (its calibration is shared by the processes); "
+                        f"run {ctx.invoked_subcommand} in one process")
