@@ -49,6 +49,14 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` says that another process of the group went away (it failed or was killed:
+    its own message, not this one, tells why)."""
+    network = getattr(dist, "DistNetworkError", ())
+    return launched_by_torchrun() and (isinstance(exc, network) or "closed by peer" in str(exc)
+                                       or "reset by peer" in str(exc))
+
+
 def shard_range(count: int) -> tuple[int, int]:
     """``[start, stop)``: this rank's consecutive share of ``count`` items (shares differ by at most one)."""
     r, w = rank(), world_size()

@@ -95,8 +95,8 @@ def test_samples_after_the_reduction_are_refused():
         acc.update(torch.randn(4, 3))
 
 
-def _compress_on_my_share(config: CompressConfig, x: torch.Tensor) -> dict:
-    vit, batches = build_small_vit(), _calibration_batches()
+def _compress_on_my_share(config: CompressConfig, x: torch.Tensor, sizes: tuple[int, ...]) -> dict:
+    vit, batches = build_small_vit(), _calibration_batches(sizes)
     model, report = compress(vit, batches, config)
     with torch.no_grad():
         return {"output": model(x), "dims": [layer["dims"] for layer in report["layers"]],
@@ -104,25 +104,30 @@ def _compress_on_my_share(config: CompressConfig, x: torch.Tensor) -> dict:
                 "images": report["calibration"]["images"]}
 
 
-def _calibration_batches() -> list[torch.Tensor]:
+def _calibration_batches(sizes: tuple[int, ...]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(size, 3, 32, 32, generator=g) for size in (8, 8, 8, 5)]
+    return [torch.randn(size, 3, 32, 32, generator=g) for size in sizes]
 
 
-@pytest.mark.parametrize("settings", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.5),
-                                      dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential")],
-                         ids=["uniform", "budget", "sequential"])
-def test_compress_on_two_processes_equals_one_process(tmp_path, settings):
+@pytest.mark.parametrize("settings, sizes", [
+    (dict(s_mlp=0.5, s_attn=0.5), (8, 8, 8, 5)),
+    (dict(macs=0.5), (8, 8, 8, 5)),
+    (dict(macs=0.5), (32, 8, 8)),  # the budget's 32 probe images all on the first process
+    (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5))],
+    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential"])
+def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes):
     """The same kept dims (uniform and budget: the budget's curves, probes and allocation see the
-    same sums) and the same outputs up to float summation order."""
+    same sums; its query/key factorisations are split between the processes) and the same outputs
+    up to float summation order."""
     config = CompressConfig.from_settings(**settings)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(9))
-    single, report = compress(build_small_vit(), _calibration_batches(), config)
+    single, report = compress(build_small_vit(), _calibration_batches(sizes), config)
     with torch.no_grad():
         expected = single(x)
-    for result in run_ranks(_compress_on_my_share, tmp_path, 2, config, x):
-        assert result["distributed"] == {"world_size": 2, "images_per_rank": [16, 13]}
-        assert result["images"] == 29
+    for result in run_ranks(_compress_on_my_share, tmp_path, 2, config, x, sizes):
+        shares = [sum(sizes[0::2]), sum(sizes[1::2])]
+        assert result["distributed"] == {"world_size": 2, "images_per_rank": shares}
+        assert result["images"] == sum(sizes)
         assert result["dims"] == [layer["dims"] for layer in report["layers"]]
         if "macs" in settings:
             assert [u["kept"] for u in result["budget"]["units"]] == [u["kept"] for u in report["budget"]["units"]]
@@ -204,3 +209,11 @@ def test_only_compress_runs_under_torchrun(tmp_path):
                                 env={"WORLD_SIZE": "2", "CORP_DEPLOY_STATE_DIR": str(tmp_path)})
     assert result.exit_code == 1
     assert "only compress runs under torchrun" in result.output and not (tmp_path / "sweep").exists()
+
+
+def test_a_lost_peer_is_told_apart_from_a_bug(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:16270"))
+    assert not distributed.lost_peer(RuntimeError("cannot reshape tensor of 0 elements"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not distributed.lost_peer(RuntimeError("Connection closed by peer"))

@@ -50,6 +50,10 @@ class _Commands(click.Group):
                 where = f" ({exc.filename})" if exc.filename else ""
                 raise _click_error(f"the file system refused: {exc.strerror or exc}{where}; nothing partial was "
                                    "left behind", 1) from None
+            from ..distributed import lost_peer
+            if lost_peer(exc):
+                raise _click_error("another process of this torchrun job stopped (its message says why); this one "
+                                   "stopped with it, and no artifact was written", 1) from None
             if os.environ.get("CORP_DEPLOY_DEBUG"):
                 raise
             raise _click_error(f"internal error ({type(exc).__name__}: {first_line(exc)}); "

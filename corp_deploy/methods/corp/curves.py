@@ -237,22 +237,19 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
     orders = torch.argsort(scores, dim=1, descending=True, stable=True)
     sizes = qk_probe_sizes(head_dim)
-    logit = torch.zeros(head_dim + 1, dtype=torch.float64)
-    per_head = []
-    for h in range(attn.num_heads):
-        curve, solutions = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha,
-                                               solutions_at=range(1, head_dim + 1))
-        logit += attn.scale ** 2 * curve.cpu()
-        per_head.append(solutions)
+    curves, by_size = _head_curves(a_full, g_full, orders, alpha)
+    logit = attn.scale ** 2 * curves.sum(0).cpu()
     del a_full, g_full
-    by_size = {k: [solutions[k] for solutions in per_head] for k in range(1, head_dim + 1)}
-    dense_output = block.ls1(attention_output(block, block.norm1(probe)))
-    gain = dense_output.new_ones(()) if gain is None else gain.to(dense_output)
+    dense_output = block.ls1(attention_output(block, block.norm1(probe))) if len(probe) else None
+    gain = probe.new_ones(()) if gain is None else gain.to(probe)
     ratios = {}
     for k in sizes:
-        pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
-        error = (block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output) * gain
-        total, tokens = distributed.sum_floats(float(error.double().square().sum()), error[..., 0].numel())
+        total = tokens = 0.0
+        if dense_output is not None:  # this rank holds probe images
+            pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
+            error = (block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output) * gain
+            total, tokens = float(error.double().square().sum()), error[..., 0].numel()
+        total, tokens = distributed.sum_floats(total, tokens)
         measured = total / tokens
         if measured > 0 and logit[k] > 0:
             ratios[k] = measured / float(logit[k])
@@ -260,6 +257,33 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
         return logit, orders, by_size
     log_ratio = np.interp(np.arange(head_dim + 1), list(ratios), np.log(list(ratios.values())))
     return logit * torch.from_numpy(np.exp(log_ratio)), orders, by_size
+
+
+def _head_curves(a_full: torch.Tensor, g_full: torch.Tensor, orders: torch.Tensor, alpha: float
+                 ) -> tuple[torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
+    """Every head's logit curve ``(H, d + 1)`` and its solution at every kept size ``1..d``
+    (:func:`~corp_deploy.attention.head_curve`; Grams ``(H, N, d, d)``, ``orders`` ``(H, d)``).
+    Under torch.distributed rank ``r`` factorises the heads ``h = r mod world size`` and the results
+    are summed over the ranks (zeros elsewhere: exact), so every rank holds all of them."""
+    heads, d = a_full.shape[0], a_full.shape[-1]
+    curves = a_full.new_zeros(heads, d + 1)
+    matrices = a_full.new_zeros(heads, sum(k * k for k in range(1, d + 1)))  # every M_k flattened, k = 1..d
+    numbers = a_full.new_zeros(heads, d, 4)  # per k: ridge lambda, sliced and compensated errors, energy
+    for h in range(distributed.rank(), heads, distributed.world_size()):
+        curves[h], solutions = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha,
+                                                   solutions_at=range(1, d + 1))
+        matrices[h] = torch.cat([solutions[k].M.reshape(-1) for k in range(1, d + 1)])
+        numbers[h] = a_full.new_tensor([[s.ridge_lambda, s.error_uncompensated, s.error_compensated, s.logit_energy]
+                                        for s in (solutions[k] for k in range(1, d + 1))])
+    for shared in (curves, matrices, numbers):
+        distributed.all_reduce_sum(shared)
+    by_size, start = {}, 0
+    for k in range(1, d + 1):
+        by_size[k] = [attn_ops.HeadSolution(matrices[h, start:start + k * k].reshape(k, k).clone(),
+                                            *numbers[h, k - 1].tolist())
+                      for h in range(heads)]
+        start += k * k
+    return curves, by_size
 
 
 def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,
