@@ -2,9 +2,9 @@
 sum over calibration images, so each process (rank) accumulates it over its own share of the
 images and the ranks sum it with one all-reduce (gloo on the CPU, NCCL on CUDA: the same code).
 
-The ranks hold consecutive parts of the calibration set in rank order (:func:`shard_range`), so
-that rank-ordered gathers see the images in the single-process order. Without an initialised
-process group every function here is the single-process identity.
+Every rank is given the same calibration batches and runs its share through the model (the engine
+deals batch ``b`` to rank ``b mod world size``). Without an initialised process group every function
+here is the single-process identity.
 """
 from __future__ import annotations
 
@@ -55,12 +55,6 @@ def lost_peer(exc: BaseException) -> bool:
     network = getattr(dist, "DistNetworkError", ())
     return launched_by_torchrun() and (isinstance(exc, network) or "closed by peer" in str(exc)
                                        or "reset by peer" in str(exc))
-
-
-def shard_range(count: int) -> tuple[int, int]:
-    """``[start, stop)``: this rank's consecutive share of ``count`` items (shares differ by at most one)."""
-    r, w = rank(), world_size()
-    return r * count // w, (r + 1) * count // w
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@ methods of :mod:`corp_deploy.methods` (CORP by default).
 
 The engine embeds the calibration images once, then hands the method the hidden states at
 the first block boundary; the method moves them through the model block by block while it
-collects statistics and compresses (see each method's module for its passes and costs).
+collects statistics and compresses (see each method's module for its passes and costs). Under
+torch.distributed (``torchrun``) every process is given the same batches and embeds its share of
+them; CORP sums its statistics over the processes (:mod:`corp_deploy.distributed`).
 
 Memory: the hidden states at the current block boundary are cached for the whole
 calibration set (``images x tokens x width`` float32 on the calibration device,

@@ -7,7 +7,8 @@ summed over the processes per block (what each all-reduce moves).
 
 Both runs get the machine's cores (one process with every thread, N processes with cores / N
 threads each), random weights, built-in calibration images, uniform s = 0.5 and then --macs 0.6.
-The outputs are compared on 16 held-out images (max |difference| and cosine of the logits).
+The outputs are compared on 16 held-out images (max |difference| and cosine of the logits), and
+the kept dims block by block (how many blocks differ).
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def main() -> None:
                              "wall_s": round(seconds, 1), "compress_s": report["time_s"]["total"],
                              "distributed": report.get("distributed")})
                 print(json.dumps(rows[-1]), flush=True)
+            reports = [json.loads((artifacts[p] / "report.json").read_text()) for p in (1, args.processes)]
+            dims = [[layer["dims"] for layer in r["layers"]] for r in reports]
+            rows[-1]["blocks_with_other_dims"] = sum(a != b for a, b in zip(*dims))
             one, many = (load_compressed(artifacts[p]).eval() for p in (1, args.processes))
             transform, _ = model_transform(one)
             x = torch.cat(list(held_out_images(transform, 16)))

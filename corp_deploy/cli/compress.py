@@ -64,11 +64,10 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
              s_mlp, s_attn, s_vo, batch_size, round_to, no_compensation, device, output, **method_options):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
-    \b
     Under torchrun every process calibrates on its share of the images and the statistics are
     summed over the processes (README "Scaling out"); the first process writes the artifact.
 
-    
+    \b
     Examples:
       corp-deploy compress deit_base --s 0.5
       torchrun --nproc-per-node 4 --no-python -- corp-deploy compress deit_base --s 0.5 -o out/deit
