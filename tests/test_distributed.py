@@ -154,6 +154,7 @@ def torchrun_compress(args: list, out: Path, state: Path, processes: int = 2) ->
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_torchrun_compress_writes_one_artifact_equal_to_one_process(tmp_path):
     args = ["--calib-samples", 24, "--batch-size", 4, "--macs", 0.6]
     for processes, folder in ((2, "two"), (1, "one")):
@@ -174,6 +175,7 @@ def test_torchrun_compress_writes_one_artifact_equal_to_one_process(tmp_path):
     assert float((a - b).norm() / b.norm()) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_killed_process_ends_the_run_without_an_artifact(tmp_path):
     """One process killed mid-run: torchrun stops the others, exits non-zero, and nothing is
     written where the artifact was to go."""
