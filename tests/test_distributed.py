@@ -24,7 +24,7 @@ from tests.helpers import FLOAT32, SMALL_VIT_CLI_ARGS, build_small_vit
 def run_ranks(worker, tmp_path: Path, world: int = 2, *args) -> list:
     """Run ``worker(*args)`` in ``world`` gloo processes; returns what each rank's call returned."""
     mp.spawn(_rank_main, args=(world, str(tmp_path), worker, args), nprocs=world, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def _rank_main(rank: int, world: int, folder: str, worker, args) -> None:
