@@ -28,6 +28,7 @@ from torch import nn
 from .parity import Tolerance, compare_outputs
 from .quantize import quantize_int8
 from .runners import OnnxRuntimeRunner, TorchRunner
+from .smoothing import DEFAULT_ALPHA, linear_input_scales
 
 AUTO = "auto"
 #: With ``auto``, every 4th calibration image checks the int8 graph instead of calibrating it.
@@ -38,9 +39,12 @@ MAX_FLOAT_SHARE = 0.25
 
 def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, batches: Iterable[torch.Tensor],
                            keep: int | str, method: str, tolerance: Tolerance,
-                           log: Callable[[str], None] = lambda message: None) -> dict:
+                           log: Callable[[str], None] = lambda message: None,
+                           smoothing: float | None = DEFAULT_ALPHA) -> dict:
     """Quantize ``fp32_path`` (the float32 export of ``model``) to ``out_path`` with ``keep``
-    (a count or :data:`AUTO`) Linear layers in float.
+    (a count or :data:`AUTO`) Linear layers in float, and the Linear layers' inputs smoothed with
+    strength ``smoothing`` (:mod:`exporters.smoothing`; ``None``: not smoothed), the scales chosen
+    on the images the ranges come from.
 
     Args:
         batches: the calibration images, ``(B, C, H, W)`` float32 batches; iterated several times
@@ -51,16 +55,24 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         ``keep_float_search``: the checked and held-back image counts and each try's numbers.
     """
     name = out_path.stem
+    scales_of: dict[int, dict | None] = {}  # per calibration view, computed once
+
+    def scales(calibration: Iterable[torch.Tensor]) -> dict | None:
+        if smoothing is not None and id(calibration) not in scales_of:
+            log(f"{name}: choosing the smoothing scales of the Linear layers' inputs (alpha {smoothing}) ...")
+            scales_of[id(calibration)] = linear_input_scales(model, calibration, smoothing)
+        return scales_of.get(id(calibration))
 
     def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
         kept = set(ranking[:count])
         log(f"{name}: quantizing to int8 ({method} ranges, Linear layers in float: {count}) ...")
-        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept)
-        return {**int8, "kept_float": sorted(kept)}
+        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept,
+                             scales(calibration))
+        return {**int8, "kept_float": sorted(kept), "smoothing_alpha": smoothing}
 
     def rank(calibration: Iterable[torch.Tensor]) -> list[str]:
         log(f"{name}: ranking the Linear layers by their int8 rounding error ...")
-        return linear_sensitivity(model, calibration)
+        return linear_sensitivity(model, calibration, scales(calibration))
 
     if keep != AUTO:
         return quantize(batches, rank(batches) if keep else [], keep)
@@ -120,11 +132,14 @@ class HeldBack:
         return images // HOLD_BACK_EVERY
 
 
-def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_batches: int = 2) -> list[str]:
+def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], input_scales: dict | None = None,
+                       error_batches: int = 2) -> list[str]:
     """Module paths of ``model``'s Linear layers, the most hurt by this recipe first: each layer's
     relative output error ``||Q(x) Q(W)^T - x W^T||^2 / ||x W^T||^2`` when only its own input
     (symmetric, per tensor, range = the calibration maximum, as minmax sets it) and weight
-    (symmetric, per output channel) are rounded to int8, on the first ``error_batches`` batches.
+    (symmetric, per output channel) are rounded to int8, on the first ``error_batches`` batches;
+    with ``input_scales`` (by module path) the rounded ones are the smoothed ``x / s`` and
+    ``W diag(s)``.
     Local errors, not the model output's: they find the layers whose inputs carry outliers that
     a per-tensor range clips or crushes."""
     if iter(batches) is batches:  # read twice below: a one-pass iterator is materialised
@@ -133,12 +148,17 @@ def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], error_
     peak: dict[str, float] = {}
     errors: dict[str, list[float]] = {name: [0.0, 0.0] for name in linears.values()}
 
-    def record_peak(module, args, out):
+    def smoothed(module, x):
         name = linears[module]
-        peak[name] = max(peak.get(name, 0.0), float(args[0].abs().max()))
+        scale = (input_scales or {}).get(name)
+        return (x, module.weight, name) if scale is None else (x / scale, module.weight * scale, name)
+
+    def record_peak(module, args, out):
+        x, _, name = smoothed(module, args[0])
+        peak[name] = max(peak.get(name, 0.0), float(x.abs().max()))
 
     def record_error(module, args, out):
-        x, w, name = args[0], module.weight, linears[module]
+        x, w, name = smoothed(module, args[0])
         step = max(peak[name], 1e-30) / 127
         w_step = w.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
         rounded = F.linear((x / step).round().clamp(-127, 127) * step, (w / w_step).round() * w_step)

@@ -34,6 +34,7 @@ from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
 from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
+from .smoothing import DEFAULT_ALPHA
 from .results import ExportResult, ModelExport
 from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
@@ -64,7 +65,8 @@ class ExportOptions:
     ``calib`` (a directory; None: the source the artifact was compressed with, as recorded in its
     config.json), ``calib_samples`` of them (None: as many as compress used);
     ``int8_keep_float`` is how many Linear layers stay in float, or ``"auto"``
-    (:mod:`exporters.keep_float`).
+    (:mod:`exporters.keep_float`); ``int8_smoothing`` the strength of the outlier migration
+    (:mod:`exporters.smoothing`), None for none.
     """
 
     trt: bool = False
@@ -80,6 +82,7 @@ class ExportOptions:
     calib: Path | None = None
     calib_samples: int | None = None
     int8_keep_float: int | str = AUTO
+    int8_smoothing: float | None = DEFAULT_ALPHA
 
     def __post_init__(self) -> None:
         check_settings(self.opset, self.exporter)
@@ -89,10 +92,13 @@ class ExportOptions:
             raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
                             f"got {self.int8_calibration!r}")
         int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
-                        or self.calib_samples is not None or self.int8_keep_float != AUTO)
+                        or self.calib_samples is not None or self.int8_keep_float != AUTO
+                        or self.int8_smoothing != DEFAULT_ALPHA)
         if int8_options and self.precision != "int8":
-            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --calib, --calib-samples) "
-                            "apply only with --precision int8")
+            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, --calib, "
+                            "--calib-samples) apply only with --precision int8")
+        if self.int8_smoothing is not None and not 0 <= self.int8_smoothing <= 1:
+            raise CorpError(f"the int8 smoothing strength must be from 0 to 1 or None, got {self.int8_smoothing!r}")
         if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
             raise CorpError(f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, "
                             f"got {self.int8_keep_float!r}")
@@ -220,7 +226,7 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         int8 = quantize_keeping_float(model, fp32, path, batches, options.int8_keep_float, options.int8_calibration,
-                                      tolerance, log)
+                                      tolerance, log, options.int8_smoothing)
     return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
 
 

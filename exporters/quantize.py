@@ -3,25 +3,33 @@
 The quantizer is ONNX Runtime's ``quantize_static`` (no calibration math here): it runs the
 float32 graph on calibration images, collects the range of every input of the quantized ops
 with the chosen method (``minmax``, ``entropy`` or ``percentile``), and writes
-QuantizeLinear/DequantizeLinear pairs around them, the explicit-quantization form that ONNX
+QuantizeLinear/DequantizeLinear pairs on those inputs, the explicit-quantization form that ONNX
 Runtime runs on CPU and GPU and TensorRT builds directly (strongly typed). Settings:
 
 * the Linear layers (``MatMul`` / ``Gemm`` with a weight) are quantized: weights per output
   channel, their input activations per tensor;
 * weights and activations are signed int8 with symmetric ranges (zero point 0), which TensorRT
   requires for explicit quantization;
+* only their inputs are quantized, not their outputs (``quantize_static`` quantizes MatMul and
+  Gemm outputs by default: one more int8 rounding of every Linear output, the model's own output
+  included, before the bias and the residual add read it). Measured on the real DINOv2 ViT-S/14
+  compressed at s = 0.5, every Linear in int8 (smoothed), against its fp32 graph on 64 held-out
+  crops: with output Q/DQ cosine mean 0.9941 and min 0.9804, 1.71x faster than fp32 at batch 32;
+  without, 0.9989 and 0.9968, 1.86x (ONNX Runtime then runs ``MatMulIntegerToFloat``, float out, instead of
+  ``QLinearMatMul`` and a DequantizeLinear; benchmarks/RESULTS.md "INT8");
 * everything else stays float32: the two attention matmuls (``q k^T`` and ``softmax(.) v``,
   products of two activations), LayerNorm, softmax, GELU / SiLU, residual additions and the
   patch-embedding convolution (under 1 % of a ViT's MACs).
 
 Measured on the real DINOv2 ViT-S/14 compressed at s = 0.3 (min cosine of int8 vs float32 on the
 9 held-out parity images): with the attention matmuls in int8 too, 0.796 (minmax), 0.796
-(entropy), 0.927 (percentile); with them in float, 0.989 (minmax) and 0.928 (percentile), so
-minmax is the default. Ranges from one constant grey image give 0.930, which the gate rejects.
-The dense DINOv2 ViT-S/14 does worse with this recipe (min cosine 0.947 on the 9 images, below
-the gate): per-tensor activation ranges cannot hold its outlier activations, mostly in blocks 0-2
-(benchmarks/RESULTS.md, "INT8"). ``float_modules`` keeps chosen Linear layers in float; which
-ones is decided in :mod:`exporters.keep_float`.
+(entropy: then minmax under another name, see :data:`CALIBRATOR_OPTIONS`), 0.927 (percentile);
+with them in float, 0.989 (minmax) and 0.928 (percentile), so minmax is the default. Ranges from
+one constant grey image give 0.930, which the gate rejects. Per-tensor activation ranges cannot
+hold the outlier channels of the dense DINOv2 (min cosine 0.947 on the 9 images, below the gate;
+mostly blocks 0-2 and the MLP down projections, benchmarks/RESULTS.md "INT8"): ``input_scales``
+moves them into the weights first (:mod:`exporters.smoothing`), and ``float_modules`` keeps chosen
+Linear layers in float (which ones: :mod:`exporters.keep_float`).
 """
 from __future__ import annotations
 
@@ -38,11 +46,20 @@ import numpy as np
 
 from corp_deploy import CorpError
 
+from .smoothing import smooth_graph
+
 #: ``--int8-calibration`` values and ONNX Runtime's names for them.
 CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 DEFAULT_CALIBRATION = "minmax"
 #: Operators whose inputs become int8.
 QUANTIZED_OPS = ("MatMul", "Gemm")
+#: Options of ONNX Runtime's calibrators. Its entropy defaults (128 histogram bins, 128 quantized
+#: bins) leave the KL-divergence search a single candidate threshold, the full range, so ``entropy``
+#: was ``minmax`` under another name whenever the histogram did not grow past its first 128 bins
+#: (every tensor, when all images were collected at once). 2048 bins (TensorRT's entropy
+#: calibrator's count) searched with 255 quantized bins (the symmetric int8 grid, -127..127) give
+#: it 897 candidate thresholds; measured 0.6 s per tensor to search.
+CALIBRATOR_OPTIONS = {"Entropy": {"num_bins": 2048, "num_quantized_bins": 255}}
 #: Images per calibration run of ONNX Runtime. The calibration graph returns (entropy, percentile)
 #: or holds (minmax) every Linear input of the images it runs at once, so this bounds its memory
 #: whatever the number of calibration images. Measured on DeiT-B: 1 image per run is as fast as 4
@@ -51,8 +68,8 @@ CALIBRATION_CHUNK = 1
 
 
 def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable[np.ndarray],
-                  method: str = DEFAULT_CALIBRATION, float_modules: frozenset[str] | set[str] = frozenset()
-                  ) -> dict:
+                  method: str = DEFAULT_CALIBRATION, float_modules: frozenset[str] | set[str] = frozenset(),
+                  input_scales: dict | None = None, quantize_outputs: bool = False) -> dict:
     """Write the QDQ int8 form of the float32 graph ``fp32_path`` to ``out_path``.
 
     Activation ranges are collected streaming (:func:`calibrate_ranges`) and handed to
@@ -64,15 +81,34 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
         method: a key of :data:`CALIBRATION_METHODS`.
         float_modules: module paths (``blocks.3.mlp.fc2``) of Linear layers to keep in float; each
             must be found in the graph (:func:`module_path`) and is checked to be float afterwards.
+        input_scales: per-channel smoothing scales by module path, moved from each Linear layer's
+            input into its weight before calibration (:func:`exporters.smoothing.smooth_graph`).
+        quantize_outputs: also round the Linear layers' outputs to int8 (``quantize_static``'s
+            default; worse and slower, see the module docstring: for studies only).
     Returns:
         what was done, for the manifest: the method, the number of calibration images, the
-        quantized op types and the op types left in float, and the int8 weight count.
+        quantized op types and the op types left in float, the int8 weight count and, with
+        ``input_scales``, how the smoothing was applied (``smoothing``).
     """
+    if method not in CALIBRATION_METHODS:
+        raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; got {method!r}")
+    with tempfile.TemporaryDirectory(prefix="corp-deploy-int8-") as scratch:
+        smoothing = {}
+        if input_scales:
+            smoothed = Path(scratch) / "smoothed.onnx"
+            smoothing = {"smoothing": smooth_graph(fp32_path, smoothed, input_scales)}
+            fp32_path = smoothed
+        record = _quantize_static(fp32_path, out_path, batches, method, float_modules, Path(scratch),
+                                  quantize_outputs)
+    return {**record, **smoothing}
+
+
+def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np.ndarray], method: str,
+                     float_modules: frozenset[str] | set[str], scratch: Path, quantize_outputs: bool) -> dict:
+    """:func:`quantize_int8` of an already smoothed (or unsmoothed) graph; ``scratch`` a temporary folder."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import save_tensors_data
 
-    if method not in CALIBRATION_METHODS:
-        raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; got {method!r}")
     linear_ops = _linear_ops(fp32_path)
     # the attention matmuls (q k^T, softmax(.) v) multiply two activations: kept in float
     activation_products = [name for name, _, has_weight in linear_ops if not has_weight]
@@ -82,21 +118,22 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
         raise CorpError(f"cannot keep {', '.join(missing[:3])} in float: no operator of {Path(fp32_path).name} is "
                         "recorded as coming from it")
     calibrate_method = getattr(CalibrationMethod, CALIBRATION_METHODS[method])
-    with tempfile.TemporaryDirectory(prefix="corp-deploy-int8-") as scratch:
-        ranges, images = calibrate_ranges(fp32_path, batches, calibrate_method, Path(scratch))
-        cache = Path(scratch) / "ranges.json"
-        save_tensors_data(ranges, cache)
-        root_logger = logging.getLogger()
-        root_logger.addFilter(_without_preprocessing_advice)
-        try:
-            quantize_static(str(fp32_path), str(out_path), None, quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                            op_types_to_quantize=list(QUANTIZED_OPS),
-                            nodes_to_exclude=activation_products + kept_float, calibrate_method=calibrate_method,
-                            calibration_cache_path=cache,
-                            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
-        finally:
-            root_logger.removeFilter(_without_preprocessing_advice)
+    ranges, images = calibrate_ranges(fp32_path, batches, calibrate_method, scratch)
+    cache = scratch / "ranges.json"
+    save_tensors_data(ranges, cache)
+    root_logger = logging.getLogger()
+    root_logger.addFilter(_without_preprocessing_advice)
+    try:
+        quantize_static(str(fp32_path), str(out_path), None, quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                        op_types_to_quantize=list(QUANTIZED_OPS),
+                        nodes_to_exclude=activation_products + kept_float, calibrate_method=calibrate_method,
+                        calibration_cache_path=cache,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                       "OpTypesToExcludeOutputQuantization":
+                                           [] if quantize_outputs else list(QUANTIZED_OPS)})
+    finally:
+        root_logger.removeFilter(_without_preprocessing_advice)
     described = describe_quantized(out_path)
     still_int8 = sorted(set(kept_float) - set(described.pop("float_nodes")))
     if still_int8:
@@ -133,7 +170,8 @@ def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calib
 
     calibrator = create_calibrator(Path(fp32_path), list(QUANTIZED_OPS),
                                    augmented_model_path=str(scratch / "augmented.onnx"),
-                                   calibrate_method=calibrate_method, providers=["CPUExecutionProvider"])
+                                   calibrate_method=calibrate_method, providers=["CPUExecutionProvider"],
+                                   extra_options=CALIBRATOR_OPTIONS.get(calibrate_method.name, {}))
     input_name = calibrator.infer_session.get_inputs()[0].name
     images = 0
     with contextlib.redirect_stdout(io.StringIO()):  # the histogram collector prints progress

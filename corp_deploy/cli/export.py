@@ -13,7 +13,7 @@ from exporters.tensorrt import BatchProfile
 
 from .common import check_apart
 from .group import cli
-from .options import IMAGE_COUNT, keep_float_count
+from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 
 
 @cli.command()
@@ -35,6 +35,10 @@ from .options import IMAGE_COUNT, keep_float_count
               help="int8: keep N Linear layers in float, those whose int8 rounding errs most; auto: the fewest "
                    "(0, 1, 2, 4, ... up to a quarter) that meet the gate's tolerance on the calibration images, a "
                    "quarter of them held back from the ranges.")
+@click.option("--int8-smoothing", default="0.5", show_default=True, metavar="ALPHA|none",
+              callback=smoothing_strength,
+              help="int8: move outlier channels of each Linear layer's input into its weight before quantizing "
+                   "(exact in float; scale peak^ALPHA / weight peak^(1-ALPHA) per channel); none: off.")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int8: calibration image directory. [default: what compress used, from config.json]")
 @click.option("--calib-samples", type=IMAGE_COUNT, default=None,
@@ -51,8 +55,8 @@ from .options import IMAGE_COUNT, keep_float_count
                    "0.98 int8]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
-def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float, calib,
-           calib_samples, workspace_gb, timing_cache, atol, min_cosine, output):
+def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float,
+           int8_smoothing, calib, calib_samples, workspace_gb, timing_cache, atol, min_cosine, output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
     Every ONNX file is checked against the PyTorch model on calibration-like images at batch
@@ -86,8 +90,8 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
     options = ExportOptions(
         trt=trt, dense=dense, opset=opset, exporter=exporter,
         precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
-        timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float, calib=calib,
-        calib_samples=calib_samples,
+        timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float,
+        int8_smoothing=int8_smoothing, calib=calib, calib_samples=calib_samples,
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))

@@ -85,6 +85,19 @@ model_source_options = options(
 )
 
 
+def smoothing_strength(ctx, param, value: str) -> float | None:
+    """``--int8-smoothing``: ``none`` or a strength from 0 to 1."""
+    if value == "none":
+        return None
+    try:
+        alpha = float(value)
+    except ValueError:
+        alpha = -1.0
+    if not 0 <= alpha <= 1:
+        raise click.BadParameter(f"expected 'none' or a number from 0 to 1, got {value!r}")
+    return alpha
+
+
 def keep_float_count(ctx, param, value: str) -> int | str:
     """``--int8-keep-float``: ``auto`` or a count >= 0."""
     if value == "auto":

@@ -1,0 +1,77 @@
+"""Whether rounding the Linear layers' outputs to int8 too (ONNX Runtime ``quantize_static``'s
+default for MatMul and Gemm) costs fidelity and speed: an export's fp32 graph quantized as
+``export --precision int8 --int8-keep-float 0`` does, once with only the Linear inputs in int8
+(the tool's recipe) and once with their outputs rounded as well; per variant the output cosine to
+the fp32 PyTorch model on held-out photos and the speed over the fp32 graph, every graph (fp32
+first) timed interleaved on ONNX Runtime's CPU provider.
+
+    python -m benchmarks.studies.int8_output_rounding ARTIFACT --graph model \
+      --out benchmarks/results/int8_output_rounding_dinov2_s0.5.json
+
+``ARTIFACT`` needs an ``export-fp32/`` made with ``--dense`` (for ``--graph dense``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.harness import machine
+from benchmarks.latency import interleaved, speedup
+from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
+from exporters.manifest import read_manifest
+from exporters.pipeline import parity_images
+from exporters.quantize import quantize_int8
+from exporters.runners import OnnxRuntimeRunner
+from exporters.smoothing import DEFAULT_ALPHA, linear_input_scales
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--graph", choices=("dense", "model"), default="model")
+    parser.add_argument("--calib", type=int, default=128)
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-time", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    export = args.artifact / "export-fp32"
+    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
+    model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
+    transform, _ = model_transform(model)
+    calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))
+    images = parity_images(model, args.images, held_out=True)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(images)).numpy().astype(np.float64)
+    scales = linear_input_scales(model, calibration, DEFAULT_ALPHA)
+    runners, rows = {"fp32": OnnxRuntimeRunner(fp32, "cpu", args.threads)}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, outputs in (("inputs only", False), ("inputs and outputs", True)):
+            path = Path(scratch) / f"{outputs}.onnx"
+            quantize_int8(fp32, path, (b.numpy() for b in calibration), input_scales=scales, quantize_outputs=outputs)
+            runners[name] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
+            out = runner.infer(images).astype(np.float64)
+            cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
+            rows[name] = {"cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())}
+            print(f"{name} in int8: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
+        x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)
+        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
+                              min_time=args.min_time)
+    for name, row in rows.items():
+        row["speedup_over_fp32"] = ratio = speedup(samples["fp32"], samples[name])
+        print(f"{name}: speedup over fp32 {ratio['median']:.2f} ({ratio['p10']:.2f}-{ratio['p90']:.2f})", flush=True)
+    args.out.write_text(json.dumps({"artifact": str(args.artifact), "graph": args.graph, "smoothing_alpha": DEFAULT_ALPHA,
+                                    "calibration_images": args.calib, "held_out_images": args.images,
+                                    "batch": args.batch, "threads": args.threads, "machine": machine(),
+                                    "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
