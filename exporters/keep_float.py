@@ -64,10 +64,9 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         return scales_of.get(id(calibration))
 
     def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
-        kept = set(ranking[:count])
+        kept, input_scales = set(ranking[:count]), scales(calibration)
         log(f"{name}: quantizing to int8 ({method} ranges, Linear layers in float: {count}) ...")
-        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept,
-                             scales(calibration))
+        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept, input_scales)
         return {**int8, "kept_float": sorted(kept), "smoothing_alpha": smoothing}
 
     def rank(calibration: Iterable[torch.Tensor]) -> list[str]:

@@ -54,9 +54,10 @@ def linear_input_peaks(model: nn.Module, batches: Iterable[torch.Tensor]) -> dic
 
 def smoothing_scale(peak: torch.Tensor, weight: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
     """``s_j = peak_j^alpha / wpeak_j^(1 - alpha)`` for a Linear layer's ``(out, in)`` ``weight`` and
-    its input's per-channel ``peak`` ``(in,)``, limited to ``[1 / SCALE_LIMIT, SCALE_LIMIT]``: the
-    largest where the weight column is all zero (the layer ignores that input, which then cannot
-    stretch the range), 1 where the input was zero on every calibration image."""
+    its input's per-channel ``peak`` ``(in,)``, limited to ``[1 / SCALE_LIMIT, SCALE_LIMIT]``: very
+    large where the weight column is all zero (the layer ignores that input, which then cannot
+    stretch the range; up to the limit unless alpha is near 1), 1 where the input was zero on every
+    calibration image."""
     weight_peak = weight.detach().abs().amax(0).float()
     scale = peak.clamp_min(1e-30).pow(alpha) / weight_peak.clamp_min(1e-30).pow(1 - alpha)
     return torch.where(peak > 0, scale.clamp(1 / SCALE_LIMIT, SCALE_LIMIT), torch.ones_like(scale))
@@ -80,8 +81,8 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
     initializer of ``(in, out)`` (``MatMul``, ``Gemm`` without ``transB``) or ``(out, in)``
     (``Gemm`` with ``transB``) second; other nodes are left as they are. Initializers that other
     nodes share are copied before they change.
-    Returns ``{"folded": layers whose 1/s went into the op that makes their input, "inserted":
-    layers given a Mul}``.
+    Returns ``{"folded": MatMul/Gemm nodes whose 1/s went into the op that makes their input,
+    "inserted": nodes given a Mul}``. The written graph's shapes are inferred again (strict).
     """
     import onnx
     from onnx import numpy_helper
@@ -118,8 +119,9 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
         """Divide ``tensor`` by ``scale`` along its last axis by changing what makes it, where that
         is exact and changes nothing else: a LayerNormalization's scale and bias, or a constant
         factor anywhere up a chain of Muls that only feed each other (GELU's 0.5, for one).
-        Broadcasting aligns every operand's last axis with the product's, so a constant of one
-        value or of one per channel takes the division. False where no such op makes it."""
+        Broadcasting aligns every operand's last axis with the product's, so a constant that is
+        one value or one per last-axis channel (shape ``(1, ..., 1, 1 or C)``) takes the division,
+        keeping its rank. False where no such op makes it."""
         node = producers.get(tensor)
         if node is None or len(readers[tensor]) != 1 or tensor in graph_outputs or node.output[0] != tensor:
             return False
@@ -133,9 +135,9 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
         if node.op_type != "Mul":
             return False
         for index, operand in enumerate(node.input):
-            if operand in initializers and read(operand).size in (1, scale.size) \
-                    and read(operand).shape[-1:] in ((), (1,), (scale.size,)):
-                replace_input(node, index, read(operand).reshape(-1) / scale)
+            if operand in initializers and _per_channel(read(operand).shape, scale.size):
+                constant = read(operand)
+                replace_input(node, index, constant.reshape(constant.shape[:-1] + (-1,)) / scale)
                 return True
         return any(divide_at_source(operand, scale) for operand in node.input if operand not in initializers)
 
@@ -171,9 +173,17 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
         counts["inserted"] += 1
     graph.ClearField("node")
     graph.node.extend(ordered)
+    graph.ClearField("value_info")  # constants and products along a Mul chain may have changed shape
     still_read = {name for node in ordered for name in node.input}
     orphans = [t for t in graph.initializer if t.name in readers and t.name not in still_read]  # all readers got copies
     for tensor in orphans:
         graph.initializer.remove(tensor)
     onnx.save_model(model, str(out_path))
+    onnx.shape_inference.infer_shapes_path(str(out_path), str(out_path), check_type=True, strict_mode=True)
     return counts
+
+
+def _per_channel(shape: tuple[int, ...], channels: int) -> bool:
+    """Whether a constant of ``shape`` is one value or one per channel of a last axis of
+    ``channels``: ``()`` or ``(1, ..., 1, 1 or channels)``."""
+    return all(size == 1 for size in shape[:-1]) and shape[-1:] in ((), (1,), (channels,))

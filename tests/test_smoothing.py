@@ -147,3 +147,47 @@ def test_each_calibration_method_reaches_the_quantizer(small_vit, image_batches,
         assert scales["minmax"][name] == pytest.approx(float(peak.max()) / 127, rel=1e-5)
     assert ratios["entropy"].max() < 0.999 and np.median(ratios["entropy"]) < 0.99, ratios["entropy"]
     assert ratios["percentile"].max() <= 1 + 1e-6 and ratios["percentile"].min() < 0.99, ratios["percentile"]
+
+
+class _ScaledInputs(torch.nn.Module):
+    """Two Linear layers behind constant factors on ``C x C`` inputs: ``per_token`` has shape
+    ``(C, 1)`` (one value per row, the same size as a per-channel vector) and must not be folded;
+    ``per_channel`` has shape ``(1, 1, C)`` (rank above its input's) and folds, keeping its rank."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.per_token = torch.nn.Parameter(torch.rand(channels, 1) + 0.5)
+        self.per_channel = torch.nn.Parameter(torch.rand(1, 1, channels) + 0.5)
+        self.rows, self.pooled = torch.nn.Linear(channels, 8), torch.nn.Linear(channels, 8)
+
+    def forward(self, images):  # (B, 1, C, C)
+        x = images.flatten(1, 2)
+        return self.rows(x * self.per_token).mean(1) + self.pooled(x.mean(1) * self.per_channel)[0]
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_only_constants_of_one_value_per_channel_take_the_division(exporter, tmp_path):
+    """A constant the size of a per-channel vector but laid along the rows gets a Mul, not a fold;
+    a per-channel constant of higher rank than its input folds and the output keeps its shape."""
+    model = _ScaledInputs().eval()
+    export_onnx(model, tmp_path / "fp32.onnx", (1, 16, 16), exporter=exporter)
+    generator = torch.Generator().manual_seed(5)
+    scales = {name: torch.exp(2 * torch.randn(16, generator=generator)) for name in ("rows", "pooled")}
+    assert smooth_graph(tmp_path / "fp32.onnx", tmp_path / "smoothed.onnx", scales) == {"folded": 1, "inserted": 1}
+    images = torch.randn(3, 1, 16, 16, generator=generator).numpy()
+    before, after = _run(tmp_path / "fp32.onnx", images), _run(tmp_path / "smoothed.onnx", images)
+    assert after.shape == before.shape
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-5 * np.abs(before).max())
+
+
+def test_a_one_block_model_is_smoothed_and_quantized(small_vit, image_batches, tmp_path):
+    """With one block the exporter's GELU constant 0.5 is not shared: it is rewritten in place as
+    a per-channel vector, and the graph's shapes stay consistent for the quantizer's own shape
+    inference (it failed there before: the old scalar shape was kept)."""
+    model = small_vit(depth=1)
+    export_onnx(model, tmp_path / "fp32.onnx", (3, 32, 32))
+    calibration = image_batches(2, 4)
+    int8 = quantize_int8(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", (b.numpy() for b in calibration),
+                         input_scales=linear_input_scales(model, calibration))
+    assert int8["smoothing"] == {"folded": 3, "inserted": 2}
+    onnx.checker.check_model(str(tmp_path / "int8.onnx"))

@@ -12,7 +12,6 @@ the built-in calibration photos (``--calib`` seeded crops); evaluation: crops of
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -22,33 +21,18 @@ import torch
 
 from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
-from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
-from exporters.manifest import read_manifest
-from exporters.pipeline import parity_images
+from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
 from exporters.keep_float import linear_sensitivity
 from exporters.quantize import quantize_int8
 from exporters.runners import OnnxRuntimeRunner
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--graph", choices=("dense", "model"), default="dense")
+    parser = int8_study_parser(__doc__.splitlines()[0])
     parser.add_argument("--keep", default="0,2,4,8,12,16", help="numbers of Linear layers kept in float")
-    parser.add_argument("--calib", type=int, default=128)
-    parser.add_argument("--images", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-time", type=float, default=10.0)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    export = args.artifact / "export-fp32"
-    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
-    model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
-    transform, _ = model_transform(model)
-    calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))
-    images = parity_images(model, args.images, held_out=True)
+    fp32, model, calibration, images = load_int8_study(args)
     with torch.no_grad():
         reference = model(torch.from_numpy(images)).numpy().astype(np.float64)
     ranking = linear_sensitivity(model, calibration)
@@ -59,8 +43,7 @@ def main() -> None:
             kept = set(ranking[:keep])
             quantize_int8(fp32, path, (b.numpy() for b in calibration), float_modules=kept)
             runners[f"keep {keep}"] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
-            out = runner.infer(images).astype(np.float64)
-            cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
+            cosine = cosines(reference, runner.infer(images))
             rows.append({"keep_float": keep, "kept": sorted(kept), "cosine_mean": float(cosine.mean()),
                          "cosine_min": float(cosine.min())})
             print(f"keep {keep:3d}: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)

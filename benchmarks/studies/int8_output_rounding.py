@@ -12,7 +12,6 @@ first) timed interleaved on ONNX Runtime's CPU provider.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -22,32 +21,15 @@ import torch
 
 from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
-from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
-from exporters.manifest import read_manifest
-from exporters.pipeline import parity_images
+from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
 from exporters.quantize import quantize_int8
 from exporters.runners import OnnxRuntimeRunner
 from exporters.smoothing import DEFAULT_ALPHA, linear_input_scales
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--graph", choices=("dense", "model"), default="model")
-    parser.add_argument("--calib", type=int, default=128)
-    parser.add_argument("--images", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-time", type=float, default=10.0)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-
-    export = args.artifact / "export-fp32"
-    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
-    model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
-    transform, _ = model_transform(model)
-    calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))
-    images = parity_images(model, args.images, held_out=True)
+    args = int8_study_parser(__doc__.splitlines()[0], graph="model").parse_args()
+    fp32, model, calibration, images = load_int8_study(args)
     with torch.no_grad():
         reference = model(torch.from_numpy(images)).numpy().astype(np.float64)
     scales = linear_input_scales(model, calibration, DEFAULT_ALPHA)
@@ -57,8 +39,7 @@ def main() -> None:
             path = Path(scratch) / f"{outputs}.onnx"
             quantize_int8(fp32, path, (b.numpy() for b in calibration), input_scales=scales, quantize_outputs=outputs)
             runners[name] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
-            out = runner.infer(images).astype(np.float64)
-            cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
+            cosine = cosines(reference, runner.infer(images))
             rows[name] = {"cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())}
             print(f"{name} in int8: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
         x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)

@@ -13,7 +13,6 @@ the built-in calibration photos (``--calib`` seeded crops); evaluation: crops of
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -23,42 +22,23 @@ import torch
 
 from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
-from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
+from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
 from exporters.keep_float import AUTO, quantize_keeping_float
-from exporters.manifest import read_manifest
 from exporters.parity import Tolerance
 from exporters.pipeline import PARITY_BATCHES, parity_images
 from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from exporters.runners import OnnxRuntimeRunner
 
 
-def _cosines(reference: np.ndarray, out: np.ndarray) -> np.ndarray:
-    out = out.astype(np.float64)
-    return (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--graph", choices=("dense", "model"), default="dense")
+    parser = int8_study_parser(__doc__.splitlines()[0])
     parser.add_argument("--alphas", default="none,0.5", help="smoothing strengths (none: off)")
     parser.add_argument("--keep", default="0,auto", help="--int8-keep-float values")
     parser.add_argument("--calibration", choices=tuple(CALIBRATION_METHODS), default=DEFAULT_CALIBRATION,
                         help="--int8-calibration")
-    parser.add_argument("--calib", type=int, default=128)
-    parser.add_argument("--images", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-time", type=float, default=10.0)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    export = args.artifact / "export-fp32"
-    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
-    model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
-    transform, _ = model_transform(model)
-    calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))
-    images = parity_images(model, args.images, held_out=True)
+    fp32, model, calibration, images = load_int8_study(args)
     gate_images = parity_images(model, sum(PARITY_BATCHES), held_out=True)
     with torch.no_grad():
         reference = model(torch.from_numpy(images)).numpy().astype(np.float64)
@@ -74,8 +54,8 @@ def main() -> None:
                 int8 = quantize_keeping_float(model, fp32, path, calibration, keep, args.calibration,
                                               Tolerance.for_precision("int8"), smoothing=alpha)
                 runners[name] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
-                cosine = _cosines(reference, runner.infer(images))
-                gate = _cosines(gate_reference, runner.infer(gate_images))
+                cosine = cosines(reference, runner.infer(images))
+                gate = cosines(gate_reference, runner.infer(gate_images))
                 rows.append({"name": name, "alpha": alpha, "keep": keep, "kept_float": int8["kept_float"],
                              "smoothing": int8.get("smoothing"),
                              "tries": int8.get("keep_float_search", {}).get("tries"),
