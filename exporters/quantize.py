@@ -45,6 +45,7 @@ from typing import Iterable
 import numpy as np
 
 from corp_deploy import CorpError
+from corp_deploy.resources import release_freed_memory
 
 from .smoothing import smooth_graph
 
@@ -98,6 +99,7 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
             smoothed = Path(scratch) / "smoothed.onnx"
             smoothing = {"smoothing": smooth_graph(fp32_path, smoothed, input_scales)}
             fp32_path = smoothed
+            release_freed_memory()
         record = _quantize_static(fp32_path, out_path, batches, method, float_modules, Path(scratch),
                                   quantize_outputs)
     return {**record, **smoothing}
@@ -119,6 +121,7 @@ def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np
                         "recorded as coming from it")
     calibrate_method = getattr(CalibrationMethod, CALIBRATION_METHODS[method])
     ranges, images = calibrate_ranges(fp32_path, batches, calibrate_method, scratch)
+    release_freed_memory()
     cache = scratch / "ranges.json"
     save_tensors_data(ranges, cache)
     root_logger = logging.getLogger()
@@ -134,6 +137,7 @@ def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np
                                            [] if quantize_outputs else list(QUANTIZED_OPS)})
     finally:
         root_logger.removeFilter(_without_preprocessing_advice)
+        release_freed_memory()
     described = describe_quantized(out_path)
     still_int8 = sorted(set(kept_float) - set(described.pop("float_nodes")))
     if still_int8:
@@ -172,6 +176,7 @@ def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calib
                                    augmented_model_path=str(scratch / "augmented.onnx"),
                                    calibrate_method=calibrate_method, providers=["CPUExecutionProvider"],
                                    extra_options=CALIBRATOR_OPTIONS.get(calibrate_method.name, {}))
+    calibrator.model = None  # the loaded graph, not read after its session is made: one graph less in memory
     input_name = calibrator.infer_session.get_inputs()[0].name
     images = 0
     with contextlib.redirect_stdout(io.StringIO()):  # the histogram collector prints progress

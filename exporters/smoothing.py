@@ -12,9 +12,10 @@ absorbs the scale. ``alpha`` trades the input's range against the weight's (0.5 
 :func:`linear_input_scales` chooses the scales on the PyTorch model; :func:`smooth_graph` applies
 them to its float32 ONNX graph: where the op that makes the layer's input can take the division
 exactly and feeds nothing else, ``1 / s`` is folded into it (a LayerNormalization's scale and
-bias, the constant factor of a GELU: no new op), otherwise a ``Mul`` by ``1 / s`` is inserted
-before the layer (an attention output, pooled features). Either way the float graph computes what
-it did, up to float32 rounding.
+bias, a constant factor of a chain of Muls: no new op), otherwise a ``Mul`` by ``1 / s`` is
+inserted before the layer (an attention output, pooled features, and a GELU in the form ONNX
+Runtime fuses, :mod:`exporters.fusable_forms`, whose constant 0.5 must stay 0.5 to be fused).
+Either way the float graph computes what it did, up to float32 rounding.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import Iterable
 import numpy as np
 import torch
 from torch import nn
+
+from .fusable_forms import is_fusable_gelu, scalar_initializers
 
 DEFAULT_ALPHA = 0.5
 #: Scales are kept within this factor of 1 either way (channels that never fire, dead weights).
@@ -85,6 +88,17 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
     "inserted": nodes given a Mul}``. The written graph's shapes are inferred again (strict).
     """
     import onnx
+
+    model, counts = _smoothed_model(fp32_path, scales)
+    onnx.save_model(model, str(out_path))
+    del model  # before the shape inference loads the written graph: one graph in memory at a time
+    onnx.shape_inference.infer_shapes_path(str(out_path), str(out_path), check_type=True, strict_mode=True)
+    return counts
+
+
+def _smoothed_model(fp32_path: str | Path, scales: dict[str, np.ndarray | torch.Tensor]):
+    """:func:`smooth_graph`'s rewrite, in memory: ``(the smoothed ModelProto, counts)``."""
+    import onnx
     from onnx import numpy_helper
 
     from .quantize import QUANTIZED_OPS, module_path
@@ -92,6 +106,7 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
     model = onnx.load(str(fp32_path))
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
+    constants = scalar_initializers(graph)
     nodes = [onnx.NodeProto.FromString(node.SerializeToString()) for node in graph.node]
     readers: dict[str, list] = {}
     for node in nodes:
@@ -118,7 +133,7 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
     def divide_at_source(tensor: str, scale: np.ndarray) -> bool:
         """Divide ``tensor`` by ``scale`` along its last axis by changing what makes it, where that
         is exact and changes nothing else: a LayerNormalization's scale and bias, or a constant
-        factor anywhere up a chain of Muls that only feed each other (GELU's 0.5, for one).
+        factor anywhere up a chain of Muls that only feed each other (not a fusable GELU's 0.5).
         Broadcasting aligns every operand's last axis with the product's, so a constant that is
         one value or one per last-axis channel (shape ``(1, ..., 1, 1 or C)``) takes the division,
         keeping its rank. False where no such op makes it."""
@@ -132,8 +147,8 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
                 if parameter:
                     replace_input(node, index, read(parameter) / scale)
             return True
-        if node.op_type != "Mul":
-            return False
+        if node.op_type != "Mul" or is_fusable_gelu(node, producers, constants):
+            return False  # not a Mul, or a GELU's last one: a constant changed there stops ONNX Runtime fusing it
         for index, operand in enumerate(node.input):
             if operand in initializers and _per_channel(read(operand).shape, scale.size):
                 constant = read(operand)
@@ -178,9 +193,7 @@ def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, 
     orphans = [t for t in graph.initializer if t.name in readers and t.name not in still_read]  # all readers got copies
     for tensor in orphans:
         graph.initializer.remove(tensor)
-    onnx.save_model(model, str(out_path))
-    onnx.shape_inference.infer_shapes_path(str(out_path), str(out_path), check_type=True, strict_mode=True)
-    return counts
+    return model, counts
 
 
 def _per_channel(shape: tuple[int, ...], channels: int) -> bool:
