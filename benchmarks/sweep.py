@@ -8,15 +8,18 @@ only sliced).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
-from corp_deploy import (METHODS, CalibrationImages, CompressConfig, CorpError, compress, model_transform,
-                         save_artifact)
+from corp_deploy import (METHODS, CalibrationImages, CompressConfig, CorpError, compress, distributed,
+                         model_transform, save_artifact)
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
@@ -30,6 +33,8 @@ FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 3
 SWEEP_FILE = "sweep.json"
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
+#: The methods a sweep runs under torch.distributed.
+DISTRIBUTED_METHODS = frozenset({"corp", "uncompensated"})
 
 
 @dataclass(frozen=True)
@@ -94,26 +99,40 @@ class SweepSpec:
 
 
 def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str | Path,
-              log: Callable[[str], None] = lambda message: None) -> dict:
+              log: Callable[[str], None] = lambda message: None) -> dict | None:
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
-    ``sweep.md`` and ``sweep.png``."""
+    ``sweep.md`` and ``sweep.png``.
+
+    Under torch.distributed (``torchrun``) the points run one after another, each calibrated on
+    every rank's share of the images (:func:`corp_deploy.compress`); the first rank alone writes,
+    exports and times (timing several processes at once would measure their contention), while
+    the others wait for it, and it alone returns the result (the others None).
+    """
+    if distributed.active() and not set(spec.methods) <= DISTRIBUTED_METHODS:
+        raise CorpError(f"under torchrun a sweep runs {' and '.join(sorted(DISTRIBUTED_METHODS))} only (the "
+                        "methods whose calibration is shared by the processes); run the others in one process")
     check_output_dir(out_dir, "sweep")  # before any work
+    first = distributed.rank() == 0
     transform, _ = model_transform(dense)
     calibration = CalibrationImages.from_source(spec.calib, transform, limit=spec.calib_samples, seed=spec.seed)
     calib_batches = list(calibration)
-    evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
-    decoded = list(evaluation)  # decode once, reuse for every run
-    evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
+    if first:
+        evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
+        decoded = list(evaluation)  # decode once, reuse for every run
+        evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
     held_out = not (spec.data and spec.calib and Path(spec.data).resolve() == Path(spec.calib).resolve())
     rows, dense_onnx = [], None
-    with staged_output(out_dir, "sweep") as tmp:
+    with staged_output(out_dir, "sweep") if first else contextlib.nullcontext() as tmp:
         for method in spec.methods:
             for point in spec.points:
                 name = spec.run_name(method, point)
                 config = spec.config(method, point)
                 log(f"{name}: compressing ...")
                 model, report = compress(dense, calib_batches, config)
+                if not first:
+                    distributed.barrier()  # the first rank's export and timing of this point
+                    continue
                 settings = {**config.to_dict(), "calib_samples": spec.calib_samples, "seed": spec.seed}
                 artifact = save_artifact(model, tmp / name, base_model=base_model, report=report,
                                          settings=settings, calibration=calibration.summary())
@@ -121,8 +140,9 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
                 export = export_artifact(artifact, None, ExportOptions(dense=dense_onnx is None),
                                          dense_model=dense, log=log)
                 dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
-                bench = run_bench(ModelFiles(model, export.out_dir / "model.onnx"), ModelFiles(dense, dense_onnx),
-                                  evaluation, spec.bench, held_out=held_out, log=log)
+                with _timing_threads(spec.bench) as settings:
+                    bench = run_bench(ModelFiles(model, export.out_dir / "model.onnx"),
+                                      ModelFiles(dense, dense_onnx), evaluation, settings, held_out=held_out, log=log)
                 _paths_relative_to(bench["models"], tmp)
                 rows.append({"method": method, "sparsity": point if spec.sparsities else None,
                              "budget": point if spec.budgets else None, "artifact": name, "target": config.target,
@@ -130,14 +150,33 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
                              "macs": report["macs"], "ideal_speedup": bench["ideal_speedup"],
                              "latency": bench["latency"], "fidelity": bench["fidelity"], "bench": bench})
                 log(f"{name}: " + fidelity_summary(bench))
+                distributed.barrier()
+        if not first:
+            return None
         result = {"format": FORMAT, "format_version": FORMAT_VERSION,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_model": base_model,
                   "spec": spec.to_dict(), "machine": rows[0]["bench"]["machine"],
-                  "versions": rows[0]["bench"]["versions"], "classifier": dense.num_classes > 0, "rows": rows}
+                  "versions": rows[0]["bench"]["versions"], "classifier": dense.num_classes > 0,
+                  **({"distributed": report["distributed"]} if "distributed" in report else {}), "rows": rows}
         write_json(tmp / SWEEP_FILE, result)
         (tmp / "sweep.md").write_text(to_markdown(result))
         plot(result, tmp / "sweep.png")
     return result
+
+
+@contextlib.contextmanager
+def _timing_threads(settings: BenchSettings):
+    """``settings`` to time with. Under torchrun (which starts its processes with one OpenMP
+    thread each) a sweep without ``--threads`` times on every CPU this process may use, as one
+    process would, and PyTorch's thread count is restored for the next calibration."""
+    if not distributed.active() or settings.threads:
+        yield settings
+        return
+    calibration_threads = torch.get_num_threads()
+    try:
+        yield replace(settings, threads=len(os.sched_getaffinity(0)))
+    finally:
+        torch.set_num_threads(calibration_threads)
 
 
 def _paths_relative_to(models: dict, root: Path) -> None:

@@ -9,6 +9,7 @@ here is the single-process identity.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,17 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_from_environment(device: str) -> None:
+def init_from_environment(device: str, timeout: timedelta | None = None) -> None:
     """Join the process group ``torchrun`` set up (gloo for a CPU ``device``, NCCL for CUDA; CUDA
-    ranks take the GPU of their local rank). No-op when not launched by torchrun or already joined."""
+    ranks take the GPU of their local rank). ``timeout``: how long a collective waits for the other
+    ranks (torch's default, 10 to 30 minutes, when None). No-op when not launched by torchrun or
+    already joined."""
     if not launched_by_torchrun() or dist.is_initialized():
         return
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", **({"timeout": timeout} if timeout else {}))
 
 
 def shutdown() -> None:
@@ -55,6 +58,12 @@ def lost_peer(exc: BaseException) -> bool:
     network = getattr(dist, "DistNetworkError", ())
     return launched_by_torchrun() and (isinstance(exc, network) or "closed by peer" in str(exc)
                                        or "reset by peer" in str(exc))
+
+
+def barrier() -> None:
+    """Wait until every rank is here (no-op in one process)."""
+    if active():
+        dist.barrier()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

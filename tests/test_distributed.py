@@ -141,11 +141,13 @@ def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes)
         torch.testing.assert_close(result["output"], expected, rtol=1e-5, atol=1e-5)
 
 
-def torchrun_compress(args: list, out: Path, state: Path, processes: int = 2) -> subprocess.Popen:
+def torchrun_compress(args: list, out: Path, state: Path, processes: int = 2,
+                      command_name: str = "compress") -> subprocess.Popen:
     """``torchrun --standalone --nproc-per-node N --no-python -- corp-deploy compress ARGS -o OUT``
-    (the small ViT, random weights; plain ``corp-deploy`` for one process) started in the
-    background, one thread per process (a thread count alone moves solved weights at float rounding)."""
-    command = [str(Path(sys.executable).parent / "corp-deploy"), "compress", "deit_tiny", "--no-pretrained",
+    (the small ViT, random weights; plain ``corp-deploy`` for one process; ``command_name`` another
+    command than compress) started in the background, one thread per process (a thread count alone
+    moves solved weights at float rounding)."""
+    command = [str(Path(sys.executable).parent / "corp-deploy"), command_name, "deit_tiny", "--no-pretrained",
                *SMALL_VIT_CLI_ARGS, *[str(a) for a in args], "-o", str(out)]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -208,15 +210,36 @@ def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> list[int
     raise AssertionError(f"torchrun did not start {count} processes")
 
 
-def test_only_compress_runs_under_torchrun(tmp_path):
+@pytest.mark.slow
+def test_torchrun_sweep_writes_one_report_equal_to_one_process(tmp_path):
+    """``sweep`` on 2 processes: one sweep folder and one printed report, recording the processes'
+    shares; the point's kept sizes equal one process's and its fidelity agrees to float rounding."""
+    args = ["--s", 0.5, "--calib-samples", 64, "--data-samples", 8, "--backends", "ort", "--batch", 1,
+            "--min-time", 0.1]
+    outputs = {}
+    for processes, folder in ((2, "two"), (1, "one")):
+        job = torchrun_compress(args, tmp_path / folder, tmp_path / "state", processes, command_name="sweep")
+        outputs[folder], _ = job.communicate(timeout=600)
+        assert job.returncode == 0, outputs[folder]
+        assert "Traceback" not in outputs[folder]
+    assert outputs["two"].count("# corp-deploy sweep") == 1
+    assert outputs["two"].count("corp-s0.5: compressing") == 1  # the log, from the first process only
+    two, one = (json.loads((tmp_path / folder / "sweep.json").read_text()) for folder in ("two", "one"))
+    assert two["distributed"] == {"world_size": 2, "images_per_rank": [32, 32]} and "distributed" not in one
+    (row_two,), (row_one,) = two["rows"], one["rows"]
+    assert row_two["params"] == row_one["params"] and row_two["macs"] == row_one["macs"]
+    assert abs(row_two["fidelity"]["feature_cosine"] - row_one["fidelity"]["feature_cosine"]) < 1e-4
+
+
+def test_only_compress_and_sweep_run_under_torchrun(tmp_path):
     """Another command started by torchrun would run once per process into the same outputs."""
     from click.testing import CliRunner
 
     from corp_deploy.cli import cli
-    result = CliRunner().invoke(cli, ["sweep", "deit_tiny", "-o", str(tmp_path / "sweep")],
+    result = CliRunner().invoke(cli, ["export", str(tmp_path), "-o", str(tmp_path / "export")],
                                 env={"WORLD_SIZE": "2", "CORP_DEPLOY_STATE_DIR": str(tmp_path)})
     assert result.exit_code == 1
-    assert "only compress runs under torchrun" in result.output and not (tmp_path / "sweep").exists()
+    assert "only compress and sweep run under torchrun" in result.output and not (tmp_path / "export").exists()
 
 
 def test_a_lost_peer_is_told_apart_from_a_bug(monkeypatch):

@@ -91,3 +91,16 @@ def test_sweep_over_mac_budgets(tmp_path, run_cli):
     assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]  # same allocation, only sliced
     result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", "--s", "0.5", "--macs", "0.5"], tmp_path / "state")
     assert result.exit_code == 2 and "exclude each other" in text
+
+
+def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path, monkeypatch, small_vit):
+    """Under torch.distributed a sweep runs CORP and its uncompensated ablation only, and says so
+    before any work (nothing written)."""
+    from benchmarks.sweep import SweepSpec, run_sweep
+    from corp_deploy import CorpError, distributed
+
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    spec = SweepSpec(sparsities=(0.5,), methods=("corp", "vbp"))
+    with pytest.raises(CorpError, match="under torchrun a sweep runs corp and uncompensated only"):
+        run_sweep(small_vit(), {}, spec, tmp_path / "sweep")
+    assert not (tmp_path / "sweep").exists()

@@ -88,6 +88,6 @@ def cli(ctx):
     """
     from ..distributed import launched_by_torchrun
 
-    if launched_by_torchrun() and ctx.invoked_subcommand != "compress":
-        raise CorpError(f"only compress runs under torchrun (its calibration is shared by the processes); "
-                        f"run {ctx.invoked_subcommand} in one process")
+    if launched_by_torchrun() and ctx.invoked_subcommand not in ("compress", "sweep"):
+        raise CorpError(f"only compress and sweep run under torchrun (their calibration is shared by the "
+                        f"processes); run {ctx.invoked_subcommand} in one process")

@@ -1,6 +1,7 @@
 """``corp-deploy sweep``: compress, export and bench over a grid of sparsities or budgets."""
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import click
@@ -10,6 +11,9 @@ from ..errors import CorpError, SettingError
 from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
 from .group import cli, option_name
 from .options import evaluation_options, model_source_options, parse_sizes, parse_values, timing_options
+
+#: Under torchrun, how long the other processes wait while the first exports and times one point.
+FIRST_RANK_WAIT = timedelta(hours=24)
 
 
 @cli.command()
@@ -35,7 +39,9 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
     number), sweep.md (every run, then fidelity at matched sparsity or budget and at matched
     MACs) and sweep.png (fidelity vs sparsity or budget, fidelity vs MACs, speedup). Without
     --target each method prunes what it prunes by default (vbp: the MLP only; corp with
-    budgets: MLP, query/key and value dims).
+    budgets: MLP, query/key and value dims). Under torchrun (corp and uncompensated) each
+    point is calibrated on every process's share of the images; the first process exports
+    and times it, alone.
 
     \b
     Examples:
@@ -43,11 +49,13 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
       corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
       corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
       corp-deploy sweep deit_small --macs 0.8,0.6,0.4 --backends ort --batch 1,32
+      torchrun --nproc-per-node 4 --no-python -- corp-deploy sweep deit_base --s 0.3,0.5 -o sweep-deit
     """
     from benchmarks.backends import parse_families
     from benchmarks.harness import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
+    from .. import distributed
     from ..outputs import check_output_dir
 
     if sparsities is not None and budgets is not None:
@@ -66,9 +74,16 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}"
                                          f"{f'-{target}' if target else ''}", "sweep")
     check_apart([out_dir], {"--calib": spec.calib, "--data": spec.data})
-    dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
-    if calib is None:
-        warn_builtin_calibration()
-    run_sweep(dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True))
-    click.echo((out_dir / "sweep.md").read_text())
-    click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
+    distributed.init_from_environment("cpu", timeout=FIRST_RANK_WAIT)
+    try:
+        first = distributed.rank() == 0
+        dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
+        if calib is None and first:
+            warn_builtin_calibration()
+        result = run_sweep(dense, base_model, spec, out_dir,
+                           log=lambda message: click.echo(message, err=True) if first else None)
+    finally:
+        distributed.shutdown()
+    if result is not None:
+        click.echo((out_dir / "sweep.md").read_text())
+        click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
