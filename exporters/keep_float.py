@@ -28,7 +28,7 @@ from torch import nn
 from corp_deploy.resources import release_freed_memory
 
 from .parity import Tolerance, compare_outputs
-from .quantize import quantize_int8
+from .quantize import DEFAULT_ACTIVATIONS, quantize_int8
 from .runners import OnnxRuntimeRunner, TorchRunner
 from .smoothing import DEFAULT_ALPHA, linear_input_scales
 
@@ -42,11 +42,12 @@ MAX_FLOAT_SHARE = 0.25
 def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, batches: Iterable[torch.Tensor],
                            keep: int | str, method: str, tolerance: Tolerance,
                            log: Callable[[str], None] = lambda message: None,
-                           smoothing: float | None = DEFAULT_ALPHA) -> dict:
+                           smoothing: float | None = DEFAULT_ALPHA, activations: str = DEFAULT_ACTIVATIONS) -> dict:
     """Quantize ``fp32_path`` (the float32 export of ``model``) to ``out_path`` with ``keep``
     (a count or :data:`AUTO`) Linear layers in float, and the Linear layers' inputs smoothed with
     strength ``smoothing`` (:mod:`exporters.smoothing`; ``None``: not smoothed), the scales chosen
-    on the images the ranges come from.
+    on the images the ranges come from, and the activations of type ``activations``
+    (:data:`exporters.quantize.ACTIVATION_TYPES`; the ranking models the signed symmetric rounding).
 
     Args:
         batches: the calibration images, ``(B, C, H, W)`` float32 batches; iterated several times
@@ -69,7 +70,8 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
     def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
         kept, input_scales = set(ranking[:count]), scales(calibration)
         log(f"{name}: quantizing to int8 ({method} ranges, Linear layers in float: {count}) ...")
-        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept, input_scales)
+        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept, input_scales,
+                             activations=activations)
         return {**int8, "kept_float": sorted(kept), "smoothing_alpha": smoothing}
 
     def rank(calibration: Iterable[torch.Tensor]) -> list[str]:

@@ -34,7 +34,7 @@ from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
-from .quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
+from .quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
 from .smoothing import DEFAULT_ALPHA
 from .results import ExportResult, ModelExport
 from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
@@ -67,7 +67,8 @@ class ExportOptions:
     config.json), ``calib_samples`` of them (None: as many as compress used);
     ``int8_keep_float`` is how many Linear layers stay in float, or ``"auto"``
     (:mod:`exporters.keep_float`); ``int8_smoothing`` the strength of the outlier migration
-    (:mod:`exporters.smoothing`), None for none.
+    (:mod:`exporters.smoothing`), None for none; ``int8_activations`` the type of the Linear
+    layers' inputs (:data:`exporters.quantize.ACTIVATION_TYPES`; ``uint8`` not with ``trt``).
     """
 
     trt: bool = False
@@ -84,6 +85,7 @@ class ExportOptions:
     calib_samples: int | None = None
     int8_keep_float: int | str = AUTO
     int8_smoothing: float | None = DEFAULT_ALPHA
+    int8_activations: str = DEFAULT_ACTIVATIONS
 
     def __post_init__(self) -> None:
         check_settings(self.opset, self.exporter)
@@ -92,12 +94,19 @@ class ExportOptions:
         if self.int8_calibration not in CALIBRATION_METHODS:
             raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
                             f"got {self.int8_calibration!r}")
+        if self.int8_activations not in ACTIVATION_TYPES:
+            raise CorpError(f"int8 activations must be one of {', '.join(ACTIVATION_TYPES)}; "
+                            f"got {self.int8_activations!r}")
         int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
                         or self.calib_samples is not None or self.int8_keep_float != AUTO
-                        or self.int8_smoothing != DEFAULT_ALPHA)
+                        or self.int8_smoothing != DEFAULT_ALPHA or self.int8_activations != DEFAULT_ACTIVATIONS)
         if int8_options and self.precision != "int8":
-            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, --calib, "
-                            "--calib-samples) apply only with --precision int8")
+            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, "
+                            "--int8-activations, --calib, --calib-samples) apply only with --precision int8")
+        if self.trt and self.int8_activations != DEFAULT_ACTIVATIONS:
+            raise CorpError(f"--int8-activations {self.int8_activations} is for ONNX Runtime on the CPU: TensorRT "
+                            f"needs signed int8 activations with symmetric ranges (--int8-activations "
+                            f"{DEFAULT_ACTIVATIONS}, the default)")
         if self.int8_smoothing is not None and not 0 <= self.int8_smoothing <= 1:
             raise CorpError(f"the int8 smoothing strength must be from 0 to 1 or None, got {self.int8_smoothing!r}")
         if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
@@ -228,7 +237,7 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         release_freed_memory()  # the exporter's traced program and graph copies
         int8 = quantize_keeping_float(model, fp32, path, batches, options.int8_keep_float, options.int8_calibration,
-                                      tolerance, log, options.int8_smoothing)
+                                      tolerance, log, options.int8_smoothing, options.int8_activations)
     return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
 
 

@@ -8,7 +8,7 @@ import click
 
 from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from exporters.precision import EXPORT_PRECISIONS
-from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
+from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
 from exporters.tensorrt import BatchProfile
 
 from .common import check_apart
@@ -39,6 +39,11 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
               callback=smoothing_strength,
               help="int8: move outlier channels of each Linear layer's input into its weight before quantizing "
                    "(exact in float; scale peak^ALPHA / weight peak^(1-ALPHA) per channel); none: off.")
+@click.option("--int8-activations", type=click.Choice(ACTIVATION_TYPES), default=DEFAULT_ACTIVATIONS,
+              show_default=True,
+              help="int8: the Linear layers' inputs as signed int8 with symmetric ranges (every runtime, "
+                   "TensorRT included) or unsigned with asymmetric ranges (ONNX Runtime on x86 CPUs: faster; "
+                   "not with --trt).")
 @click.option("--calib", type=click.Path(path_type=Path), default=None,
               help="int8: calibration image directory. [default: what compress used, from config.json]")
 @click.option("--calib-samples", type=IMAGE_COUNT, default=None,
@@ -56,7 +61,8 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Export directory. [default: ARTIFACT/export-<precision>]")
 def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float,
-           int8_smoothing, calib, calib_samples, workspace_gb, timing_cache, atol, min_cosine, output):
+           int8_smoothing, int8_activations, calib, calib_samples, workspace_gb, timing_cache, atol, min_cosine,
+           output):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
     Every ONNX file is checked against the PyTorch model on calibration-like images at batch
@@ -91,7 +97,7 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         trt=trt, dense=dense, opset=opset, exporter=exporter,
         precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
         timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float,
-        int8_smoothing=int8_smoothing, calib=calib, calib_samples=calib_samples,
+        int8_smoothing=int8_smoothing, int8_activations=int8_activations, calib=calib, calib_samples=calib_samples,
         tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
