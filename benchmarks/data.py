@@ -135,3 +135,10 @@ def _labelled_batches(samples: list[tuple[Path, int]], transform: Callable, batc
     if len(skipped) == len(samples):
         raise CorpError(f"none of the {len(samples)} evaluation images could be read (e.g. {skipped[0]})")
     description.update(images=len(samples) - len(skipped), files_skipped=len(skipped), skipped_examples=skipped[:5])
+
+
+def folders_overlap(first: str | Path, second: str | Path) -> bool:
+    """Whether two image folders, each read recursively, can share files: the same folder (after
+    resolving links) or one inside the other."""
+    first, second = Path(first).resolve(), Path(second).resolve()
+    return first == second or first in second.parents or second in first.parents

@@ -90,6 +90,10 @@ def _baseline_problem(report: dict) -> str | None:
     rows, fidelity = report.get("latency"), report.get("fidelity")
     if not isinstance(rows, list) or not isinstance(fidelity, dict):
         return "it needs a 'latency' list and a 'fidelity' object"
+    if not rows:
+        return "it timed nothing (no latency rows), so there is nothing to compare against"
+    if (report.get("gate") or {}).get("passed") is False:
+        return "its own regression gate failed; a baseline must be a run that passed"
     for i, row in enumerate(rows):
         try:
             numbers = (row["compressed"]["p50_s"], row["speedup"]["median"])

@@ -39,12 +39,12 @@ def bench_target(target: Path | None, settings: BenchSettings, limits: GateLimit
     held_out = not calibration_overlap(artifact, evaluation.description)
     if not held_out:
         warn("the evaluation images overlap the calibration images; fidelity is not held out")
+    int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
     evaluated = report["fidelity"]["data"]
     if evaluated.get("files_skipped"):
         warn(f"skipped {evaluated['files_skipped']} unreadable evaluation files "
              f"({'; '.join(evaluated['skipped_examples'][:3])})")
-    int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
     if int8.skipped is not None:
         report["int8"] = {"skipped": int8.skipped}
     elif int8.graphs:

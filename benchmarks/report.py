@@ -201,12 +201,13 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     return path
 
 
-def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path | None
-                         ) -> tuple[dict[str, Path], Path | None]:
+def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path | None,
+                         baseline: str | Path | None = None) -> tuple[dict[str, Path], Path | None]:
     """The report files asked for (``{rendering: path or None}``) and the ``-o`` folder, checked
     before any work (:func:`check_report_file`, :func:`corp_deploy.outputs.check_output_dir`):
-    ``({rendering: path}, folder or None)``. CorpError when a file lies inside the folder or two
-    renderings name one file."""
+    ``({rendering: path}, folder or None)``. CorpError when a file lies inside the folder, two
+    renderings name one file, or a report would replace the ``baseline`` the run is gated against
+    (a failing run would become the next run's baseline)."""
     from corp_deploy.outputs import check_output_dir
 
     checked = {rendering: check_report_file(path, rendering) for rendering, path in files.items() if path is not None}
@@ -217,6 +218,13 @@ def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path
                         "or elsewhere")
     if len(set(checked.values())) < len(checked):
         raise CorpError("--json, --markdown and --plot must name different files")
+    if baseline is not None:
+        kept = Path(baseline).resolve()
+        if kept in {path.resolve() for path in checked.values()} or (out_dir is not None
+                                                                     and out_dir.resolve() in kept.parents):
+            raise CorpError(f"the reports would replace --baseline {baseline}, the run this one is checked against "
+                            "(a failing run would become the next baseline); write them elsewhere and update the "
+                            "baseline deliberately")
     return checked, out_dir
 
 

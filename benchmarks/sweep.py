@@ -25,7 +25,7 @@ from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
 
 from .backends import ModelFiles
-from .data import EvalImages, eval_images
+from .data import EvalImages, eval_images, folders_overlap
 from .harness import BenchSettings, run_bench
 from .report import fidelity_summary
 
@@ -121,7 +121,7 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
         evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
         decoded = list(evaluation)  # decode once, reuse for every run
         evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
-    held_out = not (spec.data and spec.calib and Path(spec.data).resolve() == Path(spec.calib).resolve())
+    held_out = not (spec.data and spec.calib and folders_overlap(spec.data, spec.calib))
     rows, dense_onnx = [], None
     with staged_output(out_dir, "sweep") if first else contextlib.nullcontext() as tmp:
         for method in spec.methods:

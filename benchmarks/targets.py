@@ -6,8 +6,10 @@ from pathlib import Path
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
 from corp_deploy.artifact import CONFIG_FILE, recorded_checksums
 from exporters.manifest import MANIFEST, model_files, read_manifest
+from exporters.precision import EXPORT_PRECISIONS
 
 from .backends import ModelFiles
+from .data import folders_overlap
 
 
 def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
@@ -36,10 +38,16 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
 
 
 def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
-    """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is now."""
+    """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is
+    now, and holds the precision its name says (``export-int8`` int8, ...): bench finds the graphs
+    it compares by those names."""
     read_config(artifact)
     if recorded_checksums(artifact) != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
+    named = export.name.removeprefix("export-")
+    if export.name.startswith("export-") and named in EXPORT_PRECISIONS and manifest.get("precision") != named:
+        raise CorpError(f"{export} holds {manifest.get('precision')} graphs, not {named} ones as its name says "
+                        f"(bench reads export-fp32/ and export-int8/ by name); export it again into export-{named}/")
 
 
 def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:
@@ -57,9 +65,9 @@ def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelF
 
 def calibration_overlap(artifact: Path, eval_description: dict) -> bool:
     """Whether the evaluation images may have been seen in calibration (then they are not
-    held out): the same directory, or bundled photos that calibration also used."""
+    held out): folders that can share files (:func:`~benchmarks.data.folders_overlap`), or
+    bundled photos that calibration also used."""
     calib = read_config(artifact).get("calibration", {})
     if eval_description["source"] == "builtin":
         return calib.get("source") == "builtin" and bool(set(calib.get("photos", [])) & set(eval_description["photos"]))
-    return calib.get("source") == "directory" and \
-        Path(calib.get("path", "")).resolve() == Path(eval_description["path"]).resolve()
+    return calib.get("source") == "directory" and folders_overlap(calib["path"], eval_description["path"])

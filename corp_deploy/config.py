@@ -69,6 +69,8 @@ class CompressConfig:
         elif type(self.options) is not method.options_class:
             raise CorpError(f"method {self.method} takes {method.options_class.__name__}, not "
                             f"{type(self.options).__name__}")
+        else:  # this config's own copy: ``options.check`` resolves defaults that depend on the config
+            object.__setattr__(self, "options", dataclasses.replace(self.options))
         if not self.compensation and not method.has_compensation:
             others = [m.name for m in METHODS.values() if m.has_compensation]
             raise CorpError(f"method {self.method} has no compensation step to switch off; "

@@ -125,6 +125,8 @@ class ExportOptions:
                 raise CorpError(f"--timing-cache {cache}: " + ("a directory, not a file" if cache.is_dir() else
                                                               f"its folder {cache.parent} does not exist"))
             object.__setattr__(self, "timing_cache", cache.resolve())
+        if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
+            raise CorpError("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
 
 
 def default_export_dir(artifact: str | Path, precision: str) -> Path:
@@ -154,6 +156,7 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     if options.dense:
         log("rebuilding the dense base model ...")
         models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
+    _check_keep_float_leaves_int8(models, options)
     input_size = tuple(config["input"]["input_size"])
     check_fits("the export", sum(export_bytes(model, input_size) for model in models.values()),
                "export on a machine with more memory")
@@ -203,6 +206,19 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, entries, incomplete)
+
+
+def _check_keep_float_leaves_int8(models: dict[str, nn.Module], options: ExportOptions) -> None:
+    """CorpError when ``--int8-keep-float N`` would keep every Linear layer of a model in float: an
+    "int8" graph without an int8 layer."""
+    if options.precision != "int8" or options.int8_keep_float == AUTO:
+        return
+    for key, model in models.items():
+        linears = sum(isinstance(module, nn.Linear) for module in model.modules())
+        if options.int8_keep_float >= linears:
+            raise CorpError(f"--int8-keep-float {options.int8_keep_float} would keep all {linears} Linear layers of "
+                            f"the {'dense' if key == 'dense' else 'compressed'} model in float, leaving no int8 "
+                            f"layer; give fewer than {linears}, or auto")
 
 
 def export_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from benchmarks import latency
-from benchmarks.data import eval_images
+from benchmarks.data import eval_images, folders_overlap
 from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
 from benchmarks.targets import resolve_target
@@ -136,6 +136,37 @@ def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run
     assert "regression gate FAILED" in text and "latency: ort-cpu, batch 1: compressed p50" in text
     assert json.loads((tmp_path / "new.json").read_text())["gate"]["passed"] is False
 
+
+
+def test_baselines_that_cannot_gate_are_refused(bench_run, artifact, tmp_path, run_cli):
+    """A baseline that timed nothing, or whose own gate failed, would let any later run pass; a
+    report written over the baseline it is checked against would make a failing run the next one's."""
+    report, _, _ = bench_run
+    assert report["latency"] and report["gate"]["passed"] is True
+    empty, failed, good = tmp_path / "empty.json", tmp_path / "failed.json", tmp_path / "good.json"
+    empty.write_text(json.dumps({**report, "latency": []}))
+    failed.write_text(json.dumps({**report, "gate": {**report["gate"], "passed": False}}))
+    good.write_text(json.dumps(report))
+    before = good.read_bytes()
+    cases = [(["--baseline", empty, "--json", tmp_path / "r.json"], "it timed nothing"),
+             (["--baseline", failed, "--json", tmp_path / "r.json"], "its own regression gate failed"),
+             (["--baseline", good, "--json", good], "the reports would replace --baseline"),
+             (["--baseline", tmp_path / "." / "good.json", "--json", good], "the reports would replace --baseline")]
+    for args, message in cases:
+        result, text = run_cli(["bench", artifact, *FAST, *args], tmp_path / "state")
+        assert result.exit_code == 1 and message in text and "Traceback" not in text, (args, text)
+    assert good.read_bytes() == before and not (tmp_path / "r.json").exists()
+
+
+def test_folders_that_can_share_images_are_not_held_out(tmp_path):
+    """Calibration and evaluation read folders recursively: a folder inside the other shares files."""
+    calib, other = tmp_path / "cal", tmp_path / "cal-other"
+    (calib / "sub").mkdir(parents=True)
+    other.mkdir()
+    (tmp_path / "link").symlink_to(calib / "sub")
+    assert folders_overlap(calib, calib / "sub") and folders_overlap(calib / "sub", calib)
+    assert folders_overlap(calib / "sub" / "..", calib) and folders_overlap(tmp_path / "link", calib)
+    assert not folders_overlap(calib, other) and not folders_overlap(calib / "sub", other)
 
 def test_fidelity_metrics_on_known_inputs():
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0]])

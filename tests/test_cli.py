@@ -153,6 +153,10 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
     (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 1),
     (["--s", "0.5", "--equal-head-dims"], "--equal-head-dims ties value dims to query/key dims; it needs --target all", 1),
     (["--target", "all", "--s-attn", "0.5", "--s-vo", "0.25", "--equal-head-dims"], "must then be equal", 1),
+    (["--s-vo", "0.3"], "--s-vo has no effect with --target both, which prunes mlp and qk only", 2),
+    (["--target", "mlp", "--s-attn", "0.9"], "--s-attn has no effect with --target mlp", 2),
+    (["--target", "attn", "--s-mlp", "0.9"], "--s-mlp has no effect with --target attn", 2),
+    (["--refit", "fc2", "--no-compensation"], "add --refit none", 1),
 ])
 def test_bad_budgets_give_one_message_and_leave_nothing(tmp_path, args, message, status):
     out = tmp_path / "out"

@@ -168,6 +168,8 @@ def test_bad_inputs_give_one_message_and_leave_nothing(tiny_artifact, tmp_path, 
         (["export", tiny_artifact, "--atol", -1], "--atol must be a finite number >= 0"),
         (["export", tiny_artifact, "--min-cosine", 2], "--min-cosine must be in [-1, 1]"),
         (["export", tiny_artifact, "--timing-cache", tmp_path / "nowhere" / "c"], "does not exist"),
+        (["export", tiny_artifact, "--timing-cache", tmp_path / "c"], "apply only with --trt"),
+        (["export", tiny_artifact, "--workspace", 2], "apply only with --trt"),
         (["export", tiny_artifact, "-o", foreign], "refusing to write an export to"),
     ]
     for args, message in cases:

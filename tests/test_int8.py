@@ -122,6 +122,21 @@ def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(i
     assert "## INT8" in (tmp_path / "bench" / "bench.md").read_text()
 
 
+
+def test_bench_refuses_exports_whose_precision_is_not_their_folders(int8_export, tmp_path, run_cli):
+    """bench finds the graphs it compares by folder name: an int8 export in export-fp32/ (or the
+    reverse) would be timed and reported as the other precision."""
+    artifact, int8, fp32 = int8_export
+    swapped = shutil.copytree(artifact, tmp_path / "art")
+    (swapped / "export-int8").rename(swapped / "int8")
+    (swapped / "export-fp32").rename(swapped / "export-int8")
+    (swapped / "int8").rename(swapped / "export-fp32")
+    for backends in ("ort", "torch"):  # export-fp32/ is also the main table's export
+        result, text = run_cli(["bench", swapped, "--backends", backends, "--batch", "1", "--min-time", 0.05,
+                                "--json", tmp_path / "b.json"], tmp_path / "state")
+        assert result.exit_code == 1 and "holds int8 graphs, not fp32 ones" in text, text
+        assert "timing" not in text and not (tmp_path / "b.json").exists()
+
 def test_bench_says_why_int8_is_not_measured_without_dense_graphs(tmp_path, tiny_artifact_copy, run_cli):
     artifact = tiny_artifact_copy
     result, text = run_cli(["export", artifact, "--precision", "int8", "--calib-samples", 4], tmp_path / "state")
@@ -388,10 +403,12 @@ def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_pat
     (["--precision", "int8", "--int8-smoothing", "nan"], "expected 'none' or a number from 0 to 1"),
     (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
     (["--precision", "int8", "--int8-keep-float", "all"], "expected 'auto' or a number >= 0"),
+    (["--precision", "int8", "--int8-keep-float", 1000], "would keep all"),
     (["--precision", "int8", "--calib", "/nonexistent/dir"], "--calib /nonexistent/dir: not found"),
     (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
     (["--precision", "int4"], "Invalid value for '--precision'"),
     (["--int8-activations", "uint8"], "apply only with --precision int8"),
+    (["--int8-smoothing", 0.5, "--int8-activations", "int8"], "apply only with --precision int8"),  # defaults too
     (["--precision", "int8", "--int8-activations", "uint8", "--trt"], "TensorRT needs signed int8 activations"),
     (["--precision", "int8", "--int8-activations", "int4"], "Invalid value for '--int8-activations'"),
 ])

@@ -4,7 +4,7 @@ the same fit on that model's own activations."""
 import pytest
 import torch
 
-from corp_deploy import CompressConfig, compress
+from corp_deploy import CompressConfig, CorpOptions, compress
 from corp_deploy.engine import embed_tokens
 from corp_deploy.errors import SettingError
 from corp_deploy.methods.corp.refit import solve_refit
@@ -159,6 +159,7 @@ def test_no_compensation_means_no_refit(small_vit, image_batches):
 
 @pytest.mark.parametrize("settings, message", [
     (dict(calibration="sequential", refit="fc2"), "add refit none"),
+    (dict(compensation=False, refit="fc2"), "compensation that compensation switches off; add refit none"),
     (dict(refit_shrink=-1.0), "refit_shrink must be a finite number >= 0"),
     (dict(refit="all"), "refit must be one of none, fc2, proj+fc2"),
 ])
@@ -171,3 +172,8 @@ def test_refit_settings_are_checked(settings, message):
 def test_the_refit_is_on_by_default_and_off_with_sequential_calibration():
     assert CompressConfig.from_settings(s_mlp=0.5).options.refit == "proj+fc2"
     assert CompressConfig.from_settings(s_mlp=0.5, calibration="sequential").options.refit == "none"
+    without = CompressConfig.from_settings(s_mlp=0.5, compensation=False)  # what ran is what is recorded
+    assert without.options.refit == "none" and without.to_dict()["refit"] == "none"
+    shared = CorpOptions()  # each config resolves its own copy of the options
+    assert CompressConfig(s_mlp=0.5, compensation=False, options=shared).options.refit == "none"
+    assert CompressConfig(s_mlp=0.5, options=shared).options.refit == "proj+fc2" and shared.refit is None

@@ -62,6 +62,8 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
 @pytest.mark.parametrize("args, message", [
     (["--s", "0.3,1.2"], "--s must be in [0, 1)"),
     (["--s", "a,b"], "--s takes comma-separated"),
+    (["--s", ""], "--s takes comma-separated"),  # an empty CI variable is not the default grid
+    (["--macs", ""], "--macs takes comma-separated"),
     (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
     (["--methods", "corp,corp"], "methods must be distinct"),
     (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),

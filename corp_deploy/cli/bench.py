@@ -62,7 +62,8 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     limits = GateLimits(max_regression=max_regression, min_agreement=min_agreement, max_kl=max_kl,
                         min_cosine=min_cosine, min_parity_cosine=min_parity_cosine,
                         parity_requested=given_on_command_line("min_parity_cosine"))
-    files, folder = check_report_outputs({"json": json_path, "markdown": markdown_path, "plot": plot_path}, output)
+    files, folder = check_report_outputs({"json": json_path, "markdown": markdown_path, "plot": plot_path}, output,
+                                         baseline)
     data = input_dir(data, "--data")
     check_apart([*files.values(), *([folder] if folder else [])], {"--data": data})
     report = bench_target(target, settings, limits, data=data, data_samples=data_samples, baseline=baseline,

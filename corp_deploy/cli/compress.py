@@ -93,6 +93,7 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
         s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
         s_vo=sparsity if s_vo is None else s_vo, target=target, round_to=round_to,
         compensation=not no_compensation, device=device, method=method, **method_options)
+    _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib}, records_state=True)
@@ -149,6 +150,18 @@ def _warn_calibration_shortfall(summary: dict, requested: int) -> None:
     if summary["images_used"] < requested:
         warn(f"calibrated on {summary['images_used']} images, fewer than the {requested} asked for "
               "(--calib-samples): the directory has no more readable images")
+
+
+def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:
+    """Refuse a part's sparsity (``s_mlp``, ``s_attn``, ``s_vo``) given for a part that
+    ``config.target`` leaves whole: the artifact would record a sparsity that was never applied."""
+    pruned = {"s_mlp": config.prunes_mlp, "s_attn": config.prunes_attn, "s_vo": config.prunes_vo}
+    for name, value in sparsities.items():
+        if value is not None and not pruned[name]:
+            option = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{option} has no effect with --target {config.target}, which prunes "
+                                   f"{' and '.join(config.parts)} only: choose a --target that includes it, or "
+                                   f"leave {option} out")
 
 
 def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:

@@ -11,7 +11,8 @@ from exporters.precision import EXPORT_PRECISIONS
 from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
 from exporters.tensorrt import BatchProfile
 
-from .common import check_apart
+from ..errors import CorpError
+from .common import check_apart, given_on_command_line
 from .group import cli
 from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 
@@ -90,6 +91,10 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
     from ..artifact import latest_artifact
     from ..outputs import resolve
 
+    int8_only = ("int8_calibration", "int8_keep_float", "int8_smoothing", "int8_activations", "calib", "calib_samples")
+    named = [name for name in int8_only if given_on_command_line(name)]
+    if named and precision != "int8":  # even at their default value: a script that names them expects them to matter
+        raise CorpError(f"{', '.join('--' + n.replace('_', '-') for n in named)} apply only with --precision int8")
     if artifact is None:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)

@@ -62,8 +62,9 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
     try:
         spec = SweepSpec(
-            sparsities=() if budgets else parse_values(sparsities or "0.1,0.3,0.5,0.7", "--s", "0.1,0.3,0.5"),
-            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets else (), target=target,
+            sparsities=() if budgets is not None else parse_values("0.1,0.3,0.5,0.7" if sparsities is None
+                                                                   else sparsities, "--s", "0.1,0.3,0.5"),
+            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (), target=target,
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
             calib=input_dir(calib, "--calib"), calib_samples=calib_samples,
             data=input_dir(data, "--data"), data_samples=data_samples, seed=seed,

@@ -41,10 +41,9 @@ class Corp(Method):
         else:
             sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
         options = config.options
-        # the refit needs independent calibration (CorpOptions refuses it with sequential) and is a
-        # compensation (no refit when only slicing)
+        # CorpOptions.check leaves the refit "none" with sequential calibration or without compensation
         refit = DriftRefit(model, run.cache, REFIT_LAYERS[options.refit], options.refit_shrink) \
-            if options.refit != "none" and config.compensation else None
+            if options.refit != "none" else None
         if refit is not None:
             run.report["refit"] = {"layers": list(refit.layers), "shrink": options.refit_shrink}
         compress = compress_block_sequential if options.calibration == "sequential" else compress_block

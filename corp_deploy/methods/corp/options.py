@@ -86,14 +86,13 @@ class CorpOptions(MethodOptions):
         check_choice("ranker", self.ranker, RANKERS)
         check_choice("calibration", self.calibration, CALIBRATION_MODES)
         check_choice("distortion", self.distortion, DISTORTIONS)
-        if self.refit is None:
-            object.__setattr__(self, "refit", "none" if self.calibration == "sequential" else DEFAULT_REFIT)
-        check_choice("refit", self.refit, tuple(REFIT_LAYERS))
+        if self.refit is not None:
+            check_choice("refit", self.refit, tuple(REFIT_LAYERS))
         for name in ("ridge", "refit_shrink"):
             value = getattr(self, name)
             if not (value >= 0.0 and math.isfinite(value)):
                 raise SettingError(f"{{setting}} must be a finite number >= 0, got {value!r}", name)
-        if self.refit != "none" and self.calibration == "sequential":
+        if self.refit not in (None, "none") and self.calibration == "sequential":
             raise SettingError("the drift refit ({setting}) compares the compressed model with the dense one, "
                                "which {setting} sequential no longer keeps; add {setting} none",
                                "refit", "calibration", "refit")
@@ -125,6 +124,14 @@ class CorpOptions(MethodOptions):
         return "all" if self.has_budget else None
 
     def check(self, config: "CompressConfig") -> None:
+        """Resolve the refit's default (none with sequential calibration or without compensation:
+        it refits compensated layers against the dense model) and refuse what contradicts ``config``."""
+        if self.refit is None:
+            independent = self.calibration != "sequential" and config.compensation
+            object.__setattr__(self, "refit", DEFAULT_REFIT if independent else "none")
+        elif self.refit != "none" and not config.compensation:
+            raise SettingError("the drift refit ({setting}) is part of the compensation that {setting} switches off; "
+                               "add {setting} none", "refit", "compensation", "refit")
         if not self.equal_head_dims:
             return
         if config.target != "all":
