@@ -34,8 +34,10 @@ def tensor_cosine(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Ten
 
 
 def top1_matches(reference, candidate):
-    """Whether each row's argmax agrees, ``(B,)`` bool: NumPy arrays or tensors ``(B, classes)``."""
-    return reference.argmax(-1) == candidate.argmax(-1)
+    """Whether each row's argmax agrees, ``(B,)`` bool: NumPy arrays or tensors ``(B, classes)``.
+    A row with a NaN or infinite value on either side never agrees (argmax would pick the NaN)."""
+    finite = torch.isfinite if isinstance(reference, torch.Tensor) else np.isfinite
+    return (reference.argmax(-1) == candidate.argmax(-1)) & finite(reference).all(-1) & finite(candidate).all(-1)
 
 
 def kl_divergence_sum(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

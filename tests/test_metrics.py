@@ -37,6 +37,10 @@ def test_top1_matches_on_arrays_and_tensors():
     b = np.array([[0.0, 1.0, 0.0], [0.1, 0.2, 0.7], [0.2, 0.1, 0.9]])
     assert top1_matches(a, b).tolist() == [True, False, True]
     assert top1_matches(torch.from_numpy(a), torch.from_numpy(b)).tolist() == [True, False, True]
+    a[0, 0] = b[2, 1] = np.nan  # a NaN is nobody's top-1 (argmax would pick it on both sides)
+    assert top1_matches(a, a).tolist() == [False, True, True]
+    assert top1_matches(a, b).tolist() == top1_matches(torch.from_numpy(a), torch.from_numpy(b)).tolist() == [
+        False, False, False]
 
 
 def test_kl_divergence_sum_matches_its_definition():
