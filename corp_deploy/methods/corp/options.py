@@ -51,8 +51,9 @@ class CorpOptions(MethodOptions):
             already compressed blocks < l).
         refit: which consumer layers the drift-correcting refit fits again from the compressed
             model's inputs to the dense model's outputs (docs/method.md §10): ``proj+fc2``,
-            ``fc2`` or ``none``. Needs independent calibration. ``None``: ``proj+fc2``, or
-            ``none`` with sequential calibration.
+            ``fc2`` or ``none``. Needs independent calibration and compensation. ``None``:
+            ``proj+fc2``, or ``none`` with sequential calibration or without compensation (resolved
+            by :meth:`check`, i.e. in each :class:`~corp_deploy.CompressConfig`).
         refit_shrink: the refit's ridge alpha, shrinking toward CORP's solution (lambda = alpha
             times the layer's mean input variance).
     """
@@ -76,7 +77,8 @@ class CorpOptions(MethodOptions):
     refit: str | None = option(None, "consumer layers refitted from the compressed model's inputs to the dense "
                                      "model's outputs, correcting the error earlier blocks let through.",
                                value_type=str, choices=tuple(REFIT_LAYERS),
-                               default_help=f"{DEFAULT_REFIT} (none with --calibration sequential)")
+                               default_help=f"{DEFAULT_REFIT} (none with --calibration sequential or "
+                                            "--no-compensation)")
     refit_shrink: float = option(1.0, "the refit's ridge alpha, shrinking toward CORP's solution.")
 
     def __post_init__(self) -> None:
