@@ -1,8 +1,9 @@
 """Attention query/key head-dim pruning with the exact Kronecker compensation (docs/method.md §3).
 
 Per head and calibration image ``i``: ``Q^i = X^i Wq^T + bq`` and ``K^i`` (tokens x d).
-Everything here works on per-image Gram matrices ``A^i = Q^i^T Q^i`` and
-``G^i = K^i^T K^i`` of the full head dim, shape ``(N_images, H, d, d)`` float64, from
+Everything here works on the per-image Gram matrices ``A^i = Q^i^T Q^i`` and
+``G^i = K^i^T K^i`` of the full head dim, through the sums over images that
+:mod:`corp_deploy.qk_sums` forms from them (kept per image or as their Kronecker sum), from
 which ranking scores, the normal equations and the logit errors all follow exactly.
 
 The ridge is ``lambda = alpha * tr(sum_i A_i ⊗ G_i) / d^2`` over the full head dim, the same
@@ -17,11 +18,12 @@ import torch
 from torch import nn
 
 from .layers import PrunedAttention, head_dims
+from .qk_sums import QKSums
 
 
-def qk_dim_scores(a_full: torch.Tensor, g_full: torch.Tensor) -> torch.Tensor:
+def qk_dim_scores(heads: list[QKSums]) -> torch.Tensor:
     """``s_j = E_image[ ||q_j||^2 ||k_j||^2 ]`` per head and dim: ``(H, d)`` float64."""
-    return (torch.diagonal(a_full, dim1=-2, dim2=-1) * torch.diagonal(g_full, dim1=-2, dim2=-1)).mean(0)
+    return torch.stack([head.products().diagonal() / head.n for head in heads])
 
 
 def split_head_dims(scores: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,37 +33,10 @@ def split_head_dims(scores: torch.Tensor, kept: int) -> tuple[torch.Tensor, torc
     return order[:, :kept].sort(dim=1).values, order[:, kept:].sort(dim=1).values
 
 
-def kronecker_sum(a: torch.Tensor, g: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
-    """``Z = sum_i A_i ⊗ G_i`` for symmetric ``A_i, G_i`` of shape ``(N, k, k)``: ``(m, m)``.
-
-    Entry ``Z[(p, q), (r, s)] = sum_i A_i[p, r] G_i[q, s]``, its rows and columns listed by the
-    index pairs ``pairs = (p, q)`` (each ``(m,)``; default: all ``k^2`` pairs in row-major ``vec``
-    order, ``(0, 0), (0, 1), ...``). Formed as one product ``sum_i vec(A_i) vec(G_i)^T`` over the
-    packed upper triangles (``k(k+1)/2`` entries, symmetry makes the rest copies), unpacked to
-    ``[(p, r), (q, s)]`` and gathered in the pairs' order (two ``k^2 x k^2`` copies in all).
-    """
-    k = a.shape[-1]
-    iu = torch.triu_indices(k, k, device=a.device)
-    packed = torch.empty(k, k, dtype=torch.long, device=a.device)
-    packed[iu[0], iu[1]] = torch.arange(iu.shape[1], device=a.device)
-    packed[iu[1], iu[0]] = packed[iu[0], iu[1]]
-    z_packed = a[:, iu[0], iu[1]].T @ g[:, iu[0], iu[1]]
-    flat = packed.reshape(-1)
-    z = z_packed[flat[:, None], flat[None, :]].view(k, k, k, k)  # [p, r, q, s]
-    if pairs is None:
-        index = torch.arange(k, device=a.device)
-        pairs = index.repeat_interleave(k), index.repeat(k)
-    p, q = pairs
-    return z[p[:, None], p[None, :], q[:, None], q[None, :]]
-
-
-def head_ridge_lambda(a_full: torch.Tensor, g_full: torch.Tensor, alpha: float) -> float:
-    """``alpha * tr(sum_i A_i ⊗ G_i) / d^2`` (``tr(A ⊗ G) = tr(A) tr(G)``) for one head's
-    ``(N, d, d)`` Grams: the scale-free ridge, independent of the kept set."""
-    d = a_full.shape[-1]
-    traces = torch.diagonal(a_full, dim1=-2, dim2=-1).sum(-1) * torch.diagonal(g_full, dim1=-2, dim2=-1).sum(-1)
-    return alpha * float(traces.sum()) / (d * d)
+def head_ridge_lambda(sums: QKSums, alpha: float) -> float:
+    """``alpha * tr(sum_i A_i ⊗ G_i) / d^2`` over the full head dim: the scale-free ridge,
+    independent of the kept set."""
+    return alpha * sums.trace_product() / (sums.d * sums.d)
 
 
 @dataclass
@@ -79,30 +54,26 @@ class HeadSolution:
     logit_energy: float
 
 
-def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, pruned: torch.Tensor,
-               alpha: float, compensate: bool = True) -> HeadSolution:
+def solve_head(sums: QKSums, kept: torch.Tensor, pruned: torch.Tensor, alpha: float,
+               compensate: bool = True) -> HeadSolution:
     """Solve ``(sum_i A_i ⊗ G_i + lambda I) vec(M) = vec(sum_i C_i)`` for one head.
 
     Args:
-        a_full, g_full: ``(N, d, d)`` per-image query and key Grams of this head.
+        sums: the head's query/key sums over images (:mod:`corp_deploy.qk_sums`).
         kept, pruned: index tensors ``S`` and ``P`` into the head dim.
         alpha: scale-free ridge (:func:`head_ridge_lambda`).
         compensate: False gives ``M = 0`` (plain slicing), errors still reported.
     """
-    n = a_full.shape[0]
-    k = len(kept)
-    order = torch.cat([kept, pruned])  # S first: every block below is a view
-    a = a_full[:, order][:, :, order]
-    g = g_full[:, order][:, :, order]
-    a_ss, g_ss = a[:, :k, :k], g[:, :k, :k]
-    err_unc = float((a[:, k:, k:] * g[:, k:, k:]).sum())
-    energy = float((a_full * g_full).sum())
+    n, k = sums.n, len(kept)
+    products = sums.products()
+    err_unc = float(products[pruned][:, pruned].sum())
+    energy = float(products.sum())
     if not compensate or len(pruned) == 0:
-        zero = torch.zeros(k, k, dtype=a_full.dtype, device=a_full.device)
+        zero = torch.zeros(k, k, dtype=products.dtype, device=products.device)
         return HeadSolution(zero, 0.0, err_unc / n, err_unc / n, energy / n)
-    rhs = (a[:, :k, k:] @ g[:, k:, :k]).sum(0).reshape(-1, 1)
-    lhs = kronecker_sum(a_ss, g_ss)
-    lam = head_ridge_lambda(a_full, g_full, alpha)
+    rhs = sums.cross(pruned, kept).reshape(-1, 1)
+    lhs = sums.kronecker(kept.repeat_interleave(k), kept.repeat(k))
+    lam = head_ridge_lambda(sums, alpha)
     lhs.diagonal().add_(lam)
     chol, info = torch.linalg.cholesky_ex(lhs)
     if int(info) == 0:
@@ -115,8 +86,8 @@ def solve_head(a_full: torch.Tensor, g_full: torch.Tensor, kept: torch.Tensor, p
     return HeadSolution(m_vec.reshape(k, k), lam, err_unc / n, max(err_comp, 0.0) / n, energy / n)
 
 
-def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, alpha: float,
-               solutions_at: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, HeadSolution]]:
+def head_curve(sums: QKSums, order: torch.Tensor, alpha: float, solutions_at: Iterable[int] = ()
+               ) -> tuple[torch.Tensor, dict[int, HeadSolution]]:
     """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d, and the
     solution (what :func:`solve_head` returns for ``S_k``) of the prefixes ``k`` in ``solutions_at``.
 
@@ -136,50 +107,51 @@ def head_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tensor, 
     :func:`solve_head` and :func:`fold_attention` take it.
     Cost: a ``d^2 x d^2`` factorisation (``d^6 / 3`` multiply-adds).
     """
-    n, d = a_full.shape[0], a_full.shape[-1]
-    a = a_full[:, order][:, :, order]
-    g = g_full[:, order][:, :, order]
-    lam = head_ridge_lambda(a_full, g_full, alpha)
+    n, d = sums.n, sums.d
+    products = sums.products()
+    device, dtype = products.device, products.dtype
+    lam = head_ridge_lambda(sums, alpha)
     # pair (a, b) -> position in "max order": shell m = max(a, b) lists (m, 0..m), then (0..m-1, m)
     pairs = [p for m in range(d) for p in [(m, b) for b in range(m + 1)] + [(a_, m) for a_ in range(m)]]
-    rows, cols = torch.tensor(pairs, device=a.device).T
-    zr = kronecker_sum(a, g, (rows, cols))
+    rows, cols = torch.tensor(pairs, device=device).T
+    zr = sums.kronecker(order[rows], order[cols])
     zr.diagonal().add_(lam)
     chol = torch.linalg.cholesky(zr)
     del zr
-    diag_pos = torch.tensor([m * m + m for m in range(d)], device=a.device)
+    diag_pos = torch.tensor([m * m + m for m in range(d)], device=device)
     # one triangular solve for y = L^-1 r and the columns L^-1 e_(j) of the identity's diagonal pairs
-    rhs = torch.zeros(d * d, d + 1, dtype=a.dtype, device=a.device)
-    rhs[:, 0] = (a @ g).sum(0)[rows, cols]
-    rhs[diag_pos, torch.arange(1, d + 1, device=a.device)] = 1.0
+    rhs = torch.zeros(d * d, d + 1, dtype=dtype, device=device)
+    every = torch.arange(d, device=device)
+    rhs[:, 0] = sums.cross(every, every)[order[rows], order[cols]]
+    rhs[diag_pos, torch.arange(1, d + 1, device=device)] = 1.0
     solved = torch.linalg.solve_triangular(chol, rhs, upper=False)
     y, inv_e = solved[:, 0], solved[:, 1:].cumsum(1)  # column k-1 of inv_e: L^-1 e_k
     lt_e = chol[diag_pos].cumsum(0)  # row k-1: (L^T e_k)^T
     v = y - lt_e + lam * inv_e.T  # row k-1: L_k^-1 r_k on its first k^2 entries
-    prefix = torch.arange(d * d, device=a.device) < torch.arange(1, d + 1, device=a.device)[:, None] ** 2
-    products = (a * g).sum(0)  # sum_i A_i ∘ G_i: err_sliced(k) sums its trailing block [k:, k:]
-    sliced = products.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
-    curve = torch.zeros(d + 1, dtype=a.dtype, device=a.device)
-    curve[0] = products.sum()
+    prefix = torch.arange(d * d, device=device) < torch.arange(1, d + 1, device=device)[:, None] ** 2
+    ranked = products[order][:, order]  # sum_i A_i ∘ G_i: err_sliced(k) sums its trailing block [k:, k:]
+    sliced = ranked.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
+    curve = torch.zeros(d + 1, dtype=dtype, device=device)
+    curve[0] = ranked.sum()
     curve[1:d] = sliced[1:] - (v.square() * prefix).sum(1)[:d - 1]
     energy = float(curve[0]) / n
     solutions_at = set(solutions_at)
     wanted = sorted(size for size in solutions_at if 0 < size < d)
-    padded = torch.zeros(d * d, len(wanted), dtype=a.dtype, device=a.device)
+    padded = torch.zeros(d * d, len(wanted), dtype=dtype, device=device)
     for column, k in enumerate(wanted):
         padded[:k * k, column] = v[k - 1, :k * k]
     m_vecs = torch.linalg.solve_triangular(chol.T, padded, upper=True)  # column j: vec(M_k), zero beyond k^2
     solutions = {}
     for column, k in enumerate(wanted):
         m_vec = m_vecs[:k * k, column]
-        m_ranked = torch.zeros(k, k, dtype=a.dtype, device=a.device)
+        m_ranked = torch.zeros(k, k, dtype=dtype, device=device)
         m_ranked[rows[:k * k], cols[:k * k]] = m_vec
         ascending = torch.argsort(order[:k])
         compensated = float(curve[k]) - lam * float(m_vec.square().sum())  # J(k) without its ridge term
         solutions[k] = HeadSolution(m_ranked[ascending][:, ascending], lam, float(sliced[k]) / n,
                                     max(compensated, 0.0) / n, energy)
     if d in solutions_at:  # nothing pruned
-        solutions[d] = HeadSolution(torch.zeros(d, d, dtype=a.dtype, device=a.device), 0.0, 0.0, 0.0, energy)
+        solutions[d] = HeadSolution(torch.zeros(d, d, dtype=dtype, device=device), 0.0, 0.0, 0.0, energy)
     return curve.clamp_min(0.0) / n, solutions
 
 

@@ -5,8 +5,11 @@ from timm.layers.attention import Attention
 
 from corp_deploy import attention as attn_ops
 from corp_deploy.layers import PrunedAttention
-from corp_deploy.stats import per_image_head_grams
+from corp_deploy.qk_sums import ImageGrams, KroneckerSums, pack
+from corp_deploy.stats import HeadGrams
 
+#: The two forms of the query/key sums (corp_deploy/qk_sums.py): every solver test runs on both.
+FORMS = ("images", "summed")
 N_IMAGES, TOKENS, DIM, HEADS = 12, 10, 24, 2  # head dim 12
 
 
@@ -25,38 +28,73 @@ def raw_qk(attn, x):
     return qkv[0].double(), qkv[1].double()
 
 
-def setup(seed=0, kept=7):
+def setup(seed=0, kept=7, form="images"):
+    """The attention, its input, raw Q and K ``(images, heads, tokens, d)`` float64, the heads'
+    sums in ``form`` (collected in three batches) and the kept/pruned dims."""
     attn = attention_with_bias(seed)
     x = torch.randn(N_IMAGES, TOKENS, DIM, generator=torch.Generator().manual_seed(seed + 10))
     with torch.no_grad():
         q, k = raw_qk(attn, x)
-    a, g = per_image_head_grams(q.float()), per_image_head_grams(k.float())
-    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(a, g), kept)
-    return attn, x, q, k, a, g, S, P
+    grams = HeadGrams(summed_after=5 if form == "summed" else None)  # the switch comes after batch 2
+    for qb, kb in zip(q.float().split(4), k.float().split(4)):
+        grams.add(qb, kb)
+    assert (grams.kronecker is not None) == (form == "summed")
+    sums = grams.heads()
+    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), kept)
+    return attn, x, q, k, sums, S, P
 
 
-def test_kronecker_sum_matches_explicit_kron():
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(5, 4, 4, dtype=torch.float64, generator=gen)
-    g = torch.randn(5, 4, 4, dtype=torch.float64, generator=gen)
-    a, g = a + a.transpose(1, 2), g + g.transpose(1, 2)
-    expected = sum(torch.kron(a[i], g[i]) for i in range(5))
-    torch.testing.assert_close(attn_ops.kronecker_sum(a, g), expected)
+def symmetric_grams(n, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, d, d, dtype=torch.float64, generator=gen)
+    g = torch.randn(n, d, d, dtype=torch.float64, generator=gen)
+    return a + a.transpose(1, 2), g + g.transpose(1, 2)
 
 
-def test_ranking_is_per_image_logit_energy():
-    attn, x, q, k, a, g, S, P = setup()
+@pytest.mark.parametrize("form", FORMS)
+def test_every_sum_matches_explicit_kronecker_products(form):
+    a, g = symmetric_grams(5, 4)
+    sums = ImageGrams(a, g) if form == "images" else KroneckerSums(pack(a).T @ pack(g), 5, 4)
+    expected = sum(torch.kron(a[i], g[i]) for i in range(5))  # row (p, q) = p * 4 + q
+    every = torch.arange(4)
+    torch.testing.assert_close(sums.kronecker(every.repeat_interleave(4), every.repeat(4)), expected)
+    p, q = torch.tensor([3, 0, 2]), torch.tensor([1, 1, 3])  # a subset of pairs in any order
+    torch.testing.assert_close(sums.kronecker(p, q), expected[p * 4 + q][:, p * 4 + q])
+    torch.testing.assert_close(sums.products(), (a * g).sum(0))
+    assert sums.trace_product() == pytest.approx(float(torch.trace(expected)), rel=1e-12)
+    inner, outer = torch.tensor([1, 3]), torch.tensor([2, 0, 3])
+    torch.testing.assert_close(sums.cross(inner, outer),
+                               (a[:, outer][:, :, inner] @ g[:, inner][:, :, outer]).sum(0))
+
+
+def test_summed_and_per_image_forms_solve_the_same_system():
+    """The Kronecker sums (after the switch) and the per-image Grams differ only in float64
+    summation order."""
+    *_, by_image, S, P = setup()
+    *_, summed, S2, P2 = setup(form="summed")
+    assert torch.equal(S, S2) and torch.equal(P, P2)
+    for h in range(HEADS):
+        one, other = (attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3) for sums in (by_image, summed))
+        torch.testing.assert_close(one.M, other.M, rtol=1e-9, atol=1e-12)
+        for name in ("ridge_lambda", "error_uncompensated", "error_compensated", "logit_energy"):
+            assert getattr(one, name) == pytest.approx(getattr(other, name), rel=1e-9), name
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_ranking_is_per_image_logit_energy(form):
+    attn, x, q, k, sums, S, P = setup(form=form)
     expected = ((q ** 2).sum(2) * (k ** 2).sum(2)).mean(0)  # (heads, d)
-    torch.testing.assert_close(attn_ops.qk_dim_scores(a, g), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attn_ops.qk_dim_scores(sums), expected, rtol=1e-5, atol=1e-6)
     for h in range(HEADS):
         assert expected[h, S[h]].min() >= expected[h, P[h]].max()
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("alpha", [0.0, 1e-2])
-def test_solution_satisfies_normal_equations(alpha):
-    attn, x, q, k, a, g, S, P = setup()
+def test_solution_satisfies_normal_equations(alpha, form):
+    attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha)
+        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha)
         qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
         ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
         A, G = qs.transpose(1, 2) @ qs, ks.transpose(1, 2) @ ks
@@ -65,10 +103,11 @@ def test_solution_satisfies_normal_equations(alpha):
         torch.testing.assert_close(lhs, C.sum(0), rtol=1e-4, atol=1e-4 * float(C.abs().max()))
 
 
-def test_solution_equals_least_squares_on_raw_logits():
-    attn, x, q, k, a, g, S, P = setup()
+@pytest.mark.parametrize("form", FORMS)
+def test_solution_equals_least_squares_on_raw_logits(form):
+    attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=0.0)
+        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha=0.0)
         qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
         ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
         # vec(Q_S M K_S^T) = (Q_S kron K_S) vec(M), row-major, stacked over images
@@ -78,10 +117,11 @@ def test_solution_equals_least_squares_on_raw_logits():
         torch.testing.assert_close(sol.M, m, rtol=1e-3, atol=1e-4)
 
 
-def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps():
-    attn, x, q, k, a, g, S, P = setup()
+@pytest.mark.parametrize("form", FORMS)
+def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form):
+    attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=1e-3)
+        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3)
         qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
         ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
         full = q[:, h] @ k[:, h].transpose(1, 2)
@@ -104,8 +144,8 @@ def test_identity_plus_factorisation_is_not_symmetrised():
 
 
 def test_folded_logits_equal_compensated_logits_including_biases():
-    attn, x, q, k, a, g, S, P = setup()
-    sols = [attn_ops.solve_head(a[:, h], g[:, h], S[h], P[h], alpha=1e-3) for h in range(HEADS)]
+    attn, x, q, k, sums, S, P = setup()
+    sols = [attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3) for h in range(HEADS)]
     pruned = attn_ops.fold_attention(attn, S, [s.M for s in sols])
     assert isinstance(pruned, PrunedAttention) and pruned.scale == attn.scale
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from corp_deploy import CompressConfig, compress, distributed
 from corp_deploy.artifact import load_compressed
-from corp_deploy.stats import HeadGrams, MomentAccumulator
+from corp_deploy.stats import HeadGrams, MomentAccumulator, images_worth_the_sums
 from tests.helpers import FLOAT32, SMALL_VIT_CLI_ARGS, build_small_vit
 
 
@@ -73,24 +73,36 @@ def test_moments_summed_over_ranks_equal_those_of_all_samples(tmp_path):
     torch.testing.assert_close(ranks[0]["covariance"], ranks[1]["covariance"], rtol=0, atol=0)
 
 
-def _head_grams_of_my_share(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_grams_of_my_share(q: torch.Tensor, k: torch.Tensor, summed_after: int | None) -> dict:
     start, stop = _my_range(len(q))
-    grams = HeadGrams()
+    grams = HeadGrams(summed_after)
     for qb, kb in zip(q[start:stop].split(2), k[start:stop].split(2)):
         grams.add(qb, kb)
     grams.all_reduce()
-    return grams.head_major()
+    return _grams_state(grams)
 
 
-def test_head_grams_gathered_in_rank_order_equal_the_single_process_ones(tmp_path):
+def _grams_state(grams: HeadGrams) -> dict:
+    if grams.kronecker is not None:
+        return {"n": grams.n, "kronecker": grams.kronecker}
+    return {"n": grams.n, "query": torch.cat(grams.query), "key": torch.cat(grams.key)}
+
+
+# 7 images of head dim 4 over 2 ranks (4 + 3): the Grams' memory passes the sums' after 6 images
+@pytest.mark.parametrize("summed_after, form", [(100, "gathered"), (None, "summed at the reduction"),
+                                                (3, "summed by one rank while adding")])
+def test_head_grams_over_ranks_equal_the_single_process_ones(tmp_path, summed_after, form):
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(7, 2, 5, 4, generator=g), torch.randn(7, 2, 5, 4, generator=g)
-    single = HeadGrams()
+    single = HeadGrams(summed_after)
     single.add(q, k)
-    expected = single.head_major()
-    for result in run_ranks(_head_grams_of_my_share, tmp_path, 2, q, k):
-        for got, want in zip(result, expected):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    expected = _grams_state(single)
+    assert ("kronecker" in expected) == (form != "gathered")
+    for result in run_ranks(_head_grams_of_my_share, tmp_path, 2, q, k, summed_after):
+        assert result.keys() == expected.keys() and result["n"] == 7
+        for name in set(expected) - {"n"}:  # gathered: the same numbers; summed: in another order
+            torch.testing.assert_close(result[name], expected[name], rtol=0 if form == "gathered" else 1e-12,
+                                       atol=0 if form == "gathered" else 1e-12)
 
 
 def test_samples_after_the_reduction_are_refused():
@@ -115,16 +127,26 @@ def _calibration_batches(sizes: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.randn(size, 3, 32, 32, generator=g) for size in sizes]
 
 
+#: Calibration batches whose query/key statistics are kept as Kronecker sums (80 images).
+PAST_THE_GRAMS = (32, 32, 16)
+
+
 @pytest.mark.parametrize("settings, sizes", [
     (dict(s_mlp=0.5, s_attn=0.5), (8, 8, 8, 5)),
     (dict(macs=0.5), (8, 8, 8, 5)),
     (dict(macs=0.5), (32, 8, 8)),  # the budget's 32 probe images all on the first process
-    (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5))],
-    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential"])
+    (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5)),
+    (dict(s_mlp=0.5, s_attn=0.5), PAST_THE_GRAMS),
+    (dict(macs=0.5), PAST_THE_GRAMS)],
+    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums"])
 def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes):
     """The same kept dims (uniform and budget: the budget's curves, probes and allocation see the
     same sums; its query/key factorisations are split between the processes) and the same outputs
-    up to float summation order."""
+    up to float summation order. With 80 images the query/key statistics are past the images
+    worth their Kronecker sums (72 at the small ViT's head dim 16), though neither process's share
+    is: each folds its Grams at the reduction."""
+    if sizes == PAST_THE_GRAMS:
+        assert sum(sizes) > images_worth_the_sums(16) > max(sum(sizes[0::2]), sum(sizes[1::2]))
     config = CompressConfig.from_settings(**settings)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(9))
     single, report = compress(build_small_vit(), _calibration_batches(sizes), config)

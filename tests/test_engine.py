@@ -5,6 +5,7 @@ import torch
 
 from corp_deploy import CompressConfig, PrunedAttention, compress, count_macs, count_params
 from corp_deploy.errors import CorpError
+from corp_deploy.stats import HeadGrams
 
 
 @pytest.mark.parametrize("mode", ["sequential", "independent"])
@@ -23,6 +24,24 @@ def test_input_model_is_left_unchanged(vit, batches):
     compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5))
     after = vit.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("settings", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.5)], ids=["uniform", "budget"])
+def test_query_key_sums_in_either_form_give_the_same_model(vit, batches, image_batches, monkeypatch, settings):
+    """Past a number of images the per-image query/key Grams are replaced by their Kronecker sums
+    (corp_deploy/stats.py HeadGrams): forced from the first image, compress keeps the same dims and
+    the outputs agree to float64 summation order (below float32's resolution)."""
+    config = CompressConfig.from_settings(**settings)
+    by_image, report = compress(vit, batches, config)
+    monkeypatch.setattr(HeadGrams, "_image_limit", lambda self: 0)
+    forms, heads = [], HeadGrams.heads
+    monkeypatch.setattr(HeadGrams, "heads", lambda self: forms.append(self.kronecker is not None) or heads(self))
+    summed, summed_report = compress(vit, batches, config)
+    assert forms and all(forms)
+    assert [layer["dims"] for layer in report["layers"]] == [layer["dims"] for layer in summed_report["layers"]]
+    x = image_batches(1, 4, seed=5)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(summed(x), by_image(x), rtol=1e-5, atol=1e-5)
 
 
 def test_compensation_lowers_every_layer_error_and_output_error(vit, batches, image_batches):

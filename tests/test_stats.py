@@ -1,6 +1,6 @@
 import torch
 
-from corp_deploy.stats import MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
+from corp_deploy.stats import HeadGrams, MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
 from tests.helpers import FLOAT32
 
 
@@ -35,7 +35,24 @@ def test_moments_match_direct_computation_over_uneven_batches():
 def test_per_image_head_grams():
     t = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(0))
     grams = per_image_head_grams(t)
-    assert grams.shape == (2, 3, 5, 5) and grams.dtype == torch.float64
+    assert grams.shape == (2, 3, 5, 5) and grams.dtype == torch.float32
     # formed in float32 (documented), so checked against a float64 reference at float32's resolution
     reference = t.double().transpose(-1, -2) @ t.double()
-    torch.testing.assert_close(grams, reference, **FLOAT32)
+    torch.testing.assert_close(grams.double(), reference, **FLOAT32)
+
+
+def test_head_grams_switch_to_fixed_size_sums_past_the_images_worth_them():
+    """Head dim 4: the sums take 10 x 10 float64 per head, the Grams of 6 images 6 x 2 x 4 x 4
+    float32; from the 7th image on only the sums are kept, and they are those of every image."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(30, 2, 5, 4, generator=gen), torch.randn(30, 2, 5, 4, generator=gen)
+    grams = HeadGrams()
+    for start in range(0, 30, 3):
+        grams.add(q[start:start + 3], k[start:start + 3])
+        assert (grams.kronecker is None) == (start + 3 <= 6) and (grams.query == []) == (start + 3 > 6)
+    assert grams.n == 30 and grams.kronecker.shape == (2, 10, 10) and grams.kronecker.dtype == torch.float64
+    iu = torch.triu_indices(4, 4)
+    for h, sums in enumerate(grams.heads()):
+        a = (q[:, h].transpose(1, 2) @ q[:, h]).double()[:, iu[0], iu[1]]
+        g = (k[:, h].transpose(1, 2) @ k[:, h]).double()[:, iu[0], iu[1]]
+        torch.testing.assert_close(sums.z, a.T @ g, **FLOAT32)

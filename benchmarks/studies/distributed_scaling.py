@@ -28,6 +28,7 @@ from corp_deploy.artifact import library_versions, load_compressed
 from corp_deploy.calibration import held_out_images, model_transform
 from corp_deploy.families import blocks_of
 from corp_deploy.layers import head_dims
+from corp_deploy.stats import images_worth_the_sums
 
 
 def compress_command(model: str, images: int, settings: list[str], out: Path, processes: int) -> list[str]:
@@ -43,8 +44,10 @@ def compress_command(model: str, images: int, settings: list[str], out: Path, pr
 def message_bytes(model: torch.nn.Module, images: int, kept_hidden: int) -> dict[str, int]:
     """Bytes of each statistic summed over the processes for one block (float64), as the code
     sends them: the MLP hidden moments (Gram, sum, sign counts), the value/output inputs'
-    moments, the per-image query/key Grams (gathered: every process receives all images'), and
-    the refit's joint moments of [proj input, target] and [fc2 input, target] (at ``kept_hidden``)."""
+    moments, the query/key statistics (the per-image Grams, float32, gathered: every process receives
+    all images'; past :func:`~corp_deploy.stats.images_worth_the_sums` images their packed Kronecker
+    sums instead, summed), and the refit's joint moments of [proj input, target] and [fc2 input,
+    target] (at ``kept_hidden``)."""
     block = blocks_of(model)[0]
     width, hidden, heads = block.attn.proj.out_features, block.mlp.fc1.out_features, block.attn.num_heads
     d = head_dims(block.attn)[0]
@@ -52,7 +55,8 @@ def message_bytes(model: torch.nn.Module, images: int, kept_hidden: int) -> dict
     def moments(dim: int, signs: bool = False) -> int:
         return 8 * (dim * dim + dim * (2 if signs else 1) + dim + 1)  # Gram, sum, [signs], shift and count
     return {"mlp_moments": moments(hidden, signs=True), "value_moments": moments(width),
-            "query_key_grams_gathered": 8 * 2 * images * heads * d * d,
+            **({"query_key_grams_gathered": 4 * 2 * images * heads * d * d} if images <= images_worth_the_sums(d)
+               else {"query_key_sums": 8 * heads * (d * (d + 1) // 2) ** 2}),
             "refit_proj_moments": moments(2 * width), "refit_fc2_moments": moments(kept_hidden + width)}
 
 

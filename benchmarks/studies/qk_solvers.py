@@ -22,6 +22,7 @@ from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import probe_query_keys
 from corp_deploy.engine import embed_tokens
 from corp_deploy.families import blocks_of
+from corp_deploy.qk_sums import ImageGrams
 from corp_deploy.stats import HeadGrams
 
 ALPHA = 1e-3
@@ -32,10 +33,10 @@ def float32_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tenso
     d = a_full.shape[-1]
     a = a_full[:, order][:, :, order].float()
     g = g_full[:, order][:, :, order].float()
-    lam = attn_ops.head_ridge_lambda(a_full, g_full, ALPHA)
+    lam = attn_ops.head_ridge_lambda(ImageGrams(a_full, g_full), ALPHA)
     pairs = [p for m in range(d) for p in [(m, b) for b in range(m + 1)] + [(a_, m) for a_ in range(m)]]
     perm = torch.tensor([p * d + q for p, q in pairs])
-    zr = attn_ops.kronecker_sum(a, g)[perm][:, perm]
+    zr = torch.einsum("npr,nqs->pqrs", a, g).reshape(d * d, d * d)[perm][:, perm]  # sum_i A_i ⊗ G_i
     zr.diagonal().add_(lam)
     chol = torch.linalg.cholesky(zr)
     diag_pos = torch.tensor([m * m + m for m in range(d)])
@@ -92,26 +93,27 @@ def main() -> None:
         hidden = [embed_tokens(dense, batch) for batch in calib]
         for index, block in enumerate(blocks_of(dense)):
             if index in (0, 5, 11):
-                heads = HeadGrams()
+                heads = HeadGrams(summed_after=10 ** 9)  # kept per image
                 for x in hidden:
                     probe_query_keys(block, x, heads.add)
-                grams[index] = heads.head_major()
+                grams[index] = (torch.cat(heads.query).double().transpose(0, 1).contiguous(),
+                                torch.cat(heads.key).double().transpose(0, 1).contiguous())
             hidden = [block(x) for x in hidden]
     torch.set_num_threads(1)
     print("block head | float32 curve: max |error| / J(0) | CG per k=8,24,40,56: iterations, "
           "relative distance to the direct solve, direct s / CG s")
     for index, (a_full, g_full) in grams.items():
-        scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
-        orders = torch.argsort(scores, dim=1, descending=True, stable=True)
+        sums = [ImageGrams(a, g) for a, g in zip(a_full, g_full)]
+        orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
         for h in range(a_full.shape[0]):
-            exact, _ = attn_ops.head_curve(a_full[h], g_full[h], orders[h], ALPHA)
+            exact, _ = attn_ops.head_curve(sums[h], orders[h], ALPHA)
             error32 = float((float32_curve(a_full[h], g_full[h], orders[h]) - exact).abs().max() / exact[0])
-            lam = attn_ops.head_ridge_lambda(a_full[h], g_full[h], ALPHA)
+            lam = attn_ops.head_ridge_lambda(sums[h], ALPHA)
             cells = []
             for k in (8, 24, 40, 56):
                 kept, pruned = orders[h, :k].sort().values, orders[h, k:].sort().values
                 start = time.perf_counter()
-                direct = attn_ops.solve_head(a_full[h], g_full[h], kept, pruned, ALPHA)
+                direct = attn_ops.solve_head(sums[h], kept, pruned, ALPHA)
                 direct_s = time.perf_counter() - start
                 order = torch.cat([kept, pruned])
                 a = a_full[h][:, order][:, :, order]

@@ -120,13 +120,10 @@ def _mlp_moments(block: nn.Module, run: BlockRun, config: "CompressConfig") -> M
 def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConfig", kept: int) -> dict:
     """Rank, solve and fold the query/key dims of ``block.attn`` to ``kept`` per head (replaced
     by a :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
-    attn = block.attn
-    a_full, g_full = grams.head_major()
-    H = attn.num_heads
-    scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
-    S, P = attn_ops.split_head_dims(scores, kept)
-    heads = [attn_ops.solve_head(a_full[h], g_full[h], S[h], P[h], config.options.ridge,
-                                 config.compensation) for h in range(H)]
+    sums = grams.heads()
+    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), kept)
+    heads = [attn_ops.solve_head(head, S[h], P[h], config.options.ridge, config.compensation)
+             for h, head in enumerate(sums)]
     return fold_solved_attention(block, S, heads)
 
 

@@ -36,6 +36,7 @@ from ... import channels, distributed
 from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
 from ...families import blocks_of, windows_of
 from ...layers import GatedLinear, head_dims
+from ...qk_sums import QKSums
 from ...stats import HeadGrams, MomentAccumulator
 
 if TYPE_CHECKING:
@@ -233,13 +234,12 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     rank holds, maybe none; the errors are summed over the ranks); ``gain`` ``(C,)``: weighs the
     output error per channel (None: ones)."""
     attn, head_dim = block.attn, head_dims(block.attn)[0]
-    a_full, g_full = grams.head_major()
-    scores = attn_ops.qk_dim_scores(a_full.transpose(0, 1), g_full.transpose(0, 1))
-    orders = torch.argsort(scores, dim=1, descending=True, stable=True)
+    sums = grams.heads()
+    orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
     sizes = qk_probe_sizes(head_dim)
-    curves, by_size = _head_curves(a_full, g_full, orders, alpha)
+    curves, by_size = _head_curves(sums, orders, alpha)
     logit = attn.scale ** 2 * curves.sum(0).cpu()
-    del a_full, g_full
+    del sums
     dense_output = block.ls1(attention_output(block, block.norm1(probe))) if len(probe) else None
     gain = probe.new_ones(()) if gain is None else gain.to(probe)
     ratios = {}
@@ -259,21 +259,21 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     return logit * torch.from_numpy(np.exp(log_ratio)), orders, by_size
 
 
-def _head_curves(a_full: torch.Tensor, g_full: torch.Tensor, orders: torch.Tensor, alpha: float
+def _head_curves(sums: list[QKSums], orders: torch.Tensor, alpha: float
                  ) -> tuple[torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
     """Every head's logit curve ``(H, d + 1)`` and its solution at every kept size ``1..d``
-    (:func:`~corp_deploy.attention.head_curve`; Grams ``(H, N, d, d)``, ``orders`` ``(H, d)``).
-    Under torch.distributed rank ``r`` factorises the heads ``h = r mod world size`` and the results
-    are summed over the ranks (zeros elsewhere: exact), so every rank holds all of them."""
-    heads, d = a_full.shape[0], a_full.shape[-1]
-    curves = a_full.new_zeros(heads, d + 1)
-    matrices = a_full.new_zeros(heads, sum(k * k for k in range(1, d + 1)))  # every M_k flattened, k = 1..d
-    numbers = a_full.new_zeros(heads, d, 4)  # per k: ridge lambda, sliced and compensated errors, energy
+    (:func:`~corp_deploy.attention.head_curve`; ``sums``: the heads' query/key sums, ``orders``
+    ``(H, d)``). Under torch.distributed rank ``r`` factorises the heads ``h = r mod world size``
+    and the results are summed over the ranks (zeros elsewhere: exact), so every rank holds all of them."""
+    heads, d = len(sums), orders.shape[1]
+    zeros = dict(dtype=torch.float64, device=orders.device)
+    curves = torch.zeros(heads, d + 1, **zeros)
+    matrices = torch.zeros(heads, sum(k * k for k in range(1, d + 1)), **zeros)  # every M_k flattened, k = 1..d
+    numbers = torch.zeros(heads, d, 4, **zeros)  # per k: ridge lambda, sliced and compensated errors, energy
     for h in range(distributed.rank(), heads, distributed.world_size()):
-        curves[h], solutions = attn_ops.head_curve(a_full[h], g_full[h], orders[h], alpha,
-                                                   solutions_at=range(1, d + 1))
+        curves[h], solutions = attn_ops.head_curve(sums[h], orders[h], alpha, solutions_at=range(1, d + 1))
         matrices[h] = torch.cat([solutions[k].M.reshape(-1) for k in range(1, d + 1)])
-        numbers[h] = a_full.new_tensor([[s.ridge_lambda, s.error_uncompensated, s.error_compensated, s.logit_energy]
+        numbers[h] = curves.new_tensor([[s.ridge_lambda, s.error_uncompensated, s.error_compensated, s.logit_energy]
                                         for s in (solutions[k] for k in range(1, d + 1))])
     for shared in (curves, matrices, numbers):
         distributed.all_reduce_sum(shared)
