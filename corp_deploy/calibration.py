@@ -40,9 +40,11 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
 
 
 def find_images(directory: str | Path) -> list[Path]:
-    """Image files under ``directory`` (recursive, sorted), by extension."""
+    """Entries under ``directory`` named as images (recursive, sorted, by extension), folders
+    excepted: regular files, and dangling links or special files (FIFOs, devices), which
+    :func:`load_rgb` refuses, so that they are counted as unreadable rather than left out unsaid."""
     root = existing_dir(directory, "image directory")
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and not p.is_dir())
 
 
 #: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
@@ -54,7 +56,10 @@ UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, MemoryEr
 def load_rgb(path: str | Path) -> Image.Image:
     """An image file as 8-bit RGB. 16-bit and 32-bit integer greyscale is scaled to 8 bits (not
     clipped, which would turn it white). Raises one of :data:`UNREADABLE`; an image above Pillow's
-    pixel limit (``Image.MAX_IMAGE_PIXELS``) is refused before it is decoded."""
+    pixel limit (``Image.MAX_IMAGE_PIXELS``) is refused before it is decoded, and anything but a
+    regular file (or a link to one) before it is opened: Pillow would wait forever on a FIFO."""
+    if not Path(path).is_file():
+        raise OSError("not a regular file (a dangling link, FIFO or device)")
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as image:

@@ -8,7 +8,9 @@ here is the single-process identity.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from datetime import timedelta
 
 import torch
@@ -43,7 +45,23 @@ def init_from_environment(device: str, timeout: timedelta | None = None) -> None
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", **({"timeout": timeout} if timeout else {}))
+    with _signals_end_the_process():
+        dist.init_process_group("nccl" if cuda else "gloo", **({"timeout": timeout} if timeout else {}))
+
+
+@contextlib.contextmanager
+def _signals_end_the_process():
+    """SIGINT and SIGTERM end the process at once (their default action) inside the block. Joining
+    the group waits for the other ranks in one C++ call, in which Python's own handlers
+    (:mod:`corp_deploy.launch`) would run only once it returns: when another rank died before
+    joining, torchrun's SIGTERM went unanswered for its 30 s grace period and the process was then
+    killed. Nothing is being written while a process joins."""
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def shutdown() -> None:

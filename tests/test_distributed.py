@@ -73,13 +73,21 @@ def test_moments_summed_over_ranks_equal_those_of_all_samples(tmp_path):
     torch.testing.assert_close(ranks[0]["covariance"], ranks[1]["covariance"], rtol=0, atol=0)
 
 
-def _head_grams_of_my_share(q: torch.Tensor, k: torch.Tensor, summed_after: int | None) -> dict:
+#: ``HeadGrams(summed_after)`` for 7 images of head dim 4 over 2 ranks (4 + 3; the Grams' memory
+#: passes the sums' after 6 images): gathered; summed at the reduction; summed by one rank while adding.
+SWITCHES = {100: "gathered", None: "summed at the reduction", 3: "summed by one rank while adding"}
+
+
+def _head_grams_of_my_share(q: torch.Tensor, k: torch.Tensor) -> dict:
     start, stop = _my_range(len(q))
-    grams = HeadGrams(summed_after)
-    for qb, kb in zip(q[start:stop].split(2), k[start:stop].split(2)):
-        grams.add(qb, kb)
-    grams.all_reduce()
-    return _grams_state(grams)
+    states = {}
+    for summed_after in SWITCHES:
+        grams = HeadGrams(summed_after)
+        for qb, kb in zip(q[start:stop].split(2), k[start:stop].split(2)):
+            grams.add(qb, kb)
+        grams.all_reduce()
+        states[str(summed_after)] = _grams_state(grams)
+    return states
 
 
 def _grams_state(grams: HeadGrams) -> dict:
@@ -88,21 +96,21 @@ def _grams_state(grams: HeadGrams) -> dict:
     return {"n": grams.n, "query": torch.cat(grams.query), "key": torch.cat(grams.key)}
 
 
-# 7 images of head dim 4 over 2 ranks (4 + 3): the Grams' memory passes the sums' after 6 images
-@pytest.mark.parametrize("summed_after, form", [(100, "gathered"), (None, "summed at the reduction"),
-                                                (3, "summed by one rank while adding")])
-def test_head_grams_over_ranks_equal_the_single_process_ones(tmp_path, summed_after, form):
+def test_head_grams_over_ranks_equal_the_single_process_ones(tmp_path):
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(7, 2, 5, 4, generator=g), torch.randn(7, 2, 5, 4, generator=g)
-    single = HeadGrams(summed_after)
-    single.add(q, k)
-    expected = _grams_state(single)
-    assert ("kronecker" in expected) == (form != "gathered")
-    for result in run_ranks(_head_grams_of_my_share, tmp_path, 2, q, k, summed_after):
-        assert result.keys() == expected.keys() and result["n"] == 7
-        for name in set(expected) - {"n"}:  # gathered: the same numbers; summed: in another order
-            torch.testing.assert_close(result[name], expected[name], rtol=0 if form == "gathered" else 1e-12,
-                                       atol=0 if form == "gathered" else 1e-12)
+    ranks = run_ranks(_head_grams_of_my_share, tmp_path, 2, q, k)
+    for summed_after, form in SWITCHES.items():
+        single = HeadGrams(summed_after)
+        single.add(q, k)
+        expected = _grams_state(single)
+        assert ("kronecker" in expected) == (form != "gathered")
+        exact = dict(rtol=0, atol=0) if form == "gathered" else dict(rtol=1e-12, atol=1e-12)  # other sum order
+        for states in ranks:
+            result = states[str(summed_after)]
+            assert result.keys() == expected.keys() and result["n"] == 7, form
+            for name in set(expected) - {"n"}:
+                torch.testing.assert_close(result[name], expected[name], **exact)
 
 
 def test_samples_after_the_reduction_are_refused():
@@ -202,16 +210,53 @@ def test_torchrun_compress_writes_one_artifact_equal_to_one_process(tmp_path):
 @pytest.mark.slow
 def test_a_killed_process_ends_the_run_without_an_artifact(tmp_path):
     """One process killed mid-run: torchrun stops the others, exits non-zero, and nothing is
-    written where the artifact was to go."""
+    written where the artifact was to go. The others answer its SIGTERM within torchrun's 30 s
+    grace, after which it would have killed them (they would have printed nothing)."""
     job = torchrun_compress(["--calib-samples", 4096, "--batch-size", 64, "--macs", 0.5], tmp_path / "art",
                             tmp_path / "state")
     workers = _wait_for_children(job.pid, 2)
-    time.sleep(3)  # loading the images or calibrating: either way mid-run
+    time.sleep(3)  # joining, loading the images or calibrating: either way mid-run
     os.kill(workers[-1], signal.SIGKILL)
+    killed = time.monotonic()
     output, _ = job.communicate(timeout=300)
+    assert time.monotonic() - killed < 25, output
     assert job.returncode != 0, output
     assert not (tmp_path / "art").exists()
     assert not list(tmp_path.glob("*art*"))  # no half-written temporary folder either
+
+
+JOIN = """
+import os, signal, sys, time
+from pathlib import Path
+from corp_deploy import distributed
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a Python handler, as corp-deploy's own
+folder, rank = Path(sys.argv[1]), os.environ["RANK"]
+(folder / f"rank{rank}.pid").write_text(str(os.getpid()))
+if rank == "1":
+    time.sleep(300)  # never joins
+(folder / "joining").touch()
+distributed.init_from_environment("cpu")
+"""
+
+
+def test_a_process_waiting_to_join_the_group_is_stopped_at_once(tmp_path):
+    """A rank that died before joining left the others waiting to join in one C++ call, where
+    Python's signal handlers do not run: torchrun's SIGTERM went unanswered for its 30 s grace.
+    While joining, SIGTERM now ends the process at once (nothing is being written then)."""
+    (tmp_path / "join.py").write_text(JOIN)
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(tmp_path / "join.py"), str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "joining").exists() and (tmp_path / "rank1.pid").exists()):
+        assert time.monotonic() < deadline and job.poll() is None, "the ranks did not start"
+        time.sleep(0.2)
+    time.sleep(1)  # rank 0 is waiting for rank 1 to join
+    os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    output, _ = job.communicate(timeout=120)
+    assert time.monotonic() - killed < 10, output
+    assert "Unable to shutdown" not in output and "exitcode  : -15" in output, output  # rank 0: SIGTERM
 
 
 def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> list[int]:

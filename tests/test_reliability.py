@@ -564,15 +564,23 @@ def test_cuda_requested_without_a_gpu(work):
 # ---------------------------------------------------------------- accepted with a warning, or replaced
 
 def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
+    """Also a dangling link and a FIFO named as images: counted, not left out unsaid (and the FIFO
+    is never opened, which would wait forever)."""
     calib = image_folder(work / "calib", 3)
     bomb(calib / "big.png")
     (calib / "broken.jpg").write_bytes(b"no")
+    (calib / "gone.jpg").symlink_to(work / "nowhere.jpg")
+    os.mkfifo(calib / "pipe.png")
+    (calib / "folder.jpg").mkdir()  # a folder is not an image file: not counted
     code, text, _ = invoke([*BASE, "--calib", calib, "-o", work / "o"], work.parent / "state")
     assert code == 0 and "Traceback" not in text, text
-    assert "skipped 2 unreadable calibration files" in text and "decompression-bomb limit" in text
+    assert "skipped 4 unreadable calibration files" in text
     assert "calibrated on 3 images, fewer than the 4 asked for" in text
     config = json.loads((work / "o" / "config.json").read_text())["calibration"]
-    assert (config["images_used"], config["files_skipped"], config["images_requested"]) == (3, 2, 4)
+    assert (config["images_used"], config["files_skipped"], config["images_requested"]) == (3, 4, 4)
+    assert config["files_found"] == 7
+    reasons = "\n".join(config["skipped_examples"])
+    assert "decompression-bomb limit" in reasons and reasons.count("not a regular file") == 2, reasons
     assert not debris(work)
 
 
