@@ -33,8 +33,8 @@ FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 3
 SWEEP_FILE = "sweep.json"
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
-#: The methods a sweep runs under torch.distributed.
-DISTRIBUTED_METHODS = frozenset({"corp", "uncompensated"})
+#: The methods a sweep runs under torch.distributed (``uncompensated`` is CORP's selection).
+DISTRIBUTED_METHODS = frozenset({name for name, method in METHODS.items() if method.runs_distributed} | {"uncompensated"})
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
     the others wait for it, and it alone returns the result (the others None).
     """
     if distributed.active() and not set(spec.methods) <= DISTRIBUTED_METHODS:
-        raise CorpError(f"under torchrun a sweep runs {' and '.join(sorted(DISTRIBUTED_METHODS))} only (the "
+        raise CorpError(f"under torchrun a sweep runs only {', '.join(sorted(DISTRIBUTED_METHODS))} (the "
                         "methods whose calibration is shared by the processes); run the others in one process")
     check_output_dir(out_dir, "sweep")  # before any work
     first = distributed.rank() == 0

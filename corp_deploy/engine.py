@@ -61,10 +61,11 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
-    if distributed.active() and config.method != "corp":
-        raise SettingError(f"{{setting}} {config.method} does not run under torch.distributed yet (CORP does); "
-                           "run it in one process", "method")
     method = METHODS[config.method]
+    if distributed.active() and not method.runs_distributed:
+        runs = " and ".join(name for name, m in METHODS.items() if m.runs_distributed)
+        raise SettingError(f"{{setting}} {config.method} does not run under torch.distributed yet ({runs} do); "
+                           "run it in one process", "method")
     method.check_model(model, config)
     check_rounding(model, config)
     device = resolve_device(config.device)

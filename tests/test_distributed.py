@@ -145,12 +145,14 @@ PAST_THE_GRAMS = (32, 32, 16)
     (dict(macs=0.5), (32, 8, 8)),  # the budget's 32 probe images all on the first process
     (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5)),
     (dict(s_mlp=0.5, s_attn=0.5), PAST_THE_GRAMS),
-    (dict(macs=0.5), PAST_THE_GRAMS)],
-    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums"])
+    (dict(macs=0.5), PAST_THE_GRAMS),
+    (dict(method="vbp", s_mlp=0.5), (8, 8, 8, 5))],
+    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums",
+         "vbp"])
 def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes):
     """The same kept dims (uniform and budget: the budget's curves, probes and allocation see the
-    same sums; its query/key factorisations are split between the processes) and the same outputs
-    up to float summation order. With 80 images the query/key statistics are past the images
+    same sums; its query/key factorisations are split between the processes; VBP: its global
+    variance ranking sees the merged moments) and the same outputs up to float summation order. With 80 images the query/key statistics are past the images
     worth their Kronecker sums (72 at the small ViT's head dim 16), though neither process's share
     is: each folds its Grams at the reduction."""
     if sizes == PAST_THE_GRAMS:

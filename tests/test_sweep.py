@@ -96,13 +96,13 @@ def test_sweep_over_mac_budgets(tmp_path, run_cli):
 
 
 def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path, monkeypatch, small_vit):
-    """Under torch.distributed a sweep runs CORP and its uncompensated ablation only, and says so
-    before any work (nothing written)."""
+    """Under torch.distributed a sweep runs CORP, its uncompensated ablation and VBP only (ToaSt's
+    statistics are not summed over the processes), and says so before any work (nothing written)."""
     from benchmarks.sweep import SweepSpec, run_sweep
     from corp_deploy import CorpError, distributed
 
     monkeypatch.setattr(distributed, "active", lambda: True)
-    spec = SweepSpec(sparsities=(0.5,), methods=("corp", "vbp"))
-    with pytest.raises(CorpError, match="under torchrun a sweep runs corp and uncompensated only"):
+    spec = SweepSpec(sparsities=(0.5,), methods=("corp", "toast"))
+    with pytest.raises(CorpError, match="under torchrun a sweep runs only corp, uncompensated, vbp"):
         run_sweep(small_vit(), {}, spec, tmp_path / "sweep")
     assert not (tmp_path / "sweep").exists()

@@ -83,6 +83,8 @@ class Method(ABC):
             switches off.
         per_layer_sparsity: whether a sparsity sets every layer's kept count (False: one global
             rate whose per-layer counts vary, as VBP's).
+        runs_distributed: whether its statistics are summed over the processes of torch.distributed
+            (``torchrun``); a method without is refused there.
     """
 
     name: ClassVar[str]
@@ -93,6 +95,7 @@ class Method(ABC):
     options_class: ClassVar[type[MethodOptions]] = MethodOptions
     has_compensation: ClassVar[bool] = True
     per_layer_sparsity: ClassVar[bool] = True
+    runs_distributed: ClassVar[bool] = False
 
     @abstractmethod
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:

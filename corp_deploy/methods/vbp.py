@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import channels
+from .. import channels, distributed
 from ..blocks import block_forward
 from ..errors import SettingError
 from ..families import blocks_of
@@ -45,6 +45,7 @@ class Vbp(Method):
     default_target = "mlp"
     options_class = VbpOptions
     per_layer_sparsity = False
+    runs_distributed = True
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
@@ -53,6 +54,7 @@ class Vbp(Method):
             for block in blocks_of(model):
                 stats = ChannelMoments(block.mlp.fc1.out_features, run.cache.device)
                 run.cache.advance(lambda x: block_forward(block, x, on_hidden=stats.update))
+                stats.all_reduce()
                 moments.append(stats)
                 run.block_done()
         layers = []
@@ -96,6 +98,18 @@ class ChannelMoments:
         self.mean += delta * (m / total)
         self._m2 += batch_m2 + delta.square() * (self.n * m / total)
         self.n = total
+
+    def all_reduce(self) -> None:
+        """The moments of every rank's samples under torch.distributed (no-op in one process): the
+        same parallel update over the ranks, ``mu = sum_r n_r mu_r / n`` and
+        ``M2 = sum_r (M2_r + n_r (mu_r - mu)^2)``."""
+        if not distributed.active():
+            return
+        weighted = distributed.all_reduce_sum(torch.cat([self.mean * self.n, self.mean.new_tensor([self.n])]))
+        total = int(weighted[-1])
+        mean = weighted[:-1] / max(total, 1)
+        self._m2 = distributed.all_reduce_sum(self._m2 + self.n * (self.mean - mean).square())
+        self.mean, self.n = mean, total
 
     @property
     def variance(self) -> torch.Tensor:

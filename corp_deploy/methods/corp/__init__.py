@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class Corp(Method):
     name = "corp"
+    runs_distributed = True
     summary = "ranking plus closed-form compensation; sparsities or a MAC budget."
     prunes = "MLP hidden channels, attention query/key dims and value/output dims"
     targets = ("mlp", "attn", "vo", "both", "mlp-vo", "all")
