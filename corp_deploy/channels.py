@@ -93,8 +93,7 @@ def solve_channels(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tenso
     sig_pp = cov[P][:, P]
     lam = ridge_lambda(stats, alpha)
     if compensate and len(P):
-        eye = torch.eye(len(S), dtype=cov.dtype, device=cov.device)
-        B = spd_solve(sig_ss + lam * eye, sig_ps.T).T
+        B = spd_solve(add_ridge_(sig_ss, lam), sig_ps.T).T  # sig_ss is a copy (indexed) and not used again
         c = mu[P] - B @ mu[S]
     else:
         B = torch.zeros(len(P), len(S), dtype=cov.dtype, device=cov.device)
@@ -149,10 +148,9 @@ def prefix_objective(stats: MomentAccumulator, weight: torch.Tensor, order: torc
     ``W L``: one factorisation gives every ``k`` (docs/method.md §8).
     """
     lam = ridge_lambda(stats, alpha)
-    cov = stats.covariance[order][:, order]
-    eye = torch.eye(len(order), dtype=cov.dtype, device=cov.device)
+    reg = add_ridge_(stats.covariance[order][:, order], lam)
     w = weight.double()[:, order]
-    trailing = (w @ _cholesky(cov + lam * eye)).square().sum(0) - lam * w.square().sum(0)
+    trailing = (w @ _cholesky(reg)).square().sum(0) - lam * w.square().sum(0)
     return torch.cat([trailing.flip(0).cumsum(0).flip(0), trailing.new_zeros(1)]).clamp_min(0.0)
 
 
@@ -175,7 +173,7 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
     steps = H if kept is None else kept
     # a vanishing floor keeps the pivots positive when alpha = 0 and a channel is fully explained
     lam = max(ridge_lambda(stats, alpha), 1e-12 * float(torch.trace(cov)) / H)
-    schur = cov + lam * torch.eye(H, dtype=cov.dtype, device=cov.device)  # Mreg_{.|S} at the panel start
+    schur = add_ridge_(cov.clone(), lam)  # Mreg_{.|S} at the panel start
     w = weight.double()
     w_norm2 = w.square().sum(0)
     resid_diag = torch.diagonal(schur).clone()
@@ -243,6 +241,12 @@ def compensated_consumer(layer: nn.Linear, kept: torch.Tensor, pruned: torch.Ten
     return new
 
 
+def add_ridge_(matrix: torch.Tensor, lam: float) -> torch.Tensor:
+    """``matrix + lam I`` in place (no ``d x d`` identity formed); returns ``matrix``."""
+    matrix.diagonal().add_(lam)
+    return matrix
+
+
 def _weighted_trace(w: torch.Tensor, m: torch.Tensor) -> float:
     """``tr(W M W^T)`` for ``W (o, k)``, ``M (k, k)``."""
     if w.shape[1] == 0:
@@ -256,8 +260,7 @@ def _cholesky(a: torch.Tensor) -> torch.Tensor:
     chol, info = torch.linalg.cholesky_ex(a)
     jitter = 1e-12 * max(float(torch.diagonal(a).abs().max()), 1e-300)
     while int(info) != 0:
-        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        chol, info = torch.linalg.cholesky_ex(a + jitter * eye)
+        chol, info = torch.linalg.cholesky_ex(add_ridge_(a.clone(), jitter))
         jitter *= 10
     return chol
 

@@ -15,8 +15,8 @@ and key Grams (``images x heads x d x d`` float32 x 2, 100 MB for DeiT-B / 256 i
 1056 images their Kronecker sums instead, 415 MB: :class:`~corp_deploy.stats.HeadGrams`)
 for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's drift refit
 (docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
-states) and, for one block at a time, the dense block's input, attention and MLP outputs and the
-compressed attention's output-projection inputs (four more, at most). No gradient is ever taken.
+states) and, for one block at a time, two targets formed from the dense block's input, attention
+and MLP outputs, and the compressed attention's output-projection inputs (three more, at most). No gradient is ever taken.
 Measured numbers: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
@@ -43,22 +43,25 @@ from .models import check_finite, check_vit
 
 
 def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
-             config: CompressConfig = CompressConfig(), *, progress: bool = False
+             config: CompressConfig = CompressConfig(), *, progress: bool = False, in_place: bool = False
              ) -> tuple[nn.Module, dict]:
-    """Compress a timm ViT with ``config.method`` (CORP by default); the input model is left unchanged.
+    """Compress a timm ViT with ``config.method`` (CORP by default); the input model is left unchanged
+    unless ``in_place``.
 
     Args:
         model: a timm ``VisionTransformer`` (dense).
         calibration_batches: iterable of preprocessed image batches ``(B, 3, H, W)``.
         config: what to prune and how.
         progress: show a progress bar on stderr.
+        in_place: compress ``model`` itself instead of a copy (the returned model is ``model``; after
+            a failure it is left part-compressed): one copy of the weights less in memory.
     Returns:
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
     check_finite(model, "the model to compress")
-    model = standard_form(copy.deepcopy(model)).eval()  # never modify the caller's model
+    model = standard_form(model if in_place else copy.deepcopy(model)).eval()
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
     method = METHODS[config.method]

@@ -94,15 +94,14 @@ def inference_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -
 
 
 def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
-    """A lower bound on the memory compressing the loaded ``model`` on ``images`` images in batches of
-    ``batch`` adds: its working copy, the hidden states of every image at a block boundary (the
-    calibration cache, :mod:`corp_deploy.engine`), and one batch's inference."""
+    """A lower bound on the memory compressing the loaded ``model`` in place on ``images`` images in
+    batches of ``batch`` adds: the hidden states of every image at a block boundary (the calibration
+    cache, :mod:`corp_deploy.engine`) and one batch's inference."""
     from .engine import embed_tokens
     parameter = next(model.parameters())
     with torch.no_grad():
         tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
-    return (weight_bytes(model) + images * tokens.numel() * FLOAT32
-            + inference_bytes(model, input_size, min(batch, images)))
+    return images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, min(batch, images))
 
 
 def check_fits(what: str, needed: int, hint: str) -> None:

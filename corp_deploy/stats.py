@@ -53,6 +53,9 @@ class MomentAccumulator:
     samples. Then ``Sigma = G / n - delta delta^T`` with
     ``delta = sum (x - K) / n`` in float64; since ``K`` is close to the mean,
     ``delta`` is small and the subtraction loses little precision.
+
+    The covariance is formed in place of the Gram when first read (no second ``d x d`` float64
+    matrix is held), so no samples can be added after that.
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True,
@@ -68,23 +71,34 @@ class MomentAccumulator:
         self.positive = torch.zeros(dim, dtype=torch.float64, device=device) if track_positive else None
         self._reduced = False
 
-    def update(self, x: torch.Tensor) -> None:
-        """Add samples ``x`` of shape ``(..., d)`` (leading dims are flattened)."""
+    #: Rows centred and added at a time, as a number of elements: bounds the float32 copy that
+    #: :meth:`update` makes (64 MiB whatever the batch).
+    CHUNK_ELEMENTS = 1 << 24
+
+    def update(self, *parts: torch.Tensor) -> None:
+        """Add samples: ``parts`` of shapes ``(..., d_j)`` with equal leading dims (flattened), joined
+        along the last dim into ``d``-dim samples (one part: the samples themselves). The joined and
+        centred float32 copy is made :data:`CHUNK_ELEMENTS` at a time."""
         if self._reduced:
             raise RuntimeError("samples added after all_reduce: the sums of the ranks would be counted twice")
-        x = x.reshape(-1, x.shape[-1]).float()
-        if x.shape[0] == 0:
+        self._check_open()
+        parts = [part.reshape(-1, part.shape[-1]) for part in parts]
+        rows = parts[0].shape[0]
+        if rows == 0:
             return
         if self._shift is None:
-            self._shift = x.mean(0)
-        if self.positive is not None:
-            self.positive += torch.count_nonzero(x > 0, dim=0).double()
-        xc = x - self._shift
-        self._sum += xc.sum(0).double()
-        _add_lower_gram(self._gram32, xc)
-        self.n += x.shape[0]
-        self._pending += x.shape[0]
-        self._covariance = None
+            self._shift = torch.cat([part.float().mean(0) for part in parts])
+        step = max(1, self.CHUNK_ELEMENTS // len(self._shift))
+        for start in range(0, rows, step):
+            chunk = [part[start:start + step].float() for part in parts]
+            x = chunk[0] if len(chunk) == 1 else torch.cat(chunk, -1)
+            if self.positive is not None:
+                self.positive += torch.count_nonzero(x > 0, dim=0).double()
+            xc = x - self._shift
+            self._sum += xc.sum(0).double()
+            _add_lower_gram(self._gram32, xc)
+        self.n += rows
+        self._pending += rows
         if self._pending >= self._flush_samples:
             self._flush()
 
@@ -97,6 +111,7 @@ class MomentAccumulator:
         ``sum (x - c)(x - c)^T = G + delta s^T + s delta^T + n delta delta^T``."""
         if not distributed.active():
             return
+        self._check_open()
         self._flush()
         own = self._shift.double() if self._shift is not None else self._sum.new_zeros(self._sum.shape)
         weighted = distributed.all_reduce_sum(torch.cat([own * self.n, own.new_tensor([self.n])]))
@@ -109,8 +124,12 @@ class MomentAccumulator:
         distributed.all_reduce_sum(self._gram64)
         if self.positive is not None:
             distributed.all_reduce_sum(self.positive)
-        self.n, self._shift, self._covariance = total, common, None
+        self.n, self._shift = total, common
         self._reduced = True
+
+    def _check_open(self) -> None:
+        if self._gram64 is None:
+            raise RuntimeError("samples added after the covariance was read: it replaced the sums")
 
     def _flush(self) -> None:
         self._gram64 += self._gram32
@@ -125,13 +144,14 @@ class MomentAccumulator:
 
     @property
     def covariance(self) -> torch.Tensor:
-        """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (cached)."""
+        """Population covariance ``E[(x - mu)(x - mu)^T]``, float64 ``(d, d)`` (formed once, in place
+        of the Gram)."""
         if self._covariance is None:
             self._flush()
             n = max(self.n, 1)
             delta = self._sum / n
-            self._covariance = torch.addr(symmetrize_lower_(self._gram64), delta, delta,
-                                          beta=1.0 / n, alpha=-1.0)
+            self._covariance = symmetrize_lower_(self._gram64).mul_(1.0 / n).addr_(delta, delta, alpha=-1.0)
+            self._gram64 = self._gram32 = None
         return self._covariance
 
     @property

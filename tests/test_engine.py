@@ -1,4 +1,6 @@
 """Whole-model compression on small random-weight ViTs."""
+import copy
+
 import pytest
 import timm
 import torch
@@ -24,6 +26,19 @@ def test_input_model_is_left_unchanged(vit, batches):
     compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5))
     after = vit.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_in_place_compresses_the_given_model_into_the_same_result(vit, batches):
+    """``in_place=True`` (what the CLI does, to hold one copy of the weights) returns the given model
+    itself, compressed exactly as a copy would be."""
+    config = CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5)
+    copied, _ = compress(vit, batches, config)
+    given = copy.deepcopy(vit)
+    model, _ = compress(given, batches, config, in_place=True)
+    assert model is given
+    expected = copied.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("settings", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.5)], ids=["uniform", "budget"])

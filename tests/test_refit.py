@@ -115,20 +115,26 @@ def block_streams(model, images: list[torch.Tensor]):
     return [{k: torch.cat(v).reshape(-1, v[0].shape[-1]).double() for k, v in s.items()} for s in streams]
 
 
+@pytest.mark.parametrize("layers", ["proj+fc2", "fc2"])
 @pytest.mark.parametrize("sizes", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.6)], ids=["uniform", "budget"])
-def test_every_refitted_layer_is_the_fit_on_the_compressed_models_own_activations(small_vit, image_batches, sizes):
+def test_every_refitted_layer_is_the_fit_on_the_compressed_models_own_activations(small_vit, image_batches, sizes,
+                                                                                  layers):
     """Block by block: the refitted ``proj`` and ``fc2`` equal the shrunk ridge fit (lstsq on raw
     samples) from the inputs they receive in the final compressed model to the dense model's
-    residual targets, shrunk toward CORP's layers (the same compression without the refit)."""
+    residual targets, shrunk toward CORP's layers (the same compression without the refit); a
+    layer not refitted is CORP's."""
     dense = layer_scaled_vit(small_vit)
     images = image_batches(3, 8)
-    refitted, report = compress(dense, images, CompressConfig.from_settings(**sizes, refit="proj+fc2"))
+    refitted, report = compress(dense, images, CompressConfig.from_settings(**sizes, refit=layers))
     corp, _ = compress(dense, images, CompressConfig.from_settings(**sizes, refit="none"))
     dense_streams, streams = block_streams(dense, images), block_streams(refitted, images)
     for i, (block, d, c) in enumerate(zip(refitted.blocks, dense_streams, streams)):
-        for layer, corp_layer, target, gamma in (
-                (block.attn.proj, corp.blocks[i].attn.proj, (d["mid"] - c["x"]), block.ls1.gamma),
-                (block.mlp.fc2, corp.blocks[i].mlp.fc2, (d["end"] - c["mid"]), block.ls2.gamma)):
+        checked = [(block.mlp.fc2, corp.blocks[i].mlp.fc2, (d["end"] - c["mid"]), block.ls2.gamma)]
+        if layers == "proj+fc2":
+            checked.append((block.attn.proj, corp.blocks[i].attn.proj, (d["mid"] - c["x"]), block.ls1.gamma))
+        else:
+            torch.testing.assert_close(block.attn.proj.weight, corp.blocks[i].attn.proj.weight, rtol=0, atol=0)
+        for layer, corp_layer, target, gamma in checked:
             inputs = c["proj_in"] if layer is block.attn.proj else c["fc2_in"]
             w_ref, b_ref = shrunk_ridge_lstsq(inputs, target / gamma.double(), corp_layer.weight.double(), 1.0,
                                               gamma.detach())

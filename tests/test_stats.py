@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from corp_deploy.stats import HeadGrams, MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
@@ -30,6 +31,31 @@ def test_moments_match_direct_computation_over_uneven_batches():
     torch.testing.assert_close(acc.covariance, torch.cov(d.T, correction=0), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(acc.second_moment_diag, (d ** 2).mean(0), rtol=1e-6, atol=0)
     torch.testing.assert_close(acc.positive_rate, (d > 0).double().mean(0))
+
+
+def test_moments_of_joined_parts_in_small_chunks_match_direct_computation(monkeypatch):
+    """``update(h, t)`` adds the samples ``[h, t]``; a batch is centred a few rows at a time."""
+    monkeypatch.setattr(MomentAccumulator, "CHUNK_ELEMENTS", 7 * 5)  # 7 rows of the 5 joined dims
+    g = torch.Generator().manual_seed(1)
+    h, t = torch.randn(2, 30, 3, generator=g) + 4, torch.randn(2, 30, 2, generator=g) - 2
+    acc = MomentAccumulator(5)
+    acc.update(h[0], t[0])
+    acc.update(h[1], t[1])
+    d = torch.cat([h, t], -1).reshape(-1, 5).double()
+    assert acc.n == 60
+    torch.testing.assert_close(acc.mean, d.mean(0), **FLOAT32)
+    torch.testing.assert_close(acc.covariance, torch.cov(d.T, correction=0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(acc.positive_rate, (d > 0).double().mean(0))
+
+
+def test_moments_refuse_samples_once_the_covariance_is_read():
+    """The covariance is formed in place of the sums (one d x d float64 matrix held, not two)."""
+    acc = MomentAccumulator(4)
+    acc.update(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)))
+    first = acc.covariance
+    assert acc.covariance is first
+    with pytest.raises(RuntimeError, match="after the covariance was read"):
+        acc.update(torch.ones(2, 4))
 
 
 def test_per_image_head_grams():

@@ -128,7 +128,8 @@ def _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_p
         warn_builtin_calibration()
     images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size,
                                            seed=seed)
-    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty() and first)
+    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty() and first,
+                                      in_place=True)  # the CLI needs no dense copy: one copy of the weights less
     if not first:
         return
     summary = images.summary()

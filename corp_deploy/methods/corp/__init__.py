@@ -17,7 +17,7 @@ from ..base import BlockRun, Method
 from .budget import allocation_table, plan_budget
 from .compress import compress_block, compress_block_sequential
 from .options import CorpOptions
-from .refit import REFIT_LAYERS, DenseTargets, DriftRefit
+from .refit import REFIT_LAYERS, DriftRefit
 from .sizes import uniform_sizes
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Corp(Method):
             if refit is None:
                 layers.append(compress(block, run, config, size))
             else:
-                targets = DenseTargets()
+                targets = refit.targets(block)
                 layers.append(compress_block(block, run, config, size, targets))
                 with run.timer("refit"):
                     layers[-1]["refit"] = refit.refit_block(block, targets)

@@ -21,13 +21,13 @@ block computes is kept from its statistics pass (:class:`DenseTargets`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...blocks import BoundaryCache, attention_output, block_exit, block_forward, mlp_hidden, mlp_residual
-from ...channels import spd_solve
+from ...channels import add_ridge_, spd_solve
 from ...errors import CorpError
 from ...families import check_prunable, windows_of
 from ...stats import MomentAccumulator
@@ -36,21 +36,31 @@ from ...stats import MomentAccumulator
 REFIT_LAYERS = {"none": (), "fc2": ("fc2",), "proj+fc2": ("proj", "fc2")}
 
 
-@dataclass
 class DenseTargets:
-    """What the dense block computes, per calibration batch: its input ``x``, its attention
-    branch ``attention`` and its MLP branch ``mlp`` (both before their LayerScale), each
-    ``(B, N, C)``. The refit's targets are formed from differences of these with the compressed
-    path (no ``mid - x`` of two large residuals, whose rounding a small LayerScale would magnify)."""
+    """The refit's targets for one block, formed per calibration batch while the dense block runs
+    (:meth:`add`), from its input ``x_d``, attention branch ``a_d`` and MLP branch ``m_d`` (both before
+    their LayerScales ``gamma1``, ``gamma2``) and the compressed path's input ``x_c`` of the same batch,
+    each ``(B, N, C)``:
 
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    attention: list[torch.Tensor] = field(default_factory=list)
-    mlp: list[torch.Tensor] = field(default_factory=list)
+    * ``proj``: ``a_d + (x_d - x_c) / gamma1`` (kept only when ``attn.proj`` is refitted);
+    * ``fc2``: ``m_d + ((x_d - x_c) + gamma1 a_d) / gamma2``, from which ``fc2``'s target is formed
+      by subtracting ``gamma1 a_c / gamma2`` once the compressed attention's output ``a_c`` is known.
+
+    Two tensors per batch, and only differences of branches and of the two paths' inputs: no
+    ``mid - x`` of two large residuals, whose rounding a small LayerScale would magnify."""
+
+    def __init__(self, block: nn.Module, path: BoundaryCache, with_proj: bool) -> None:
+        self._block, self._path = block, iter(path.batches)
+        self._gamma1 = _layer_scale(block.ls1, path.batches[0])
+        self._gamma2 = _layer_scale(block.ls2, path.batches[0])
+        self.proj: list[torch.Tensor] | None = [] if with_proj else None
+        self.fc2: list[torch.Tensor] = []
 
     def add(self, x: torch.Tensor, attention: torch.Tensor, mlp: torch.Tensor) -> None:
-        self.inputs.append(x)
-        self.attention.append(attention)
-        self.mlp.append(mlp)
+        drift = x - next(self._path)
+        if self.proj is not None:
+            self.proj.append(attention + drift / self._gamma1)
+        self.fc2.append(mlp + (drift + self._block.ls1(attention)) / self._gamma2)
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,7 @@ def solve_refit(joint: MomentAccumulator, weight: torch.Tensor, bias: torch.Tens
     row_lam = lam / torch.where(reach, g2, torch.ones_like(g2))  # (out,)
     rhs = cov_ht + row_lam * w0.T  # (k, out)
     if bool((row_lam == row_lam[0]).all()):
-        w = spd_solve(cov_h + row_lam[0] * torch.eye(k, dtype=cov.dtype, device=cov.device), rhs).T
+        w = spd_solve(add_ridge_(cov_h.clone(), float(row_lam[0])), rhs).T
     else:
         evals, basis = torch.linalg.eigh(cov_h)
         w = (basis @ ((basis.T @ rhs) / (evals[:, None] + row_lam))).T
@@ -144,11 +154,18 @@ class DriftRefit:
         self.layers = tuple(layer for layer in layers if _admits(model, _CONSUMER_PART[layer]))
         self.alpha = alpha
 
+    def targets(self, block: nn.Module) -> DenseTargets:
+        """An empty :class:`DenseTargets` of ``block`` (dense), to be filled by its statistics pass."""
+        return DenseTargets(block, self.path, self._refits_proj(block))
+
+    def _refits_proj(self, block: nn.Module) -> bool:
+        return "proj" in self.layers and windows_of(block) is None  # windowed attention: proj sees window tokens
+
     def refit_block(self, block: nn.Module, targets: DenseTargets) -> dict:
         """Refit ``block``'s consumers (compressed, in place) toward ``targets``, then advance the
         compressed path through the refitted block; returns the report of each refitted layer."""
         report, proj_inputs = {}, None
-        if "proj" in self.layers and windows_of(block) is None:  # windowed attention: proj sees window tokens
+        if self._refits_proj(block):
             report["proj"], proj_inputs = self._refit_proj(block, targets)
         if "fc2" in self.layers:
             report["fc2"] = self._refit_fc2(block, targets, proj_inputs)  # leaves the path after the attention
@@ -162,13 +179,12 @@ class DriftRefit:
         Returns the report and, per batch, the input ``(B, N, k)`` of ``proj`` on the compressed path
         (it does not depend on ``proj``: the attention need not run again after the refit)."""
         attn = block.attn
-        gamma = _layer_scale(block.ls1, self.path.batches[0])
         joint = MomentAccumulator(attn.proj.in_features + attn.proj.out_features, self.path.device,
                                   track_positive=False)
         inputs: list[torch.Tensor] = []
-        for x, x_dense, a_dense in zip(self.path.batches, targets.inputs, targets.attention):
+        for x in self.path.batches:
             attention_output(block, block.norm1(x), on_proj_input=inputs.append)
-            joint.update(torch.cat([inputs[-1], a_dense + (x_dense - x) / gamma], -1))
+            joint.update(inputs[-1], targets.proj.pop(0))  # each target is used once
         joint.all_reduce()
         solution = solve_refit(joint, attn.proj.weight, attn.proj.bias, self.alpha,
                                getattr(block.ls1, "gamma", None))
@@ -177,22 +193,18 @@ class DriftRefit:
 
     def _refit_fc2(self, block: nn.Module, targets: DenseTargets, proj_inputs: list[torch.Tensor] | None) -> dict:
         """Target: the dense MLP branch plus the drift after the attention,
-        ``m_d + ((x_d - x_c) + ls1(a_d - a_c)) / gamma2``. Moves the compressed path to after the
+        ``m_d + ((x_d - x_c) + gamma1 (a_d - a_c)) / gamma2``. Moves the compressed path to after the
         block's (refitted) attention. ``proj_inputs``: per batch, the input of ``attn.proj`` on the
         compressed path, when known (None: the attention is run)."""
         fc2 = block.mlp.fc2
         gamma = _layer_scale(block.ls2, self.path.batches[0])
         joint = MomentAccumulator(fc2.in_features + fc2.out_features, self.path.device, track_positive=False)
-        dense = iter(zip(targets.inputs, targets.attention, targets.mlp))
-        attention = iter(proj_inputs) if proj_inputs is not None else None
 
         def through_attention(x: torch.Tensor) -> torch.Tensor:
-            x_dense, a_dense, m_dense = next(dense)
-            a = attention_output(block, block.norm1(x)) if attention is None else block.attn.proj(next(attention))
-            mid = x + block.ls1(a)
-            drift = (x_dense - x) + block.ls1(a_dense - a)
-            joint.update(torch.cat([mlp_hidden(block, mid), m_dense + drift / gamma], -1))
-            return mid
+            a = attention_output(block, block.norm1(x)) if proj_inputs is None else block.attn.proj(proj_inputs.pop(0))
+            a = block.ls1(a)
+            joint.update(mlp_hidden(block, x + a), targets.fc2.pop(0) - a / gamma)
+            return x + a
         self.path.advance(through_attention)
         joint.all_reduce()
         solution = solve_refit(joint, fc2.weight, fc2.bias, self.alpha, getattr(block.ls2, "gamma", None))
