@@ -43,24 +43,27 @@ class DenseTargets:
     each ``(B, N, C)``:
 
     * ``proj``: ``a_d + (x_d - x_c) / gamma1`` (kept only when ``attn.proj`` is refitted);
-    * ``fc2``: ``m_d + ((x_d - x_c) + gamma1 a_d) / gamma2``, from which ``fc2``'s target is formed
-      by subtracting ``gamma1 a_c / gamma2`` once the compressed attention's output ``a_c`` is known.
+    * ``fc2``: ``m_d + ((x_d - x_c) + gamma1 a_d) / gamma2`` (kept only when ``mlp.fc2`` is
+      refitted), from which ``fc2``'s target is formed by subtracting ``gamma1 a_c / gamma2`` once
+      the compressed attention's output ``a_c`` is known.
 
-    Two tensors per batch, and only differences of branches and of the two paths' inputs: no
-    ``mid - x`` of two large residuals, whose rounding a small LayerScale would magnify."""
+    At most two tensors per batch, formed from branches and the difference of the two paths'
+    inputs: no ``mid - x`` of two large residuals, whose rounding a small LayerScale would magnify
+    (what is left, float32 rounding of ``gamma1 a / gamma2``, is of the branch's size)."""
 
-    def __init__(self, block: nn.Module, path: BoundaryCache, with_proj: bool) -> None:
+    def __init__(self, block: nn.Module, path: BoundaryCache, with_proj: bool, with_fc2: bool) -> None:
         self._block, self._path = block, iter(path.batches)
         self._gamma1 = _layer_scale(block.ls1, path.batches[0])
         self._gamma2 = _layer_scale(block.ls2, path.batches[0])
         self.proj: list[torch.Tensor] | None = [] if with_proj else None
-        self.fc2: list[torch.Tensor] = []
+        self.fc2: list[torch.Tensor] | None = [] if with_fc2 else None
 
     def add(self, x: torch.Tensor, attention: torch.Tensor, mlp: torch.Tensor) -> None:
         drift = x - next(self._path)
         if self.proj is not None:
             self.proj.append(attention + drift / self._gamma1)
-        self.fc2.append(mlp + (drift + self._block.ls1(attention)) / self._gamma2)
+        if self.fc2 is not None:
+            self.fc2.append(mlp + (drift + self._block.ls1(attention)) / self._gamma2)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class DriftRefit:
 
     def targets(self, block: nn.Module) -> DenseTargets:
         """An empty :class:`DenseTargets` of ``block`` (dense), to be filled by its statistics pass."""
-        return DenseTargets(block, self.path, self._refits_proj(block))
+        return DenseTargets(block, self.path, self._refits_proj(block), "fc2" in self.layers)
 
     def _refits_proj(self, block: nn.Module) -> bool:
         return "proj" in self.layers and windows_of(block) is None  # windowed attention: proj sees window tokens
