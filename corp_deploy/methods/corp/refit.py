@@ -49,21 +49,22 @@ class DenseTargets:
 
     At most two tensors per batch, formed from branches and the difference of the two paths'
     inputs: no ``mid - x`` of two large residuals, whose rounding a small LayerScale would magnify
-    (what is left, float32 rounding of ``gamma1 a / gamma2``, is of the branch's size)."""
+    (what is left, float32 rounding of ``gamma1 a / gamma2``, is of the branch's size). ``gamma1``,
+    ``gamma2``: ``(C,)``, the LayerScales with zeros replaced by ones (ones without one)."""
 
     def __init__(self, block: nn.Module, path: BoundaryCache, with_proj: bool, with_fc2: bool) -> None:
         self._block, self._path = block, iter(path.batches)
-        self._gamma1 = _layer_scale(block.ls1, path.batches[0])
-        self._gamma2 = _layer_scale(block.ls2, path.batches[0])
+        self.gamma1 = _layer_scale(block.ls1, path.batches[0])
+        self.gamma2 = _layer_scale(block.ls2, path.batches[0])
         self.proj: list[torch.Tensor] | None = [] if with_proj else None
         self.fc2: list[torch.Tensor] | None = [] if with_fc2 else None
 
     def add(self, x: torch.Tensor, attention: torch.Tensor, mlp: torch.Tensor) -> None:
         drift = x - next(self._path)
         if self.proj is not None:
-            self.proj.append(attention + drift / self._gamma1)
+            self.proj.append(attention + drift / self.gamma1)
         if self.fc2 is not None:
-            self.fc2.append(mlp + (drift + self._block.ls1(attention)) / self._gamma2)
+            self.fc2.append(mlp + (drift + self._block.ls1(attention)) / self.gamma2)
 
 
 @dataclass(frozen=True)
@@ -200,13 +201,12 @@ class DriftRefit:
         block's (refitted) attention. ``proj_inputs``: per batch, the input of ``attn.proj`` on the
         compressed path, when known (None: the attention is run)."""
         fc2 = block.mlp.fc2
-        gamma = _layer_scale(block.ls2, self.path.batches[0])
         joint = MomentAccumulator(fc2.in_features + fc2.out_features, self.path.device, track_positive=False)
 
         def through_attention(x: torch.Tensor) -> torch.Tensor:
             a = attention_output(block, block.norm1(x)) if proj_inputs is None else block.attn.proj(proj_inputs.pop(0))
             a = block.ls1(a)
-            joint.update(mlp_hidden(block, x + a), targets.fc2.pop(0) - a / gamma)
+            joint.update(mlp_hidden(block, x + a), targets.fc2.pop(0) - a / targets.gamma2)
             return x + a
         self.path.advance(through_attention)
         joint.all_reduce()
