@@ -28,11 +28,18 @@ from corp_deploy import CalibrationImages, CompressConfig, compress, create_base
 from corp_deploy.artifact import library_versions
 
 
-def timed_forward(model, batches) -> float:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_forward(model, batches, device: str) -> float:
+    synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
         for x in batches:
             model(x)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -45,32 +52,37 @@ def main() -> None:
     parser.add_argument("--macs", type=float, default=0.6, help="the budget of mode 'budget'")
     parser.add_argument("--modes", default="independent,sequential")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the forward passes and the calibration run (images are moved there once)")
     parser.add_argument("--full-warmup", action="store_true", help="untimed forward pass over all images first")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = create_base_model(args.model, pretrained=False)
+    model = create_base_model(args.model, pretrained=False).to(args.device)
     transform, _ = model_transform(model)
-    batches = list(CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size))
+    batches = [b.to(args.device) for b in
+               CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size)]
     if args.full_warmup:
-        timed_forward(model, batches)  # the first full pass over new tensors runs slow
+        timed_forward(model, batches, args.device)  # the first full pass over new tensors runs slow
     else:
-        timed_forward(model, batches[:1])
+        timed_forward(model, batches[:1], args.device)
 
     modes = args.modes.split(",")
-    configs = {"independent": CompressConfig(s_mlp=args.s, s_attn=args.s),
-               "independent-refit-none": CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s, refit="none"),
-               "sequential": CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
-               "budget": CompressConfig.from_settings(macs=args.macs),
-               "budget-refit-none": CompressConfig.from_settings(macs=args.macs, refit="none")}
-    forwards = [timed_forward(model, batches)]
+    settings = {"independent": dict(s_mlp=args.s, s_attn=args.s),
+                "independent-refit-none": dict(s_mlp=args.s, s_attn=args.s, refit="none"),
+                "sequential": dict(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
+                "budget": dict(macs=args.macs),
+                "budget-refit-none": dict(macs=args.macs, refit="none")}
+    configs = {mode: CompressConfig.from_settings(**setting, device=args.device) for mode, setting in settings.items()}
+    forwards = [timed_forward(model, batches, args.device)]
     runs = []
     for mode in modes * args.rounds:
+        synchronize(args.device)
         start = time.perf_counter()
         _, report = compress(model, batches, configs[mode])
         total = time.perf_counter() - start
-        forwards.append(timed_forward(model, batches))
+        forwards.append(timed_forward(model, batches, args.device))
         forward = (forwards[-2] + forwards[-1]) / 2
         runs.append({"mode": mode, "compress_s": round(total, 2), "forward_s": round(forward, 2),
                      "ratio": round(total / forward, 3), "phases_s": report["time_s"],
@@ -79,9 +91,11 @@ def main() -> None:
     result = {
         "command": f"python -m benchmarks.studies.compress_cost --model {args.model} --images {args.images} "
                    f"--batch-size {args.batch_size} --s {args.s} --macs {args.macs} --modes {args.modes} "
-                   f"--rounds {args.rounds}{' --full-warmup' if args.full_warmup else ''} --out {args.out}",
+                   f"--rounds {args.rounds} --device {args.device}{' --full-warmup' if args.full_warmup else ''} "
+                   f"--out {args.out}",
         "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["mode"] == mode) for mode in modes},
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
         "versions": library_versions(),
         "forward_passes_s": [round(f, 2) for f in forwards],
         "runs": runs,
