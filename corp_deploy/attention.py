@@ -156,18 +156,21 @@ def head_curve(sums: QKSums, order: torch.Tensor, alpha: float, solutions_at: It
 
 
 def factor_identity_plus(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``U, V`` with ``U V^T = I + M`` (not symmetrised), from the SVD of ``I + M``.
+    """``U, V`` with ``U V^T = I + M`` (not symmetrised): the balanced split of the polar form.
 
-    ``I + M = R diag(sig) T^T``, ``U = R diag(sqrt(sig))``, ``V = T diag(sqrt(sig))``.
-    ``M = 0`` gives ``U = V = I`` exactly.
+    With the SVD ``I + M = R diag(sig) T^T``: ``V = T diag(sqrt(sig)) T^T`` (the square root of
+    ``P = ((I + M)^T (I + M))^(1/2)``, symmetric positive definite) and ``U = R diag(sqrt(sig)) T^T``,
+    so ``U^T U = V^T V = P``. Both are functions of ``M`` alone: the SVD's free signs (and its free
+    rotations between equal singular values) cancel, so every machine and LAPACK build folds the
+    same weights up to rounding. ``M = 0`` gives ``U = V = I`` exactly.
     """
     k = m.shape[0]
     eye = torch.eye(k, dtype=m.dtype, device=m.device)
     if not torch.any(m != 0):
         return eye, eye
-    r, sig, th = torch.linalg.svd(eye + m)
+    r, sig, th = torch.linalg.svd(eye + m)  # th = T^T
     root = sig.sqrt()
-    return r * root, th.T * root
+    return (r * root) @ th, (th.T * root) @ th
 
 
 def fold_attention(attn: nn.Module, kept: torch.Tensor, ms: list[torch.Tensor]) -> PrunedAttention:

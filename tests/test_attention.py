@@ -1,5 +1,6 @@
 """Query/key compensation against raw per-image activations (docs/method.md §3)."""
 import pytest
+import scipy.linalg
 import torch
 from timm.layers.attention import Attention
 
@@ -135,10 +136,23 @@ def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form
         assert err_comp < err_slice
 
 
-def test_identity_plus_factorisation_is_not_symmetrised():
-    m = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+def test_identity_plus_factorisation_is_not_symmetrised_and_is_the_polar_split():
+    m = 0.3 * torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    a = torch.eye(6, dtype=torch.float64) + m
     u, v = attn_ops.factor_identity_plus(m)
-    torch.testing.assert_close(u @ v.T, torch.eye(6, dtype=torch.float64) + m)
+    torch.testing.assert_close(u @ v.T, a)
+    # independent: scipy's polar decomposition a = w p and the principal square root of p
+    w, p = scipy.linalg.polar(a.numpy())
+    root = scipy.linalg.sqrtm(p).real
+    torch.testing.assert_close(v, torch.from_numpy(root))
+    torch.testing.assert_close(u, torch.from_numpy(w @ root))
+    # the SVD's signs do not matter: the same split from a sign-flipped SVD
+    r, sig, th = torch.linalg.svd(a)
+    flip = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    r, th = r * flip, flip[:, None] * th
+    torch.testing.assert_close(r @ torch.diag(sig) @ th, a)
+    torch.testing.assert_close(u, (r * sig.sqrt()) @ th)
+    torch.testing.assert_close(v, (th.T * sig.sqrt()) @ th)
     u0, v0 = attn_ops.factor_identity_plus(torch.zeros(3, 3, dtype=torch.float64))
     assert torch.equal(u0, torch.eye(3, dtype=torch.float64)) and torch.equal(v0, u0)
 
