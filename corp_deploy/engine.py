@@ -72,7 +72,7 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     method.check_model(model, config)
     check_rounding(model, config)
     device = resolve_device(config.device)
-    timer = _PhaseTimer()
+    timer = _PhaseTimer(device)
     model = model.to(device)
     with _Progress(progress) as bar, torch.no_grad():
         with timer("embed"):
@@ -198,18 +198,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 class _PhaseTimer:
-    """Accumulates wall time per named phase."""
+    """Accumulates wall time per named phase. On a CUDA ``device`` each phase waits for the GPU
+    at its start and end, so that kernels still queued are charged to the phase that queued them."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self._totals: dict[str, float] = defaultdict(float)
+        self._device = device
+
+    def _now(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self._now()
         try:
             yield
         finally:
-            self._totals[phase] += time.perf_counter() - start
+            self._totals[phase] += self._now() - start
 
     def totals(self) -> dict[str, float]:
         out = {k: round(v, 4) for k, v in self._totals.items()}

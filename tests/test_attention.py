@@ -146,15 +146,32 @@ def test_identity_plus_factorisation_is_not_symmetrised_and_is_the_polar_split()
     root = scipy.linalg.sqrtm(p).real
     torch.testing.assert_close(v, torch.from_numpy(root))
     torch.testing.assert_close(u, torch.from_numpy(w @ root))
-    # the SVD's signs do not matter: the same split from a sign-flipped SVD
-    r, sig, th = torch.linalg.svd(a)
-    flip = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
-    r, th = r * flip, flip[:, None] * th
-    torch.testing.assert_close(r @ torch.diag(sig) @ th, a)
-    torch.testing.assert_close(u, (r * sig.sqrt()) @ th)
-    torch.testing.assert_close(v, (th.T * sig.sqrt()) @ th)
     u0, v0 = attn_ops.factor_identity_plus(torch.zeros(3, 3, dtype=torch.float64))
     assert torch.equal(u0, torch.eye(3, dtype=torch.float64)) and torch.equal(v0, u0)
+
+
+def test_identity_plus_factorisation_does_not_depend_on_the_svd_chosen(monkeypatch):
+    """LAPACK and cuSOLVER may return other signs for the singular vector pairs, and any rotation
+    within equal singular values: the split must be the same."""
+    m = 0.3 * torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u, v = attn_ops.factor_identity_plus(m)
+    svd = torch.linalg.svd
+    flip = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+
+    def flipped_svd(a):
+        r, sig, th = svd(a)
+        return r * flip, sig, flip[:, None] * th
+
+    monkeypatch.setattr(attn_ops.torch.linalg, "svd", flipped_svd)
+    u_flipped, v_flipped = attn_ops.factor_identity_plus(m)
+    torch.testing.assert_close(u_flipped, u)
+    torch.testing.assert_close(v_flipped, v)
+    monkeypatch.setattr(attn_ops.torch.linalg, "svd", svd)
+    # I + M orthogonal: every singular value is 1 and the SVD's vectors are arbitrary; U = I + M, V = I
+    q, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    u_q, v_q = attn_ops.factor_identity_plus(q - torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(u_q, q)
+    torch.testing.assert_close(v_q, torch.eye(6, dtype=torch.float64))
 
 
 def test_folded_logits_equal_compensated_logits_including_biases():

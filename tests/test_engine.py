@@ -162,3 +162,21 @@ def test_unsupported_structures_are_refused(batches, small_vit):
     with pytest.raises(CorpError, match="query/key or value pruning"):
         compress(gated, batches, CompressConfig(target="both"))
     compress(gated, batches, CompressConfig(target="mlp"))  # MLP-only still works
+
+
+def test_phase_timer_waits_for_the_gpu_at_both_ends_of_a_phase(monkeypatch):
+    """Kernels are queued asynchronously on a GPU: without a wait at each boundary a phase's
+    kernels would be charged to the next phase that waits. Stand-in clock and synchronize."""
+    from corp_deploy import engine
+    events, clock = [], iter([1.0, 3.5, 10.0, 10.25])
+    monkeypatch.setattr(engine.torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))
+    timer = engine._PhaseTimer(torch.device("cuda", 1))
+    with timer("solve"):
+        events.append(("work",))
+    assert events == [("sync", "cuda:1"), ("work",), ("sync", "cuda:1")]
+    cpu_timer = engine._PhaseTimer(torch.device("cpu"))
+    with cpu_timer("solve"):
+        pass
+    assert len(events) == 3  # no wait on the CPU
+    assert timer.totals() == {"solve": 2.5, "total": 2.5} and cpu_timer.totals() == {"solve": 0.25, "total": 0.25}

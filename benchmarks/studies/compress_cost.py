@@ -3,6 +3,8 @@
     python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
     python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --modes independent,budget \
         --macs 0.6 --out benchmarks/results/compress_cost_deit_base_budget.json
+    python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 1 --modes independent,budget \
+        --macs 0.6 --device cuda --out benchmarks/results/compress_cost_deit_base_cuda.json
 
 Images are preprocessed once up front (decoding is not timed); random weights (timing does
 not depend on them). Forward passes and compress runs of the chosen modes are interleaved in
