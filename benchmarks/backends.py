@@ -80,18 +80,21 @@ def parse_families(text: str) -> tuple[str, ...]:
 def open_runners(families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack,
                  threads: int | None = None) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
     """Runners ``{backend: {model name: runner}}`` for every backend of ``families`` that can
-    run all ``models``, and ``{backend: reason}`` for those that cannot. The runners are closed
+    run all ``models``, and ``{backend: reason}`` for those that cannot (naming the model when
+    others opened on that backend: an export without ``dense.onnx``). The runners are closed
     with ``stack``; those of a backend that cannot run every model, at once."""
     runners, skipped = {}, {}
     for name, (family, make) in BACKENDS.items():
         if family not in families:
             continue
-        group = ExitStack()
+        group, opened = ExitStack(), {}
         try:
-            runners[name] = {key: group.enter_context(make(model, threads)) for key, model in models.items()}
+            for key, model in models.items():
+                opened[key] = group.enter_context(make(model, threads))
         except BackendUnavailable as exc:
             group.close()
-            skipped[name] = str(exc)
+            skipped[name] = f"the {key} model: {exc}" if opened else str(exc)
         else:
             stack.enter_context(group)
+            runners[name] = opened
     return runners, skipped

@@ -34,3 +34,20 @@ def test_each_cpu_runner_is_a_context_manager_that_closes(model_and_graph, image
     with pytest.raises(CorpError, match=f"the {backend} runner is closed"):
         runner.infer(x.numpy())
     runner.close()  # closing again does nothing
+
+
+def test_a_backend_that_cannot_run_one_model_names_it(model_and_graph):
+    """An export without ``dense.onnx``: ONNX Runtime is skipped, and the reason says which model
+    has no file; when the first model already cannot run, the reason names none."""
+    from contextlib import ExitStack
+
+    from benchmarks.backends import ModelFiles, open_runners
+    model, path = model_and_graph
+    with ExitStack() as stack:
+        runners, skipped = open_runners(("torch", "ort"), {"compressed": ModelFiles(model, onnx=path),
+                                                           "dense": ModelFiles(model)}, stack)
+        assert set(runners["torch-cpu"]) == {"compressed", "dense"} and "ort-cpu" not in runners
+        assert skipped["ort-cpu"].startswith("the dense model: no ONNX file")
+        _, skipped = open_runners(("ort",), {"dense": ModelFiles(model), "compressed": ModelFiles(model, onnx=path)},
+                                  stack)
+        assert skipped["ort-cpu"].startswith("no ONNX file")
