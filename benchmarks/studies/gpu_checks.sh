@@ -1,0 +1,39 @@
+#!/bin/bash
+# The GPU checks behind benchmarks/RESULTS.md "On a CUDA GPU", as one script for a machine with a
+# CUDA GPU (run from a checkout's root; results go to OUT, default gpu-checks/):
+#   1. calibration on the GPU against the CPU (benchmarks.studies.cuda_calibration),
+#   2. compress DeiT-B on the GPU, then `bench` dense against compressed on torch-cpu and torch-cuda
+#      (and ort/trt where ONNX Runtime's GPU build or TensorRT are installed: an export is made first),
+#   3. compress cost on the GPU (benchmarks.studies.compress_cost --device cuda),
+#   4. the CLI, bench, export and reliability tests with the GPU present.
+# Each step has its own time limit so that one slow step does not cost the others. Where the project
+# is not installed, it runs from the checkout (PYTHONPATH) with the corp-deploy entry point.
+set -u
+OUT=${OUT:-gpu-checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+corp() { python3 -c "from corp_deploy.launch import main; main()" "$@"; }
+export -f corp
+nvidia-smi -L
+python3 -c "import torch, timm, onnxruntime as ort; print('torch', torch.__version__, 'timm', timm.__version__, \
+'ort', ort.__version__, ort.get_available_providers())"
+step() { echo "== $1 ($(date +%T))"; }
+
+step "1 calibration on the GPU against the CPU"
+timeout 300 python3 -m benchmarks.studies.cuda_calibration --model deit_small --images 64 \
+    --out "$OUT/cuda_calibration_deit_small.json"
+
+step "2 compress on the GPU, export, bench"
+art=$(mktemp -d)/deit_base-s0.5
+timeout 120 bash -c "corp compress deit_base --no-pretrained --s 0.5 --device cuda --calib-samples 64 -o $art" | tail -3
+timeout 300 bash -c "corp export $art --dense --trt" | tail -5
+timeout 300 bash -c "corp bench $art --backends torch,ort,trt --batch 1,8,64 --min-time 2 -o $OUT/bench_deit_base_s0.5"
+
+step "3 compress cost on the GPU"
+timeout 300 python3 -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 \
+    --modes independent,budget --macs 0.6 --device cuda --out "$OUT/compress_cost_deit_base_cuda.json"
+
+step "4 tests with the GPU present"
+timeout 400 python3 -m pytest -q -m "not slow" -p no:cacheprovider -rf tests/test_cli.py tests/test_bench.py \
+    tests/test_export_cli.py tests/test_reliability.py tests/test_runners.py 2>&1 | tail -20
+step "done"
