@@ -160,9 +160,10 @@ def factor_identity_plus(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     With the SVD ``I + M = R diag(sig) T^T``: ``V = T diag(sqrt(sig)) T^T`` (the square root of
     ``P = ((I + M)^T (I + M))^(1/2)``, symmetric, positive definite when ``I + M`` is invertible)
-    and ``U = R diag(sqrt(sig)) T^T``, so ``U^T U = V^T V = P``. Both are functions of ``M`` alone: the SVD's free signs (and its free
-    rotations between equal singular values) cancel, so every machine and LAPACK build folds the
-    same weights up to rounding. ``M = 0`` gives ``U = V = I`` exactly.
+    and ``U = R diag(sqrt(sig)) T^T``, so ``U^T U = V^T V = P``. Both are functions of ``M`` alone:
+    the SVD's free signs (and its free rotations between equal singular values) cancel, so every
+    machine and LAPACK build folds the same weights up to rounding. ``M = 0`` gives ``U = V = I``
+    exactly.
     """
     k = m.shape[0]
     eye = torch.eye(k, dtype=m.dtype, device=m.device)
