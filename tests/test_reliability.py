@@ -782,6 +782,16 @@ def test_running_out_of_memory_or_disk_is_one_message_not_a_bug_report(work, mon
         assert "bug" not in text and snapshot(work) == before and not debris(work)
 
 
+def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_bug(work, monkeypatch):
+    # Seen on a GPU machine whose Polygraphy wheel went to another interpreter: export and bench
+    # ended with "internal error ... this is a bug in corp-deploy".
+    monkeypatch.setitem(sys.modules, "polygraphy", None)  # `import polygraphy` now raises ModuleNotFoundError
+    before = snapshot(work)
+    code, text, exception = invoke(["export", work / "art", "-o", work / "o"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "the Python module 'polygraphy' is not installed")
+    assert "bug" not in text and snapshot(work) == before and not debris(work)
+
+
 def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work):
     data = _labelled(work, {"cats": 1})
     image_folder(data / ".ipynb_checkpoints", 1)

@@ -29,9 +29,9 @@ def option_name(setting: str) -> str:
 
 class _Commands(click.Group):
     """The command group: a :class:`CorpError` becomes its message and exit status, a setting's
-    name in it becomes its option, and running out of memory or a failing file system (no space,
-    no permission) becomes one message too. Other exceptions are bugs: one line says so
-    (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
+    name in it becomes its option, and running out of memory, a failing file system (no space,
+    no permission) or a dependency missing from the installation becomes one message too. Other
+    exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
 
     def invoke(self, ctx):
         try:
@@ -50,6 +50,11 @@ class _Commands(click.Group):
                 where = f" ({exc.filename})" if exc.filename else ""
                 raise _click_error(f"the file system refused: {exc.strerror or exc}{where}; nothing partial was "
                                    "left behind", 1) from None
+            missing = _missing_dependency(exc)
+            if missing:
+                raise _click_error(f"the Python module '{missing}' is not installed, and this command needs it: "
+                                   "install corp-deploy with its dependencies (pip install without --no-deps)",
+                                   1) from None
             from ..distributed import lost_peer
             if lost_peer(exc):
                 raise _click_error("another process of this torchrun job stopped (its message says why); this one "
@@ -65,6 +70,15 @@ def _out_of_memory(exc: Exception) -> bool:
     """Python's MemoryError, and torch's out-of-memory errors (raised as RuntimeErrors)."""
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def _missing_dependency(exc: Exception) -> str | None:
+    """The top-level module of a failed import of another library (None for anything else: a
+    module of corp-deploy's own that cannot be imported is a bug)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    return None if top in ("corp_deploy", "exporters", "benchmarks") else top
 
 
 def _click_error(message: str, exit_code: int) -> click.ClickException:
