@@ -9,9 +9,11 @@ For every s in --sparsities the budget F is the MAC fraction of uniform CORP at 
 query/key). Settings (``--only`` picks those whose label contains one of its texts):
 ``uniform`` and ``budget`` (``--macs F``), each with ``--refit none``, ``fc2`` and ``proj+fc2``,
 and with ``proj+fc2`` at other shrinkages (--shrinks); budget rows for every distortion measure in
---distortions (labelled ``budget normed`` etc.; ``budget`` is ``residual``). Every row: mean cosine to
-the dense model of the pooled output and of all output tokens, on 64 crops of the held-out
-photos and on 64 unlike images (benchmarks/held_out.py), and the compress wall time.
+--distortions (labelled ``budget normed`` etc.; ``budget`` is ``residual``), and budget rows with
+``proj+fc2`` and a unit floor of ``r (1 - s)`` for every r in --floor-ratios (labelled ``budget floor
+F``; the default floor is 0.1). Every row: mean cosine to the dense model of the pooled output
+and of all output tokens, on 64 crops of the held-out photos and on 64 unlike images
+(benchmarks/held_out.py), and the compress wall time.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main() -> None:
     parser.add_argument("--shrinks", default="0.1,10")
     parser.add_argument("--distortions", default="residual", help="budget rows for each of these distortion "
                                                                   "measures (docs/method.md §8)")
+    parser.add_argument("--floor-ratios", default="", help="budget rows with the unit floor r (1 - s) for "
+                                                             "each of these r")
     parser.add_argument("--only", default="", help="run only settings whose label contains one of these "
                                                    "comma-separated texts")
     parser.add_argument("--out", type=Path, required=True)
@@ -60,7 +64,8 @@ def main() -> None:
     def write() -> None:
         write_dinov2_study(args.out, f"python -m benchmarks.studies.drift_refit --calib {args.calib} --held-out "
                                      f"{args.held_out} --unlike {args.unlike} --sparsities {args.sparsities} "
-                                     f"--shrinks '{args.shrinks}' --distortions {args.distortions} --only "
+                                     f"--shrinks '{args.shrinks}' --distortions {args.distortions} --floor-ratios "
+                                     f"'{args.floor_ratios}' --only "
                                      f"'{args.only}' --out {args.out}", rows=rows)
 
     def wanted(label: str) -> bool:
@@ -78,6 +83,10 @@ def main() -> None:
         settings += [(f"s={s} {mode} refit proj+fc2 shrink {a}",
                       CompressConfig.from_settings(**sizes, refit="proj+fc2", refit_shrink=float(a)))
                      for mode, sizes in modes for a in args.shrinks.split(",") if a]
+        floors = [round(float(r) * (1 - s), 3) for r in args.floor_ratios.split(",") if r]
+        settings += [(f"s={s} budget floor {floor} refit proj+fc2",
+                      CompressConfig.from_settings(macs=fraction, unit_floor=floor, refit="proj+fc2"))
+                     for floor in floors]
         for label, config in settings:
             if wanted(label):
                 run(label, config)
