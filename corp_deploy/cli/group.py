@@ -7,11 +7,13 @@ and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
 from __future__ import annotations
 
 import os
+import re
 
 import click
 
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
+from ..launch import OWN_MODULES
 
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
@@ -77,8 +79,7 @@ def _missing_dependency(exc: Exception) -> str | None:
     module of corp-deploy's own that cannot be imported is a bug)."""
     if not isinstance(exc, ModuleNotFoundError) or not exc.name:
         return None
-    top = exc.name.split(".")[0]
-    return None if top in ("corp_deploy", "exporters", "benchmarks") else top
+    return None if re.match(OWN_MODULES, exc.name) else exc.name.split(".")[0]
 
 
 def _click_error(message: str, exit_code: int) -> click.ClickException:
