@@ -6,12 +6,13 @@ A backend runs only if it can run every model asked for; otherwise it is reporte
 with the reason, never dropped silently. Every backend's runner is an
 :class:`exporters.runners.Runner`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from torch import nn
 
@@ -46,6 +47,7 @@ def _onnxruntime(device: str) -> MakeRunner:
         if model.onnx is None:
             raise BackendUnavailable("no ONNX file (run `corp-deploy export ... --dense` first)")
         return OnnxRuntimeRunner(model.onnx, device, threads)
+
     return make
 
 
@@ -77,8 +79,9 @@ def parse_families(text: str) -> tuple[str, ...]:
     return families
 
 
-def open_runners(families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack,
-                 threads: int | None = None) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
+def open_runners(
+    families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack, threads: int | None = None
+) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
     """Runners ``{backend: {model name: runner}}`` for every backend of ``families`` that can
     run all ``models``, and ``{backend: reason}`` for those that cannot (naming the model when
     others opened on that backend: an export without ``dense.onnx``). The runners are closed

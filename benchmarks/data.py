@@ -10,21 +10,27 @@ class sub-folder name to the model's output index (ImageFolder layout)::
 Otherwise every image under it (recursively) is used without labels. Either way, files that
 cannot be read as images are skipped and counted (``description["files_skipped"]``).
 """
+
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from corp_deploy import CalibrationImages, CorpError
-from corp_deploy.calibration import (HELD_OUT_PHOTOS, UNREADABLE, find_images, held_out_images, load_rgb,
-                                     unreadable_reason)
+from corp_deploy.calibration import (
+    HELD_OUT_PHOTOS,
+    UNREADABLE,
+    find_images,
+    held_out_images,
+    load_rgb,
+    unreadable_reason,
+)
 from corp_deploy.files import existing_dir
-
 
 CLASS_INDEX_FILE = "class_index.json"
 
@@ -44,14 +50,18 @@ class EvalImages:
         return self.batches()
 
 
-def eval_images(data: str | Path | None, transform: Callable, *, limit: int, batch_size: int = 32,
-                seed: int = 0) -> EvalImages:
+def eval_images(
+    data: str | Path | None, transform: Callable, *, limit: int, batch_size: int = 32, seed: int = 0
+) -> EvalImages:
     """The evaluation set: ``data`` (a folder, see the module docstring) or, when None,
     ``limit`` seeded crops of the bundled photos that are kept out of calibration splits."""
     if data is None:
         images = held_out_images(transform, limit, batch_size, seed)
-        return EvalImages(lambda: ((x, None) for x in images),
-                          {"source": "builtin", "photos": list(HELD_OUT_PHOTOS), "images": limit}, False)
+        return EvalImages(
+            lambda: ((x, None) for x in images),
+            {"source": "builtin", "photos": list(HELD_OUT_PHOTOS), "images": limit},
+            False,
+        )
     root = existing_dir(data, "evaluation data directory")
     if not (root / CLASS_INDEX_FILE).is_file():
         images = CalibrationImages.from_directory(root, transform, limit=limit, batch_size=batch_size, seed=seed)
@@ -60,8 +70,14 @@ def eval_images(data: str | Path | None, transform: Callable, *, limit: int, bat
     mapping, samples = labelled_samples(root)
     random.Random(seed).shuffle(samples)
     samples = samples[:limit]
-    description = {"source": "directory", "path": str(root), "labelled": True, "images": len(samples),
-                   "classes": len(mapping), "highest_label": max(mapping.values())}
+    description = {
+        "source": "directory",
+        "path": str(root),
+        "labelled": True,
+        "images": len(samples),
+        "classes": len(mapping),
+        "highest_label": max(mapping.values()),
+    }
     return EvalImages(lambda: _labelled_batches(samples, transform, batch_size, description), description, True)
 
 
@@ -72,8 +88,11 @@ def read_class_index(root: Path) -> dict[str, int]:
         mapping = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CorpError(f"cannot read {path}: {exc}") from None
-    if not isinstance(mapping, dict) or not mapping or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mapping.values()):
+    if (
+        not isinstance(mapping, dict)
+        or not mapping
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mapping.values())
+    ):
         raise CorpError(f"{path} must be a JSON object mapping class folder names to output indices (ints >= 0)")
     return mapping
 
@@ -102,8 +121,10 @@ def check_labels(evaluation: EvalImages, num_classes: int) -> None:
         return
     index = Path(evaluation.description["path"]) / CLASS_INDEX_FILE
     if num_classes == 0:
-        raise CorpError(f"{index} labels the images, but the model has no classifier to score them against; "
-                        "leave class_index.json out to measure feature fidelity")
+        raise CorpError(
+            f"{index} labels the images, but the model has no classifier to score them against; "
+            "leave class_index.json out to measure feature fidelity"
+        )
     top = evaluation.description["highest_label"]
     if top >= num_classes:
         raise CorpError(f"{index} maps a class to output {top}, but the model has {num_classes} outputs")
@@ -114,8 +135,11 @@ def _described(images: CalibrationImages, description: dict):
     for x in images:
         yield x, None
     summary = images.summary()
-    description.update(images=summary["images_used"], files_skipped=summary["files_skipped"],
-                       skipped_examples=summary["skipped_examples"])
+    description.update(
+        images=summary["images_used"],
+        files_skipped=summary["files_skipped"],
+        skipped_examples=summary["skipped_examples"],
+    )
 
 
 def _labelled_batches(samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict):

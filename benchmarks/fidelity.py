@@ -1,5 +1,6 @@
 """Fidelity of a compressed model against its dense base (what ``bench`` reports); by default
 it is measured on :func:`corp_deploy.calibration.held_out_images`."""
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,12 @@ class FidelityMeter:
         self.sums: dict[str, float] = {"cosine": 0.0, "agree": 0.0, "kl": 0.0}
         self.correct: dict[str, dict[str, float]] | None = None
 
-    def update(self, dense: tuple[torch.Tensor, torch.Tensor], compressed: tuple[torch.Tensor, torch.Tensor],
-               labels: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        dense: tuple[torch.Tensor, torch.Tensor],
+        compressed: tuple[torch.Tensor, torch.Tensor],
+        labels: torch.Tensor | None = None,
+    ) -> None:
         """``dense`` and ``compressed``: ``(features, logits)`` of the same images."""
         (fd, ld), (fc, lc) = dense, compressed
         self.images += len(fd)
@@ -49,9 +54,13 @@ class FidelityMeter:
 
     def result(self) -> dict:
         n = max(self.images, 1)
-        out = {"images": self.images, "feature_cosine": self.sums["cosine"] / n,
-               "top1_agreement": self.sums["agree"] / n if self.classifier else None,
-               "kl_mean": self.sums["kl"] / n if self.classifier else None, "accuracy": None}
+        out = {
+            "images": self.images,
+            "feature_cosine": self.sums["cosine"] / n,
+            "top1_agreement": self.sums["agree"] / n if self.classifier else None,
+            "kl_mean": self.sums["kl"] / n if self.classifier else None,
+            "accuracy": None,
+        }
         if self.correct is not None:
             out["accuracy"] = {m: {k: v / n for k, v in c.items()} for m, c in self.correct.items()}
         return out

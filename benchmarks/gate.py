@@ -4,6 +4,7 @@ A gate never passes on what was not measured: a limit or a baseline number whose
 is missing from the report (its backend was skipped, the model has no classifier, nothing ran)
 is a failure in its own right, and a measured NaN fails every limit on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,11 @@ from .harness import FORMAT
 INT8_GRAPH = "compressed-int8"
 
 #: The absolute fidelity limits: option, key in the report's ``fidelity``, label, number format, bound side.
-_FIDELITY_LIMITS = (("min_agreement", "top1_agreement", "top-1 agreement", ".4f", "min"),
-                    ("max_kl", "kl_mean", "mean KL", ".4g", "max"),
-                    ("min_cosine", "feature_cosine", "feature cosine", ".4f", "min"))
+_FIDELITY_LIMITS = (
+    ("min_agreement", "top1_agreement", "top-1 agreement", ".4f", "min"),
+    ("max_kl", "kl_mean", "mean KL", ".4g", "max"),
+    ("min_cosine", "feature_cosine", "feature cosine", ".4f", "min"),
+)
 
 
 @dataclass(frozen=True)
@@ -46,15 +49,24 @@ class GateLimits:
     parity_requested: bool = False
 
     def __post_init__(self) -> None:
-        ranges = {"max_regression": (0.0, 1.0), "min_agreement": (0.0, 1.0), "max_kl": (0.0, math.inf),
-                  "min_cosine": (-1.0, 1.0), "min_parity_cosine": (-1.0, 1.0)}
+        ranges = {
+            "max_regression": (0.0, 1.0),
+            "min_agreement": (0.0, 1.0),
+            "max_kl": (0.0, math.inf),
+            "min_cosine": (-1.0, 1.0),
+            "min_parity_cosine": (-1.0, 1.0),
+        }
         for name, (low, high) in ranges.items():
             value = getattr(self, name)
             if value is None:
                 continue
             closed_top = name != "max_regression"
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value
-                    and (value <= high if closed_top else value < high)):
+            if not (
+                isinstance(value, (int, float))
+                and math.isfinite(value)
+                and low <= value
+                and (value <= high if closed_top else value < high)
+            ):
                 allowed = f"in [{low:g}, {high:g}{']' if closed_top else ')'}" if math.isfinite(high) else f">= {low:g}"
                 raise CorpError(f"--{name.replace('_', '-')} must be a finite number {allowed}; got {value}")
 
@@ -106,14 +118,17 @@ def _baseline_problem(report: dict) -> str | None:
         if fidelity.get(key) is not None and not _finite(fidelity[key]):
             return f"fidelity.{key} is not a number"
     accuracy = fidelity.get("accuracy")
-    if accuracy is not None and not (isinstance(accuracy, dict) and all(
-            isinstance(accuracy.get(m), dict) and _finite(accuracy[m].get("top1")) for m in accuracy)):
+    if accuracy is not None and not (
+        isinstance(accuracy, dict)
+        and all(isinstance(accuracy.get(m), dict) and _finite(accuracy[m].get("top1")) for m in accuracy)
+    ):
         return "fidelity.accuracy needs a numeric top1 per model"
     int8 = report.get("int8")
     if int8 is not None and "skipped" not in int8:
         try:
-            usable = (all(isinstance(row["batch"], int) and _positive(_int8_speedup(row)) for row in int8["latency"])
-                      and _finite(int8["fidelity"][INT8_GRAPH]["cosine_mean"]))
+            usable = all(
+                isinstance(row["batch"], int) and _positive(_int8_speedup(row)) for row in int8["latency"]
+            ) and _finite(int8["fidelity"][INT8_GRAPH]["cosine_mean"])
         except (KeyError, TypeError):
             usable = False
         if not usable:
@@ -129,8 +144,9 @@ def regressions(report: dict, limits: GateLimits, baseline: dict | None = None) 
         found += _against_baseline(report, baseline, limits.max_regression)
         found += _int8_against_baseline(report.get("int8"), baseline.get("int8"), limits.max_regression)
     if (baseline is not None or limits.requested) and not report["latency"]:
-        skipped = "; ".join(f"{name}: {v['reason']}" for name, v in report["backends"].items()
-                            if v["status"] == "skipped")
+        skipped = "; ".join(
+            f"{name}: {v['reason']}" for name, v in report["backends"].items() if v["status"] == "skipped"
+        )
         found.append(f"nothing was timed: every requested backend was skipped ({skipped or 'none requested'})")
     return found
 
@@ -143,20 +159,27 @@ def _absolute(report: dict, limits: GateLimits) -> list[str]:
         if limit is None:
             continue
         if value is None:
-            found.append(f"fidelity: --{option.replace('_', '-')} was given but {label} was not measured "
-                         "(the model has no classifier)")
+            found.append(
+                f"fidelity: --{option.replace('_', '-')} was given but {label} was not measured "
+                "(the model has no classifier)"
+            )
             continue
         if not (value >= limit if side == "min" else value <= limit):
             found.append(f"fidelity: {label} {value:{spec}} {'<' if side == 'min' else '>'} {limit}")
     if limits.min_parity_cosine is not None:
-        measured = [(model, backend, numbers) for model, backends in report["parity"].items()
-                    for backend, numbers in backends.items()]
+        measured = [
+            (model, backend, numbers)
+            for model, backends in report["parity"].items()
+            for backend, numbers in backends.items()
+        ]
         if not measured and limits.parity_requested:
             found.append("parity: --min-parity-cosine was given but no backend other than torch-cpu ran")
         for model, backend, numbers in measured:
             if not numbers["cosine"] >= limits.min_parity_cosine:
-                found.append(f"parity: {model} on {backend} vs torch-cpu: cosine {numbers['cosine']:.6f} "
-                             f"< {limits.min_parity_cosine}")
+                found.append(
+                    f"parity: {model} on {backend} vs torch-cpu: cosine {numbers['cosine']:.6f} "
+                    f"< {limits.min_parity_cosine}"
+                )
     return found
 
 
@@ -172,12 +195,16 @@ def _against_baseline(report: dict, baseline: dict, tolerance: float) -> list[st
             continue
         new_t, old_t = row["compressed"]["p50_s"], old["compressed"]["p50_s"]
         if not new_t <= old_t * (1 + tolerance):
-            found.append(f"latency: {where}: compressed p50 {new_t * 1e3:.2f} ms vs baseline {old_t * 1e3:.2f} ms "
-                         f"(+{(new_t / old_t - 1) * 100:.1f}% > {tolerance * 100:g}%)")
+            found.append(
+                f"latency: {where}: compressed p50 {new_t * 1e3:.2f} ms vs baseline {old_t * 1e3:.2f} ms "
+                f"(+{(new_t / old_t - 1) * 100:.1f}% > {tolerance * 100:g}%)"
+            )
         new_s, old_s = row["speedup"]["median"], old["speedup"]["median"]
         if not new_s >= old_s * (1 - tolerance):
-            found.append(f"speedup: {where}: {new_s:.3f}x vs baseline {old_s:.3f}x "
-                         f"(-{(1 - new_s / old_s) * 100:.1f}% > {tolerance * 100:g}%)")
+            found.append(
+                f"speedup: {where}: {new_s:.3f}x vs baseline {old_s:.3f}x "
+                f"(-{(1 - new_s / old_s) * 100:.1f}% > {tolerance * 100:g}%)"
+            )
     new_f, old_f = report["fidelity"], baseline["fidelity"]
     for key, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
         if old_f.get(key) is None:
@@ -210,8 +237,10 @@ def _int8_against_baseline(new: dict | None, old: dict | None, tolerance: float)
         if row is None:
             found.append(f"int8: batch {old_row['batch']} is in the baseline but was not measured")
         elif not _int8_speedup(row) >= _int8_speedup(old_row) * (1 - tolerance):
-            found.append(f"int8: batch {row['batch']}: {INT8_GRAPH} {_int8_speedup(row):.3f}x over dense fp32 vs "
-                         f"baseline {_int8_speedup(old_row):.3f}x")
+            found.append(
+                f"int8: batch {row['batch']}: {INT8_GRAPH} {_int8_speedup(row):.3f}x over dense fp32 vs "
+                f"baseline {_int8_speedup(old_row):.3f}x"
+            )
     new_cos, old_cos = new["fidelity"][INT8_GRAPH]["cosine_mean"], old["fidelity"][INT8_GRAPH]["cosine_mean"]
     if not new_cos >= old_cos * (1 - tolerance):
         found.append(f"int8: {INT8_GRAPH} cosine to dense fp32 {new_cos:.4f} vs baseline {old_cos:.4f}")

@@ -7,12 +7,13 @@ out. :func:`unlike_images` adds images of other kinds (greyscale, upscaled thumb
 and documents, synthetic shapes, textures): a fit that only serves photos like its calibration
 set shows there.
 """
+
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -21,13 +22,19 @@ from torch import nn
 
 from benchmarks.real_weights import build_dinov2
 from corp_deploy.artifact import library_versions
-from corp_deploy.calibration import (HELD_OUT_PHOTOS, builtin_photo_paths, load_rgb, model_transform,
-                                     split_builtin_images)
+from corp_deploy.calibration import (
+    HELD_OUT_PHOTOS,
+    builtin_photo_paths,
+    load_rgb,
+    model_transform,
+    split_builtin_images,
+)
 from exporters.metrics import tensor_cosine
 
 
-def dinov2_study_setup(n_calib: int, n_held_out: int) -> tuple[nn.Module, Callable, list[torch.Tensor],
-                                                                list[torch.Tensor]]:
+def dinov2_study_setup(
+    n_calib: int, n_held_out: int
+) -> tuple[nn.Module, Callable, list[torch.Tensor], list[torch.Tensor]]:
     """What the DINOv2 studies start from: the real DINOv2 ViT-S/14 (dense), its preprocessing, and
     :func:`~corp_deploy.calibration.split_builtin_images`' calibration and held-out batches, decoded once."""
     dense = build_dinov2()
@@ -44,8 +51,13 @@ def write_dinov2_study(path: Path, command: str, model_note: str = "", **results
     """Write a DINOv2 study's results file: its ``command``, the model (with ``model_note``
     appended), the library versions and ``results`` (e.g. ``rows=[...]``), as indented JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": command, "model": DINOV2_STUDY_MODEL + model_note,
-                                "versions": library_versions(), **results}, indent=2) + "\n")
+    path.write_text(
+        json.dumps(
+            {"command": command, "model": DINOV2_STUDY_MODEL + model_note, "versions": library_versions(), **results},
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 @torch.no_grad()
@@ -62,8 +74,18 @@ def feature_cosine(reference: nn.Module, candidate: nn.Module, batches: Iterable
 
 #: Bundled images neither calibration nor the held-out photos use: drawings, documents, a
 #: silhouette, greyscale microscopy and a synthetic phantom (scikit-image's package data).
-UNLIKE_PICTURES = ("horse.png", "text.png", "page.png", "logo.png", "chessboard_RGB.png", "phantom.png",
-                   "clock_motion.png", "cell.png", "microaneurysms.png", "camera.png")
+UNLIKE_PICTURES = (
+    "horse.png",
+    "text.png",
+    "page.png",
+    "logo.png",
+    "chessboard_RGB.png",
+    "phantom.png",
+    "clock_motion.png",
+    "cell.png",
+    "microaneurysms.png",
+    "camera.png",
+)
 #: The kinds of :func:`unlike_images`, in the order they cycle.
 UNLIKE_KINDS = ("greyscale photo", "upscaled thumbnail", "drawing or document", "synthetic shapes", "texture")
 
@@ -76,13 +98,15 @@ def unlike_images(transform: Callable, count: int, batch_size: int = 32, seed: i
     rng = random.Random(seed)
     photos = [load_rgb(p) for p in builtin_photo_paths(HELD_OUT_PHOTOS)]
     pictures = [load_rgb(p) for p in builtin_photo_paths(UNLIKE_PICTURES)]
-    makers = (lambda: ImageOps.grayscale(_crop(rng.choice(photos), rng)).convert("RGB"),
-              lambda: _thumbnail(_crop(rng.choice(photos), rng), rng),
-              lambda: _crop(rng.choice(pictures), rng),
-              lambda: _shapes(rng),
-              lambda: _texture(rng))
+    makers = (
+        lambda: ImageOps.grayscale(_crop(rng.choice(photos), rng)).convert("RGB"),
+        lambda: _thumbnail(_crop(rng.choice(photos), rng), rng),
+        lambda: _crop(rng.choice(pictures), rng),
+        lambda: _shapes(rng),
+        lambda: _texture(rng),
+    )
     images = [transform(makers[i % len(makers)]()) for i in range(count)]
-    return [torch.stack(images[i:i + batch_size]) for i in range(0, count, batch_size)]
+    return [torch.stack(images[i : i + batch_size]) for i in range(0, count, batch_size)]
 
 
 def _crop(im: Image.Image, rng: random.Random) -> Image.Image:
@@ -110,19 +134,22 @@ def _shapes(rng: random.Random, size: int = 224) -> Image.Image:
         if rng.random() < 0.5:
             draw.ellipse((x - r, y - r // 2, x + r, y + r // 2), fill=colour)
         else:
-            draw.polygon([(x + rng.randint(-r, r), y + rng.randint(-r, r)) for _ in range(rng.randint(3, 6))],
-                         fill=colour)
+            draw.polygon(
+                [(x + rng.randint(-r, r), y + rng.randint(-r, r)) for _ in range(rng.randint(3, 6))], fill=colour
+            )
     return im
 
 
 def _texture(rng: random.Random, size: int = 224) -> Image.Image:
     """A sum of three random oriented gratings per colour channel, plus seeded noise."""
     yy, xx = np.mgrid[0:size, 0:size] / size
-    noise = np.random.default_rng(rng.randrange(2 ** 32))
+    noise = np.random.default_rng(rng.randrange(2**32))
     channels = []
     for _ in range(3):
-        wave = sum(np.sin(2 * np.pi * (rng.uniform(1, 30) * (np.cos(t) * xx + np.sin(t) * yy)) + rng.uniform(0, 6.3))
-                   for t in (rng.uniform(0, np.pi) for _ in range(3)))
+        wave = sum(
+            np.sin(2 * np.pi * (rng.uniform(1, 30) * (np.cos(t) * xx + np.sin(t) * yy)) + rng.uniform(0, 6.3))
+            for t in (rng.uniform(0, np.pi) for _ in range(3))
+        )
         channels.append(wave / 3 + 0.3 * noise.standard_normal((size, size)))
     pixels = np.stack(channels, -1)
     pixels = (pixels - pixels.min()) / (np.ptp(pixels) + 1e-12) * 255

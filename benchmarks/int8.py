@@ -4,12 +4,13 @@ against the dense float32 PyTorch model on the evaluation images.
 
 It needs the artifact's ``export-fp32`` and ``export-int8``, both made with ``--dense``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -48,8 +49,9 @@ def int8_graphs(artifact: Path) -> Int8Graphs:
     for precision in ("fp32", "int8"):
         folder = Path(artifact) / f"export-{precision}"
         if not (folder / MANIFEST).is_file():
-            return Int8Graphs(skipped=f"no {folder.name}/ beside export-int8/ "
-                                      "(run `corp-deploy export ARTIFACT --dense`)")
+            return Int8Graphs(
+                skipped=f"no {folder.name}/ beside export-int8/ (run `corp-deploy export ARTIFACT --dense`)"
+            )
         manifest = read_manifest(folder)
         check_made_from(Path(artifact), folder, manifest)
         for model, key in _MODEL_KEYS.items():
@@ -59,8 +61,13 @@ def int8_graphs(artifact: Path) -> Int8Graphs:
     return Int8Graphs(graphs={name: graphs[name] for name in VARIANTS})
 
 
-def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: EvalImages, settings: BenchSettings,
-                   log: Callable[[str], None] = lambda message: None) -> dict:
+def run_int8_bench(
+    graphs: dict[str, Path],
+    dense: torch.nn.Module,
+    eval_set: EvalImages,
+    settings: BenchSettings,
+    log: Callable[[str], None] = lambda message: None,
+) -> dict:
     """Latency rows (one per batch size: percentiles of each graph, and per-round speedups over
     dense fp32 and of int8 over fp32 for each model), fidelity of every graph against ``dense``
     (PyTorch, float32), the graphs' file sizes, and how many Linear layers each int8 graph keeps
@@ -68,23 +75,38 @@ def run_int8_bench(graphs: dict[str, Path], dense: torch.nn.Module, eval_set: Ev
     image_shape = (3, *dense.patch_embed.img_size)
     rows = []
     with ExitStack() as stack:
-        runners = {name: stack.enter_context(OnnxRuntimeRunner(path, "cpu", settings.threads))
-                   for name, path in graphs.items()}
+        runners = {
+            name: stack.enter_context(OnnxRuntimeRunner(path, "cpu", settings.threads)) for name, path in graphs.items()
+        }
         for batch in settings.batches:
             log(f"ort-cpu, batch {batch}: timing dense and compressed, fp32 and int8, interleaved ...")
             x = np.random.default_rng(0).standard_normal((batch, *image_shape), dtype=np.float32)
-            samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
-                                  warmup=settings.warmup, min_time=settings.min_time, min_rounds=settings.min_rounds)
-            rows.append({"batch": batch, **{name: summarize(samples[name], batch) for name in VARIANTS},
-                         "speedup_over_dense_fp32": {name: speedup(samples["dense-fp32"], samples[name])
-                                                     for name in VARIANTS[1:]},
-                         "int8_over_fp32": {model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"])
-                                            for model in _MODEL_KEYS}})
+            samples = interleaved(
+                {name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
+                warmup=settings.warmup,
+                min_time=settings.min_time,
+                min_rounds=settings.min_rounds,
+            )
+            rows.append(
+                {
+                    "batch": batch,
+                    **{name: summarize(samples[name], batch) for name in VARIANTS},
+                    "speedup_over_dense_fp32": {
+                        name: speedup(samples["dense-fp32"], samples[name]) for name in VARIANTS[1:]
+                    },
+                    "int8_over_fp32": {
+                        model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"]) for model in _MODEL_KEYS
+                    },
+                }
+            )
         log("int8 fidelity on the evaluation images ...")
         fidelity = _fidelity(runners, dense, eval_set)
-    return {"latency": rows, "fidelity": fidelity,
-            "bytes": {name: _graph_bytes(path) for name, path in graphs.items()},
-            "kept_float": {name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")}}
+    return {
+        "latency": rows,
+        "fidelity": fidelity,
+        "bytes": {name: _graph_bytes(path) for name, path in graphs.items()},
+        "kept_float": {name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")},
+    }
 
 
 def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
@@ -103,10 +125,14 @@ def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: Eval
                 agree[name].append(top1_matches(reference, out))
     if not any(len(c) for c in cosines["dense-fp32"]):
         raise CorpError("no evaluation images for the int8 fidelity")
-    return {name: {"cosine_mean": float(np.concatenate(cosines[name]).mean()),
-                   "cosine_min": float(np.concatenate(cosines[name]).min()),
-                   "top1_agreement": float(np.concatenate(agree[name]).mean()) if classifier else None}
-            for name in runners}
+    return {
+        name: {
+            "cosine_mean": float(np.concatenate(cosines[name]).mean()),
+            "cosine_min": float(np.concatenate(cosines[name]).min()),
+            "top1_agreement": float(np.concatenate(agree[name]).mean()) if classifier else None,
+        }
+        for name in runners
+    }
 
 
 def _graph_bytes(path: Path) -> int:

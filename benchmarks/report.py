@@ -1,4 +1,5 @@
 """Rendering a bench report: Markdown, a PNG plot, and the terminal table."""
+
 from __future__ import annotations
 
 import json
@@ -22,58 +23,104 @@ def latency_rows(report: dict) -> list[list[str]]:
     rows = []
     for r in report["latency"]:
         s = r["speedup"]
-        rows.append([r["backend"], str(r["batch"]), f"{r['dense']['p50_s'] * 1e3:.2f}",
-                     f"{r['compressed']['p50_s'] * 1e3:.2f}",
-                     f"{r['compressed']['p90_s'] * 1e3:.2f} / {r['compressed']['p99_s'] * 1e3:.2f}",
-                     f"{r['dense']['throughput_ips']:.1f}", f"{r['compressed']['throughput_ips']:.1f}",
-                     f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})", f"{r['ideal_speedup']:.3f}",
-                     f"{r['efficiency'] * 100:.1f}%"])
+        rows.append(
+            [
+                r["backend"],
+                str(r["batch"]),
+                f"{r['dense']['p50_s'] * 1e3:.2f}",
+                f"{r['compressed']['p50_s'] * 1e3:.2f}",
+                f"{r['compressed']['p90_s'] * 1e3:.2f} / {r['compressed']['p99_s'] * 1e3:.2f}",
+                f"{r['dense']['throughput_ips']:.1f}",
+                f"{r['compressed']['throughput_ips']:.1f}",
+                f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})",
+                f"{r['ideal_speedup']:.3f}",
+                f"{r['efficiency'] * 100:.1f}%",
+            ]
+        )
     return rows
 
 
-LATENCY_HEADER = ["backend", "batch", "dense p50 (ms)", "compressed p50 (ms)", "compressed p90 / p99 (ms)",
-                  "dense img/s", "compressed img/s", "speedup (p10-p90)", "MAC-ideal", "of ideal"]
+LATENCY_HEADER = [
+    "backend",
+    "batch",
+    "dense p50 (ms)",
+    "compressed p50 (ms)",
+    "compressed p90 / p99 (ms)",
+    "dense img/s",
+    "compressed img/s",
+    "speedup (p10-p90)",
+    "MAC-ideal",
+    "of ideal",
+]
 
 
 def fidelity_summary(report: dict) -> str:
     f = report["fidelity"]
-    text = (f"{f['images']} images ({f['data']['source']}{', held out' if f['held_out'] else ', NOT held out'}): "
-            f"top-1 agreement {_fmt(f['top1_agreement'])}, mean KL {_fmt(f['kl_mean'], '.4g')}, "
-            f"feature cosine {_fmt(f['feature_cosine'])}")
+    text = (
+        f"{f['images']} images ({f['data']['source']}{', held out' if f['held_out'] else ', NOT held out'}): "
+        f"top-1 agreement {_fmt(f['top1_agreement'])}, mean KL {_fmt(f['kl_mean'], '.4g')}, "
+        f"feature cosine {_fmt(f['feature_cosine'])}"
+    )
     if f["accuracy"]:
         a = f["accuracy"]
-        text += (f"; accuracy top-1/top-5: dense {a['dense']['top1']:.4f}/{a['dense']['top5']:.4f}, "
-                 f"compressed {a['compressed']['top1']:.4f}/{a['compressed']['top5']:.4f}")
+        text += (
+            f"; accuracy top-1/top-5: dense {a['dense']['top1']:.4f}/{a['dense']['top5']:.4f}, "
+            f"compressed {a['compressed']['top1']:.4f}/{a['compressed']['top5']:.4f}"
+        )
     return text
 
 
 def to_markdown(report: dict) -> str:
     m, machine = report["models"], report["machine"]
     lines = [
-        MARKDOWN_TITLE, "",
+        MARKDOWN_TITLE,
+        "",
         f"{report['created']} on {machine['cpu']} ({machine['cpu_count']} CPUs, {machine['torch_threads']} "
-        f"threads{', GPU ' + machine['gpu'] if machine['gpu'] else ''}).", "",
-        "| model | params (M) | GMACs / image |", "|---|---|---|",
-        *[f"| {name} | {m[name]['params'] / 1e6:.2f} | {m[name]['macs'] / 1e9:.3f} |" for name in ("dense", "compressed")],
-        "", f"MAC-ideal speedup: {report['ideal_speedup']:.3f}x.", "",
-        "## Latency (dense and compressed timed interleaved)", "",
-        "| " + " | ".join(LATENCY_HEADER) + " |", "|" + "---|" * len(LATENCY_HEADER),
-        *["| " + " | ".join(row) + " |" for row in latency_rows(report)], "",
+        f"threads{', GPU ' + machine['gpu'] if machine['gpu'] else ''}).",
+        "",
+        "| model | params (M) | GMACs / image |",
+        "|---|---|---|",
+        *[
+            f"| {name} | {m[name]['params'] / 1e6:.2f} | {m[name]['macs'] / 1e9:.3f} |"
+            for name in ("dense", "compressed")
+        ],
+        "",
+        f"MAC-ideal speedup: {report['ideal_speedup']:.3f}x.",
+        "",
+        "## Latency (dense and compressed timed interleaved)",
+        "",
+        "| " + " | ".join(LATENCY_HEADER) + " |",
+        "|" + "---|" * len(LATENCY_HEADER),
+        *["| " + " | ".join(row) + " |" for row in latency_rows(report)],
+        "",
     ]
     skipped = {k: v for k, v in report["backends"].items() if v["status"] == "skipped"}
     if skipped:
         lines += ["Skipped backends:", "", *[f"- {name}: {v['reason']}" for name, v in skipped.items()], ""]
-    lines += ["## Parity against PyTorch on the CPU", "",
-              "| model | backend | max abs | max rel | min cosine | top-1 agreement |", "|---|---|---|---|---|---|"]
-    lines += [f"| {model} | {backend} | {n['max_abs']:.2e} | {n['max_rel']:.2e} | {n['cosine']:.6f} | "
-              f"{_fmt(n['top1_agreement'], '.3f')} |"
-              for model, backends in report["parity"].items() for backend, n in backends.items()]
+    lines += [
+        "## Parity against PyTorch on the CPU",
+        "",
+        "| model | backend | max abs | max rel | min cosine | top-1 agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {model} | {backend} | {n['max_abs']:.2e} | {n['max_rel']:.2e} | {n['cosine']:.6f} | "
+        f"{_fmt(n['top1_agreement'], '.3f')} |"
+        for model, backends in report["parity"].items()
+        for backend, n in backends.items()
+    ]
     lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
     lines += int8_markdown(report.get("int8"))
     if report.get("gate"):
         gate = report["gate"]
-        lines += ["## Regression gate", "", "passed" if gate["passed"] else "**failed**:", "",
-                  *[f"- {item}" for item in gate["regressions"]], ""]
+        lines += [
+            "## Regression gate",
+            "",
+            "passed" if gate["passed"] else "**failed**:",
+            "",
+            *[f"- {item}" for item in gate["regressions"]],
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -85,24 +132,42 @@ def int8_markdown(int8: dict | None) -> list[str]:
     if "skipped" in int8:
         return lines + [f"Not measured: {int8['skipped']}", ""]
     variants = list(int8["bytes"])
-    lines += ["| batch | " + " | ".join(f"{v} p50 (ms)" for v in variants)
-              + " | compressed-int8 over dense-fp32 | int8 over fp32: compressed | int8 over fp32: dense |",
-              "|" + "---|" * (len(variants) + 4)]
+    lines += [
+        "| batch | "
+        + " | ".join(f"{v} p50 (ms)" for v in variants)
+        + " | compressed-int8 over dense-fp32 | int8 over fp32: compressed | int8 over fp32: dense |",
+        "|" + "---|" * (len(variants) + 4),
+    ]
     for r in int8["latency"]:
-        ratios = [r["speedup_over_dense_fp32"]["compressed-int8"], r["int8_over_fp32"]["compressed"],
-                  r["int8_over_fp32"]["dense"]]
-        lines.append(f"| {r['batch']} | " + " | ".join(f"{r[v]['p50_s'] * 1e3:.2f}" for v in variants) + " | "
-                     + " | ".join(f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})" for s in ratios) + " |")
-    lines += ["", "| graph | file (MB) | Linear layers in float | cosine vs dense fp32: mean | min | top-1 agreement |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {int8['kept_float'].get(v, 'all')} | {f['cosine_mean']:.4f} | "
-              f"{f['cosine_min']:.4f} | {_fmt(f['top1_agreement'])} |" for v, f in int8["fidelity"].items()]
+        ratios = [
+            r["speedup_over_dense_fp32"]["compressed-int8"],
+            r["int8_over_fp32"]["compressed"],
+            r["int8_over_fp32"]["dense"],
+        ]
+        lines.append(
+            f"| {r['batch']} | "
+            + " | ".join(f"{r[v]['p50_s'] * 1e3:.2f}" for v in variants)
+            + " | "
+            + " | ".join(f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})" for s in ratios)
+            + " |"
+        )
+    lines += [
+        "",
+        "| graph | file (MB) | Linear layers in float | cosine vs dense fp32: mean | min | top-1 agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {int8['kept_float'].get(v, 'all')} | {f['cosine_mean']:.4f} | "
+        f"{f['cosine_min']:.4f} | {_fmt(f['top1_agreement'])} |"
+        for v, f in int8["fidelity"].items()
+    ]
     return lines + [""]
 
 
 def plot(report: dict, path: str | Path) -> None:
     """Throughput of both models and measured vs MAC-ideal speedup, per backend and batch size."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -113,11 +178,14 @@ def plot(report: dict, path: str | Path) -> None:
         batches = [r["batch"] for r in rows]
         color = f"C{i}"
         left.plot(batches, [r["dense"]["throughput_ips"] for r in rows], "--o", color=color, label=f"{backend} dense")
-        left.plot(batches, [r["compressed"]["throughput_ips"] for r in rows], "-o", color=color,
-                  label=f"{backend} compressed")
+        left.plot(
+            batches, [r["compressed"]["throughput_ips"] for r in rows], "-o", color=color, label=f"{backend} compressed"
+        )
         medians = [r["speedup"]["median"] for r in rows]
-        spread = [[m - r["speedup"]["p10"] for m, r in zip(medians, rows)],
-                  [r["speedup"]["p90"] - m for m, r in zip(medians, rows)]]
+        spread = [
+            [m - r["speedup"]["p10"] for m, r in zip(medians, rows)],
+            [r["speedup"]["p90"] - m for m, r in zip(medians, rows)],
+        ]
         right.errorbar(batches, medians, yerr=spread, fmt="-o", color=color, capsize=3, label=backend)
     right.axhline(report["ideal_speedup"], color="black", linestyle=":", label="MAC-ideal")
     all_batches = sorted({r["batch"] for r in report["latency"]})
@@ -146,14 +214,21 @@ def print_terminal(report: dict) -> None:
         table.add_column(column, justify="left" if column == "backend" else "right")
     for r in report["latency"]:
         s = r["speedup"]
-        table.add_row(r["backend"], str(r["batch"]), f"{r['dense']['p50_s'] * 1e3:.1f}",
-                      f"{r['compressed']['p50_s'] * 1e3:.1f}", f"{s['median']:.2f} ({s['p10']:.2f}-{s['p90']:.2f})",
-                      f"{r['efficiency'] * 100:.0f}%")
+        table.add_row(
+            r["backend"],
+            str(r["batch"]),
+            f"{r['dense']['p50_s'] * 1e3:.1f}",
+            f"{r['compressed']['p50_s'] * 1e3:.1f}",
+            f"{s['median']:.2f} ({s['p10']:.2f}-{s['p90']:.2f})",
+            f"{r['efficiency'] * 100:.0f}%",
+        )
     console.print(table)
     for name, v in report["backends"].items():
         if v["status"] == "skipped":
             console.print(f"skipped {name}: {v['reason']}", style="yellow")
-    worst = [(n["cosine"], f"{model} on {backend}") for model, b in report["parity"].items() for backend, n in b.items()]
+    worst = [
+        (n["cosine"], f"{model} on {backend}") for model, b in report["parity"].items() for backend, n in b.items()
+    ]
     if worst:
         cosine, where = min(worst)
         console.print(f"parity vs torch-cpu: worst cosine {cosine:.6f} ({where})")
@@ -164,11 +239,15 @@ def print_terminal(report: dict) -> None:
     elif int8 is not None:
         for r in int8["latency"]:
             over_dense, over_fp32 = r["speedup_over_dense_fp32"]["compressed-int8"], r["int8_over_fp32"]["compressed"]
-            console.print(f"int8, batch {r['batch']}: compressed-int8 {over_dense['median']:.2f}x over dense-fp32, "
-                          f"{over_fp32['median']:.2f}x over compressed-fp32")
+            console.print(
+                f"int8, batch {r['batch']}: compressed-int8 {over_dense['median']:.2f}x over dense-fp32, "
+                f"{over_fp32['median']:.2f}x over compressed-fp32"
+            )
         f = int8["fidelity"]["compressed-int8"]
-        console.print(f"int8 fidelity: compressed-int8 vs dense fp32 cosine {f['cosine_mean']:.4f} "
-                      f"(compressed-fp32 {int8['fidelity']['compressed-fp32']['cosine_mean']:.4f})")
+        console.print(
+            f"int8 fidelity: compressed-int8 vs dense fp32 cosine {f['cosine_mean']:.4f} "
+            f"(compressed-fp32 {int8['fidelity']['compressed-fp32']['cosine_mean']:.4f})"
+        )
 
 
 #: The renderings of a bench report and their file names in an output folder (``bench -o DIR``).
@@ -191,18 +270,23 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     if path.is_dir():
         raise CorpError(f"{given} is a directory; give a file path (or use -o DIR)")
     if path.exists() and not _written_by_bench(path, rendering):
-        raise CorpError(f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
-                        "wrote; nothing was changed")
+        raise CorpError(
+            f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
+            "wrote; nothing was changed"
+        )
     owner = next((folder for folder in path.parents if (folder / RECORD_FILE).is_file()), None)
     if owner is not None:
-        raise CorpError(f"{given} lies inside {owner}, an output of corp-deploy, which holds only the files its "
-                        "record lists; write it elsewhere")
+        raise CorpError(
+            f"{given} lies inside {owner}, an output of corp-deploy, which holds only the files its "
+            "record lists; write it elsewhere"
+        )
     check_creatable(path, given)
     return path
 
 
-def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path | None,
-                         baseline: str | Path | None = None) -> tuple[dict[str, Path], Path | None]:
+def check_report_outputs(
+    files: dict[str, str | Path | None], folder: str | Path | None, baseline: str | Path | None = None
+) -> tuple[dict[str, Path], Path | None]:
     """The report files asked for (``{rendering: path or None}``) and the ``-o`` folder, checked
     before any work (:func:`check_report_file`, :func:`corp_deploy.outputs.check_output_dir`):
     ``({rendering: path}, folder or None)``. CorpError when a file lies inside the folder, two
@@ -214,17 +298,21 @@ def check_report_outputs(files: dict[str, str | Path | None], folder: str | Path
     out_dir = check_output_dir(folder, "bench") if folder is not None else None
     inside = [path for path in checked.values() if out_dir is not None and out_dir in path.parents]
     if inside:
-        raise CorpError(f"{inside[0]} lies inside -o {folder}; write it there without --json/--markdown/--plot, "
-                        "or elsewhere")
+        raise CorpError(
+            f"{inside[0]} lies inside -o {folder}; write it there without --json/--markdown/--plot, or elsewhere"
+        )
     if len(set(checked.values())) < len(checked):
         raise CorpError("--json, --markdown and --plot must name different files")
     if baseline is not None:
         kept = Path(baseline).resolve()
-        if kept in {path.resolve() for path in checked.values()} or (out_dir is not None
-                                                                     and out_dir.resolve() in kept.parents):
-            raise CorpError(f"the reports would replace --baseline {baseline}, the run this one is checked against "
-                            "(a failing run would become the next baseline); write them elsewhere and update the "
-                            "baseline deliberately")
+        if kept in {path.resolve() for path in checked.values()} or (
+            out_dir is not None and out_dir.resolve() in kept.parents
+        ):
+            raise CorpError(
+                f"the reports would replace --baseline {baseline}, the run this one is checked against "
+                "(a failing run would become the next baseline); write them elsewhere and update the "
+                "baseline deliberately"
+            )
     return checked, out_dir
 
 
@@ -235,6 +323,7 @@ def _written_by_bench(path: Path, rendering: str) -> bool:
         if rendering == "markdown":
             return path.read_text().startswith(MARKDOWN_TITLE)
         from PIL import Image
+
         with Image.open(path) as image:
             return getattr(image, "text", {}).get("Software") == PLOT_SOFTWARE
     except (OSError, ValueError, AttributeError):
@@ -247,8 +336,11 @@ def write_outputs(report: dict, files: dict[str, Path], folder: Path | None = No
     from corp_deploy.files import atomic_files
     from corp_deploy.outputs import staged_output
 
-    writers = {"json": lambda p: p.write_text(json_text(report)),
-               "markdown": lambda p: p.write_text(to_markdown(report)), "plot": lambda p: plot(report, p)}
+    writers = {
+        "json": lambda p: p.write_text(json_text(report)),
+        "markdown": lambda p: p.write_text(to_markdown(report)),
+        "plot": lambda p: plot(report, p),
+    }
     files = {rendering: Path(path) for rendering, path in files.items()}
     for path in files.values():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,20 +6,29 @@ sparsity the parameters, MACs, MAC-ideal and measured speedups, and the fidelity
 model. Methods: those of :data:`corp_deploy.METHODS` and ``uncompensated`` (CORP's channels,
 only sliced).
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from corp_deploy import (METHODS, CalibrationImages, CompressConfig, CorpError, compress, distributed,
-                         model_transform, save_artifact)
+from corp_deploy import (
+    METHODS,
+    CalibrationImages,
+    CompressConfig,
+    CorpError,
+    compress,
+    distributed,
+    model_transform,
+    save_artifact,
+)
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
@@ -34,7 +43,9 @@ SWEEP_FILE = "sweep.json"
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
 #: The methods a sweep runs under torch.distributed (``uncompensated`` is CORP's selection).
-DISTRIBUTED_METHODS = frozenset({name for name, method in METHODS.items() if method.runs_distributed} | {"uncompensated"})
+DISTRIBUTED_METHODS = frozenset(
+    {name for name, method in METHODS.items() if method.runs_distributed} | {"uncompensated"}
+)
 
 
 @dataclass(frozen=True)
@@ -60,15 +71,19 @@ class SweepSpec:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in SWEEP_METHODS]
         if unknown or not self.methods or len(set(self.methods)) != len(self.methods):
-            raise CorpError(f"--methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
-                            f"got {', '.join(self.methods) or 'none'}")
+            raise CorpError(
+                f"--methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
+                f"got {', '.join(self.methods) or 'none'}"
+            )
         if bool(self.sparsities) == bool(self.budgets):
             raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
         names = [self.run_name(method, point) for method in self.methods for point in self.points]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
-            raise CorpError(f"{'--s' if self.sparsities else '--macs'} gives the same run twice ({repeated[0]}); "
-                            "give distinct points")
+            raise CorpError(
+                f"{'--s' if self.sparsities else '--macs'} gives the same run twice ({repeated[0]}); "
+                "give distinct points"
+            )
         for method in self.methods:
             for point in self.points:
                 self.config(method, point)  # CorpError for a value out of range or a bad combination
@@ -98,8 +113,13 @@ class SweepSpec:
         return out
 
 
-def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str | Path,
-              log: Callable[[str], None] = lambda message: None) -> dict | None:
+def run_sweep(
+    dense: nn.Module,
+    base_model: dict,
+    spec: SweepSpec,
+    out_dir: str | Path,
+    log: Callable[[str], None] = lambda message: None,
+) -> dict | None:
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
     ``sweep.md`` and ``sweep.png``.
@@ -110,8 +130,10 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
     the others wait for it, and it alone returns the result (the others None).
     """
     if distributed.active() and not set(spec.methods) <= DISTRIBUTED_METHODS:
-        raise CorpError(f"under torchrun a sweep runs only {', '.join(sorted(DISTRIBUTED_METHODS))} (the "
-                        "methods whose calibration is shared by the processes); run the others in one process")
+        raise CorpError(
+            f"under torchrun a sweep runs only {', '.join(sorted(DISTRIBUTED_METHODS))} (the "
+            "methods whose calibration is shared by the processes); run the others in one process"
+        )
     check_output_dir(out_dir, "sweep")  # before any work
     first = distributed.rank() == 0
     transform, _ = model_transform(dense)
@@ -134,30 +156,60 @@ def run_sweep(dense: nn.Module, base_model: dict, spec: SweepSpec, out_dir: str 
                     distributed.barrier()  # the first rank's export and timing of this point
                     continue
                 settings = {**config.to_dict(), "calib_samples": spec.calib_samples, "seed": spec.seed}
-                artifact = save_artifact(model, tmp / name, base_model=base_model, report=report,
-                                         settings=settings, calibration=calibration.summary())
+                artifact = save_artifact(
+                    model,
+                    tmp / name,
+                    base_model=base_model,
+                    report=report,
+                    settings=settings,
+                    calibration=calibration.summary(),
+                )
                 log(f"{name}: exporting ...")
-                export = export_artifact(artifact, None, ExportOptions(dense=dense_onnx is None),
-                                         dense_model=dense, log=log)
+                export = export_artifact(
+                    artifact, None, ExportOptions(dense=dense_onnx is None), dense_model=dense, log=log
+                )
                 dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
                 with _timing_threads(spec.bench) as settings:
-                    bench = run_bench(ModelFiles(model, export.out_dir / "model.onnx"),
-                                      ModelFiles(dense, dense_onnx), evaluation, settings, held_out=held_out, log=log)
+                    bench = run_bench(
+                        ModelFiles(model, export.out_dir / "model.onnx"),
+                        ModelFiles(dense, dense_onnx),
+                        evaluation,
+                        settings,
+                        held_out=held_out,
+                        log=log,
+                    )
                 _paths_relative_to(bench["models"], tmp)
-                rows.append({"method": method, "sparsity": point if spec.sparsities else None,
-                             "budget": point if spec.budgets else None, "artifact": name, "target": config.target,
-                             "params": report["params"],
-                             "macs": report["macs"], "ideal_speedup": bench["ideal_speedup"],
-                             "latency": bench["latency"], "fidelity": bench["fidelity"], "bench": bench})
+                rows.append(
+                    {
+                        "method": method,
+                        "sparsity": point if spec.sparsities else None,
+                        "budget": point if spec.budgets else None,
+                        "artifact": name,
+                        "target": config.target,
+                        "params": report["params"],
+                        "macs": report["macs"],
+                        "ideal_speedup": bench["ideal_speedup"],
+                        "latency": bench["latency"],
+                        "fidelity": bench["fidelity"],
+                        "bench": bench,
+                    }
+                )
                 log(f"{name}: " + fidelity_summary(bench))
                 distributed.barrier()
         if not first:
             return None
-        result = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_model": base_model,
-                  "spec": spec.to_dict(), "machine": rows[0]["bench"]["machine"],
-                  "versions": rows[0]["bench"]["versions"], "classifier": dense.num_classes > 0,
-                  **({"distributed": report["distributed"]} if "distributed" in report else {}), "rows": rows}
+        result = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "base_model": base_model,
+            "spec": spec.to_dict(),
+            "machine": rows[0]["bench"]["machine"],
+            "versions": rows[0]["bench"]["versions"],
+            "classifier": dense.num_classes > 0,
+            **({"distributed": report["distributed"]} if "distributed" in report else {}),
+            "rows": rows,
+        }
         write_json(tmp / SWEEP_FILE, result)
         (tmp / "sweep.md").write_text(to_markdown(result))
         plot(result, tmp / "sweep.png")
@@ -234,17 +286,38 @@ def to_markdown(result: dict) -> str:
     batches = result["spec"]["bench"]["batches"]
     backends = sorted({r["backend"] for row in result["rows"] for r in row["latency"]})
     key, label = point_axis(result)
-    header = ["method", "target", label, "params (M)", "GMACs", "MAC-ideal speedup",
-              *[f"{b} speedup b{n} (of ideal)" for b in backends for n in batches], name]
+    header = [
+        "method",
+        "target",
+        label,
+        "params (M)",
+        "GMACs",
+        "MAC-ideal speedup",
+        *[f"{b} speedup b{n} (of ideal)" for b in backends for n in batches],
+        name,
+    ]
     f = result["rows"][0]["fidelity"]
-    lines = [f"# corp-deploy sweep: {result['base_model']['name']}", "",
-             f"{result['created']}; machine {result['machine']['cpu']}, {result['machine']['torch_threads']} "
-             f"threads. Fidelity on {f['images']} images ({f['data'].get('path', 'bundled photos')}, "
-             f"{'held out' if f['held_out'] else 'NOT held out'} from calibration).", "", "## Every run", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        f"# corp-deploy sweep: {result['base_model']['name']}",
+        "",
+        f"{result['created']}; machine {result['machine']['cpu']}, {result['machine']['torch_threads']} "
+        f"threads. Fidelity on {f['images']} images ({f['data'].get('path', 'bundled photos')}, "
+        f"{'held out' if f['held_out'] else 'NOT held out'} from calibration).",
+        "",
+        "## Every run",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for row in result["rows"]:
-        cells = [row["method"], row["target"], f"{row[key]:g}", f"{row['params']['compressed'] / 1e6:.2f}",
-                 f"{row['macs']['compressed'] / 1e9:.4g}", f"{row['ideal_speedup']:.3f}"]
+        cells = [
+            row["method"],
+            row["target"],
+            f"{row[key]:g}",
+            f"{row['params']['compressed'] / 1e6:.2f}",
+            f"{row['macs']['compressed'] / 1e9:.4g}",
+            f"{row['ideal_speedup']:.3f}",
+        ]
         by_key = {(r["backend"], r["batch"]): r for r in row["latency"]}
         for b in backends:
             for n in batches:
@@ -252,30 +325,46 @@ def to_markdown(result: dict) -> str:
                 cells.append(f"{r['speedup']['median']:.3f} ({r['efficiency'] * 100:.0f}%)" if r else "-")
         cells.append(f"{headline(row):.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"## {name} at matched {label}", "",
-              f"| {label} | " + " | ".join(methods) + " |", "|" + "---|" * (len(methods) + 1)]
+    lines += [
+        "",
+        f"## {name} at matched {label}",
+        "",
+        f"| {label} | " + " | ".join(methods) + " |",
+        "|" + "---|" * (len(methods) + 1),
+    ]
     for point in result["spec"]["sparsities"] or result["spec"]["budgets"]:
         cells = [f"{headline(next(r for r in groups[m] if r[key] == point)):.4f}" for m in methods]
         lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
     reference = methods[0]
-    lines += ["", f"## {name} at matched MACs", "",
-              f"At the MACs of each {reference} run; other methods linearly interpolated in MACs between their "
-              "two nearest runs (`-`: outside the range they were run at).", "",
-              "| GMACs | " + " | ".join(methods) + " |", "|" + "---|" * (len(methods) + 1)]
+    lines += [
+        "",
+        f"## {name} at matched MACs",
+        "",
+        f"At the MACs of each {reference} run; other methods linearly interpolated in MACs between their "
+        "two nearest runs (`-`: outside the range they were run at).",
+        "",
+        "| GMACs | " + " | ".join(methods) + " |",
+        "|" + "---|" * (len(methods) + 1),
+    ]
     for row in groups[reference]:
         macs = row["macs"]["compressed"]
         cells = [at_macs(groups[m], macs) for m in methods]
         lines.append(f"| {macs / 1e9:.4g} | " + " | ".join("-" if c is None else f"{c:.4f}" for c in cells) + " |")
     first = result["rows"][0]
-    lines += ["", f"Dense: {first['params']['dense'] / 1e6:.2f} M parameters, {first['macs']['dense'] / 1e9:.3f} "
-                  "GMACs. Per-run bench reports (latency percentiles, parity, all fidelity numbers) are in "
-                  "sweep.json.", ""]
+    lines += [
+        "",
+        f"Dense: {first['params']['dense'] / 1e6:.2f} M parameters, {first['macs']['dense'] / 1e9:.3f} "
+        "GMACs. Per-run bench reports (latency percentiles, parity, all fidelity numbers) are in "
+        "sweep.json.",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str | Path) -> None:
     """Per method: fidelity vs sparsity (or budget), fidelity vs MACs, measured speedup vs sparsity."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -286,19 +375,34 @@ def plot(result: dict, path: str | Path) -> None:
     for method, rows in by_method(result).items():
         s = [row[key] for row in rows]
         fid.plot(s, [headline(row) for row in rows], "-o", label=method)
-        cost.plot([row["macs"]["compressed"] / 1e9 for row in rows], [headline(row) for row in rows], "-o",
-                  label=method)
+        cost.plot(
+            [row["macs"]["compressed"] / 1e9 for row in rows], [headline(row) for row in rows], "-o", label=method
+        )
         if backend is not None:
-            line, = speed.plot(s, [next(r["speedup"]["median"] for r in row["latency"]
-                                        if r["backend"] == backend and r["batch"] == batch) for row in rows],
-                               "-o", label=f"{method}, measured")
-            speed.plot(s, [row["ideal_speedup"] for row in rows], ":", color=line.get_color(),
-                       label=f"{method}, MAC-ideal")
+            (line,) = speed.plot(
+                s,
+                [
+                    next(
+                        r["speedup"]["median"]
+                        for r in row["latency"]
+                        if r["backend"] == backend and r["batch"] == batch
+                    )
+                    for row in rows
+                ],
+                "-o",
+                label=f"{method}, measured",
+            )
+            speed.plot(
+                s, [row["ideal_speedup"] for row in rows], ":", color=line.get_color(), label=f"{method}, MAC-ideal"
+            )
     fid.set(xlabel=label, ylabel=headline_name(result), title=f"Fidelity at matched {label}")
     cost.set(xlabel="GMACs per image", ylabel=headline_name(result), title="Fidelity at matched MACs")
     cost.invert_xaxis()
-    speed.set(xlabel=label, ylabel="speedup over dense",
-              title=f"Speedup ({backend}, batch {batch})" if backend else "Speedup (no backend ran)")
+    speed.set(
+        xlabel=label,
+        ylabel="speedup over dense",
+        title=f"Speedup ({backend}, batch {batch})" if backend else "Speedup (no backend ran)",
+    )
     for ax in (fid, cost, speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -1,4 +1,5 @@
 """What ``bench`` measures: the compressed model and its dense base, from an artifact or an export."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,8 +47,10 @@ def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
     named = export.name.removeprefix("export-")
     if export.name.startswith("export-") and named in EXPORT_PRECISIONS and manifest.get("precision") != named:
-        raise CorpError(f"{export} holds {manifest.get('precision')} graphs, not {named} ones as its name says "
-                        f"(bench reads export-fp32/ and export-int8/ by name); export it again into export-{named}/")
+        raise CorpError(
+            f"{export} holds {manifest.get('precision')} graphs, not {named} ones as its name says "
+            f"(bench reads export-fp32/ and export-int8/ by name); export it again into export-{named}/"
+        )
 
 
 def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:

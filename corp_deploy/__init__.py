@@ -7,6 +7,7 @@ Public API::
     model = corp_deploy.load_compressed(out_dir)
     dense = corp_deploy.load_base_model(out_dir)   # the model it was compressed from
 """
+
 __version__ = "0.1.0"
 
 import importlib
@@ -14,21 +15,35 @@ import importlib
 #: The public API and the module each name lives in. Imported on first use, so that importing the
 #: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
 _API = {
-    "latest_artifact": "artifact", "load_base_model": "artifact", "load_compressed": "artifact",
-    "read_config": "artifact", "save_artifact": "artifact",
-    "CalibrationImages": "calibration", "model_transform": "calibration",
+    "latest_artifact": "artifact",
+    "load_base_model": "artifact",
+    "load_compressed": "artifact",
+    "read_config": "artifact",
+    "save_artifact": "artifact",
+    "CalibrationImages": "calibration",
+    "model_transform": "calibration",
     "CompressConfig": "config",
-    "count_macs": "cost", "count_params": "cost",
+    "count_macs": "cost",
+    "count_params": "cost",
     "kept_count": "dims",
     "compress": "engine",
     "CorpError": "errors",
-    "blocks_of": "families", "is_plain_attention": "families", "is_prunable_attention": "families",
+    "blocks_of": "families",
+    "is_plain_attention": "families",
+    "is_prunable_attention": "families",
     "standard_form": "families",
-    "BlockDims": "layers", "GatedLinear": "layers", "PrunedAttention": "layers", "head_dims": "layers",
+    "BlockDims": "layers",
+    "GatedLinear": "layers",
+    "PrunedAttention": "layers",
+    "head_dims": "layers",
     "multi_head_attention": "layers",
-    "METHODS": "methods", "Method": "methods", "CorpOptions": "methods", "ToastOptions": "methods",
+    "METHODS": "methods",
+    "Method": "methods",
+    "CorpOptions": "methods",
+    "ToastOptions": "methods",
     "VbpOptions": "methods",
-    "create_base_model": "models", "resolve_model_name": "models",
+    "create_base_model": "models",
+    "resolve_model_name": "models",
 }
 __all__ = sorted(_API)
 

@@ -6,6 +6,7 @@ failed run never leaves a directory that looks like an artifact; its record
 (:mod:`corp_deploy.outputs`) lists every file with its SHA-256, and every read checks the
 files it uses against it.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,14 +39,22 @@ def library_versions() -> dict[str, str]:
     import numpy
     import safetensors
     import timm
+
     from . import __version__
-    return {"corp_deploy": __version__, "torch": torch.__version__, "timm": timm.__version__,
-            "safetensors": safetensors.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version()}
+
+    return {
+        "corp_deploy": __version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
 
 
-def base_model_spec(model: nn.Module, name: str | None = None,
-                    model_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+def base_model_spec(
+    model: nn.Module, name: str | None = None, model_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Name and creation kwargs that rebuild ``model``'s dense skeleton with timm.
 
     Without explicit values, the name comes from timm's ``pretrained_cfg`` and the kwargs
@@ -58,8 +67,10 @@ def base_model_spec(model: nn.Module, name: str | None = None,
             raise CorpError("cannot tell which timm model this is; pass its timm name explicitly")
     if model_kwargs is None:
         img = model.patch_embed.img_size
-        model_kwargs = {"img_size": list(img) if isinstance(img, (tuple, list)) else img,
-                        "num_classes": model.num_classes}
+        model_kwargs = {
+            "img_size": list(img) if isinstance(img, (tuple, list)) else img,
+            "num_classes": model.num_classes,
+        }
     return {"name": name, "model_kwargs": dict(model_kwargs)}
 
 
@@ -74,14 +85,25 @@ def _reshaped(model: nn.Module, config: dict) -> nn.Module:
     them (empty layers where a block was pruned), in eval mode."""
     fc2_bias, proj_bias = config.get("fc2_bias"), config.get("proj_bias")
     for i, (block, dims) in enumerate(zip(blocks_of(model), config["blocks"])):
-        reshape_block(block, BlockDims(**dims), fc2_bias=None if fc2_bias is None else fc2_bias[i],
-                      proj_bias=None if proj_bias is None else proj_bias[i])
+        reshape_block(
+            block,
+            BlockDims(**dims),
+            fc2_bias=None if fc2_bias is None else fc2_bias[i],
+            proj_bias=None if proj_bias is None else proj_bias[i],
+        )
     return model.eval()
 
 
-def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str, Any] | None = None,
-                  settings: dict[str, Any] | None = None, calibration: dict[str, Any] | None = None,
-                  report: dict[str, Any] | None = None, plots: bool = True) -> Path:
+def save_artifact(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    base_model: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+    plots: bool = True,
+) -> Path:
     """Write the artifact directory atomically and return its path.
 
     Args:
@@ -98,6 +120,7 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
     still match its record; anything else is refused (:func:`corp_deploy.outputs.check_output_dir`).
     """
     from safetensors.torch import save_file
+
     from .calibration import model_transform
 
     out_dir = Path(out_dir)
@@ -127,6 +150,7 @@ def save_artifact(model: nn.Module, out_dir: str | Path, *, base_model: dict[str
         write_json(tmp / REPORT_FILE, report or {})
         if plots and config["allocation"]:
             from .plots import plot_allocation
+
             plot_allocation(config["allocation"], tmp / ALLOCATION_PLOT, title=base_model["name"])
     return out_dir
 
@@ -149,8 +173,12 @@ def _config_problem(config: dict) -> str | None:
     """What in a ``config.json`` (its record matching, i.e. edited along with the record) this
     corp-deploy cannot interpret, or None."""
     base, size, blocks = config.get("base_model"), (config.get("input") or {}), config.get("blocks")
-    if not (isinstance(base, dict) and isinstance(base.get("name"), str) and isinstance(base.get("model_kwargs"), dict)
-            and isinstance(base.get("weights", {}), dict)):
+    if not (
+        isinstance(base, dict)
+        and isinstance(base.get("name"), str)
+        and isinstance(base.get("model_kwargs"), dict)
+        and isinstance(base.get("weights", {}), dict)
+    ):
         return "base_model needs a name, model_kwargs and a weights record"
     size = size.get("input_size") if isinstance(size, dict) else None
     if not (isinstance(size, list) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size)):
@@ -180,13 +208,15 @@ def load_compressed(path: str | Path) -> nn.Module:
     """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
     weights file must match the artifact's record."""
     from safetensors.torch import load_file
+
     config = read_config(path)
     verify_files(path, "artifact", [WEIGHTS_FILE])
     try:
         model = build_skeleton(config)
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
-        raise CorpError(f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: "
-                        f"{first_line(exc)}") from None
+        raise CorpError(
+            f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
+        ) from None
     try:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:
@@ -230,8 +260,10 @@ def load_base_model(path: str | Path) -> nn.Module:
         return create_base_model(name, kwargs, pretrained=False, seed=weights["seed"])
     if source == "timm-pretrained":
         return create_base_model(name, kwargs, pretrained=True)
-    raise CorpError(f"{path} does not record where its dense weights came from "
-                    f"(weights source {source!r}); rebuild the dense model yourself")
+    raise CorpError(
+        f"{path} does not record where its dense weights came from "
+        f"(weights source {source!r}); rebuild the dense model yourself"
+    )
 
 
 def state_dir() -> Path:
@@ -252,8 +284,9 @@ def record_latest(path: str | Path) -> str | None:
     try:
         folder = state_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(folder / LATEST_FILE, {"artifact": str(Path(path).resolve()),
-                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        write_json(
+            folder / LATEST_FILE, {"artifact": str(Path(path).resolve()), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        )
     except OSError as exc:
         return f"could not record {path} as the latest artifact in {state_dir() / LATEST_FILE}: {exc}"
     return None
@@ -265,8 +298,9 @@ def latest_artifact() -> Path:
     try:
         text = record.read_text()
     except FileNotFoundError:
-        raise CorpError("no artifact given and none recorded; run `corp-deploy compress` first "
-                        "or pass the artifact directory") from None
+        raise CorpError(
+            "no artifact given and none recorded; run `corp-deploy compress` first or pass the artifact directory"
+        ) from None
     except OSError as exc:
         raise CorpError(f"cannot read {record}: {exc.strerror or exc}") from None
     try:
@@ -274,8 +308,9 @@ def latest_artifact() -> Path:
         if not isinstance(path, str):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise CorpError(f"{record} is not a corp-deploy state record (malformed JSON); remove it and pass "
-                        "the artifact directory") from None
+        raise CorpError(
+            f"{record} is not a corp-deploy state record (malformed JSON); remove it and pass the artifact directory"
+        ) from None
     read_config(path)
     return Path(path)
 
@@ -286,12 +321,13 @@ def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
     (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
     base = config["base_model"]
     skeleton = _reshaped(base_skeleton(base["name"], base["model_kwargs"]), config).state_dict()
-    mismatch = sorted(set(skeleton) ^ set(state)) or \
-        [k for k in state if skeleton[k].shape != state[k].shape]
+    mismatch = sorted(set(skeleton) ^ set(state)) or [k for k in state if skeleton[k].shape != state[k].shape]
     if mismatch:
-        raise CorpError(f"the recorded base model {config['base_model']} does not rebuild this model "
-                        f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
-                        "it was created with")
+        raise CorpError(
+            f"the recorded base model {config['base_model']} does not rebuild this model "
+            f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
+            "it was created with"
+        )
 
 
 def _jsonable(value: Any) -> Any:

@@ -9,10 +9,11 @@ which ranking scores, the normal equations and the logit errors all follow exact
 The ridge is ``lambda = alpha * tr(sum_i A_i ⊗ G_i) / d^2`` over the full head dim, the same
 whichever dims are kept, so that the systems of nested kept sets are nested (:func:`head_curve`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -54,8 +55,9 @@ class HeadSolution:
     logit_energy: float
 
 
-def solve_head(sums: QKSums, kept: torch.Tensor, pruned: torch.Tensor, alpha: float,
-               compensate: bool = True) -> HeadSolution:
+def solve_head(
+    sums: QKSums, kept: torch.Tensor, pruned: torch.Tensor, alpha: float, compensate: bool = True
+) -> HeadSolution:
     """Solve ``(sum_i A_i ⊗ G_i + lambda I) vec(M) = vec(sum_i C_i)`` for one head.
 
     Args:
@@ -86,8 +88,9 @@ def solve_head(sums: QKSums, kept: torch.Tensor, pruned: torch.Tensor, alpha: fl
     return HeadSolution(m_vec.reshape(k, k), lam, err_unc / n, max(err_comp, 0.0) / n, energy / n)
 
 
-def head_curve(sums: QKSums, order: torch.Tensor, alpha: float, solutions_at: Iterable[int] = ()
-               ) -> tuple[torch.Tensor, dict[int, HeadSolution]]:
+def head_curve(
+    sums: QKSums, order: torch.Tensor, alpha: float, solutions_at: Iterable[int] = ()
+) -> tuple[torch.Tensor, dict[int, HeadSolution]]:
     """The ridge objective of one head for every kept prefix ``S_k = order[:k]``, k = 0..d, and the
     solution (what :func:`solve_head` returns for ``S_k``) of the prefixes ``k`` in ``solutions_at``.
 
@@ -133,23 +136,24 @@ def head_curve(sums: QKSums, order: torch.Tensor, alpha: float, solutions_at: It
     sliced = ranked.flip(0).cumsum(0).flip(0).flip(1).cumsum(1).flip(1).diagonal()
     curve = torch.zeros(d + 1, dtype=dtype, device=device)
     curve[0] = ranked.sum()
-    curve[1:d] = sliced[1:] - (v.square() * prefix).sum(1)[:d - 1]
+    curve[1:d] = sliced[1:] - (v.square() * prefix).sum(1)[: d - 1]
     energy = float(curve[0]) / n
     solutions_at = set(solutions_at)
     wanted = sorted(size for size in solutions_at if 0 < size < d)
     padded = torch.zeros(d * d, len(wanted), dtype=dtype, device=device)
     for column, k in enumerate(wanted):
-        padded[:k * k, column] = v[k - 1, :k * k]
+        padded[: k * k, column] = v[k - 1, : k * k]
     m_vecs = torch.linalg.solve_triangular(chol.T, padded, upper=True)  # column j: vec(M_k), zero beyond k^2
     solutions = {}
     for column, k in enumerate(wanted):
-        m_vec = m_vecs[:k * k, column]
+        m_vec = m_vecs[: k * k, column]
         m_ranked = torch.zeros(k, k, dtype=dtype, device=device)
-        m_ranked[rows[:k * k], cols[:k * k]] = m_vec
+        m_ranked[rows[: k * k], cols[: k * k]] = m_vec
         ascending = torch.argsort(order[:k])
         compensated = float(curve[k]) - lam * float(m_vec.square().sum())  # J(k) without its ridge term
-        solutions[k] = HeadSolution(m_ranked[ascending][:, ascending], lam, float(sliced[k]) / n,
-                                    max(compensated, 0.0) / n, energy)
+        solutions[k] = HeadSolution(
+            m_ranked[ascending][:, ascending], lam, float(sliced[k]) / n, max(compensated, 0.0) / n, energy
+        )
     if d in solutions_at:  # nothing pruned
         solutions[d] = HeadSolution(torch.zeros(d, d, dtype=dtype, device=device), 0.0, 0.0, 0.0, energy)
     return curve.clamp_min(0.0) / n, solutions

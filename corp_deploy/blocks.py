@@ -10,9 +10,10 @@ the input of its output projection, and the MLP's hidden activations. Tokens are
 within windows: its attention and probes see ``(B * windows, N, C)`` window tokens, and its heads
 probe one group of mutually attending tokens per "image" (:meth:`ShiftedWindows.group_heads`).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,21 +37,36 @@ def project_qk(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, k
 
 
-def attention_forward(attn: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
-                      on_proj_input: ProjInputProbe | None = None, attn_mask: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+def attention_forward(
+    attn: nn.Module,
+    x: torch.Tensor,
+    on_heads: HeadsProbe | None = None,
+    on_proj_input: ProjInputProbe | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``attn(x)`` on normalised tokens ``x``; with probes it is computed from explicit queries,
     keys and values (timm ``Attention`` or ``RelPosAttention`` without qk-norm, or
     ``PrunedAttention``; a relative position bias is added to the logits) so that they see them.
     ``attn_mask``: an additive logit mask (a :class:`PrunedAttention`'s, for Swin's shifted windows)."""
     if on_heads is None and on_proj_input is None:
         return attn(x) if attn_mask is None else attn(x, attn_mask=attn_mask)
-    return multi_head_attention(attn, x, attn_mask=attn_mask, rel_bias=relative_position_bias(attn),
-                                on_heads=on_heads, on_proj_input=on_proj_input)
+    return multi_head_attention(
+        attn,
+        x,
+        attn_mask=attn_mask,
+        rel_bias=relative_position_bias(attn),
+        on_heads=on_heads,
+        on_proj_input=on_proj_input,
+    )
 
 
-def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
-                     on_proj_input: ProjInputProbe | None = None, attn: nn.Module | None = None) -> torch.Tensor:
+def attention_output(
+    block: nn.Module,
+    x: torch.Tensor,
+    on_heads: HeadsProbe | None = None,
+    on_proj_input: ProjInputProbe | None = None,
+    attn: nn.Module | None = None,
+) -> torch.Tensor:
     """The block's attention (or ``attn`` in its place) on normalised tokens ``x``, within the
     block's windows where it has them; probes as in :func:`attention_forward`."""
     attn = block.attn if attn is None else attn
@@ -62,6 +78,7 @@ def attention_output(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | N
 
         def on_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             probe(windows.group_heads(q), windows.group_heads(k), windows.group_heads(v))
+
     return windows.attend(lambda t, mask: attention_forward(attn, t, on_heads, on_proj_input, mask), x)
 
 
@@ -80,8 +97,9 @@ def mlp_hidden(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.act(mlp.fc1(block.norm2(x)))
 
 
-def attention_residual(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None,
-                       on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
+def attention_residual(
+    block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe | None = None, on_proj_input: ProjInputProbe | None = None
+) -> torch.Tensor:
     """The block's first half: ``x + ls1(attn(norm1(x)))``."""
     return x + block.ls1(attention_output(block, block.norm1(x), on_heads, on_proj_input))
 
@@ -101,9 +119,14 @@ def mlp_residual(block: nn.Module, x: torch.Tensor, on_hidden: HiddenProbe | Non
     return x + block.ls2(mlp_branch(block, x, on_hidden))
 
 
-def block_forward(block: nn.Module, x: torch.Tensor, *, on_heads: HeadsProbe | None = None,
-                  on_proj_input: ProjInputProbe | None = None, on_hidden: HiddenProbe | None = None
-                  ) -> torch.Tensor:
+def block_forward(
+    block: nn.Module,
+    x: torch.Tensor,
+    *,
+    on_heads: HeadsProbe | None = None,
+    on_proj_input: ProjInputProbe | None = None,
+    on_hidden: HiddenProbe | None = None,
+) -> torch.Tensor:
     """``block(x)``, showing the probes what they look at (see the module docstring)."""
     return block_exit(block, mlp_residual(block, attention_residual(block, x, on_heads, on_proj_input), on_hidden))
 
@@ -143,7 +166,7 @@ class BoundaryCache:
     def device(self) -> torch.device:
         return self.batches[0].device
 
-    def clone(self) -> "BoundaryCache":
+    def clone(self) -> BoundaryCache:
         """An independent copy (to run ahead through the model and keep this one where it is)."""
         copy = BoundaryCache()
         copy.batches = [x.clone() for x in self.batches]

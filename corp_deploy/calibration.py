@@ -1,11 +1,12 @@
 """Unlabelled calibration images, preprocessed exactly as the model expects at inference."""
+
 from __future__ import annotations
 
 import math
 import random
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -18,9 +19,23 @@ from .files import existing_dir
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 # Natural photos bundled inside scikit-image's package data (no download needed), split so
 # that evaluation (``corp-deploy bench``) can use photos calibration never saw.
-BUILTIN_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
-                  "motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "ihc.png",
-                  "camera.png", "coins.png", "moon.png", "brick.png", "grass.png", "gravel.png")
+BUILTIN_PHOTOS = (
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "rocket.jpg",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "hubble_deep_field.jpg",
+    "retina.jpg",
+    "ihc.png",
+    "camera.png",
+    "coins.png",
+    "moon.png",
+    "brick.png",
+    "grass.png",
+    "gravel.png",
+)
 HELD_OUT_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_right.png", "coins.png", "grass.png")
 CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS)
 
@@ -32,6 +47,7 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
     differs from the pretrained config's when ``img_size`` was overridden (e.g. DINOv2 at 224).
     """
     from timm.data import create_transform, resolve_model_data_config
+
     cfg = resolve_model_data_config(model)
     patch_embed = getattr(model, "patch_embed", None)
     if patch_embed is not None and getattr(patch_embed, "img_size", None):
@@ -49,8 +65,15 @@ def find_images(directory: str | Path) -> list[Path]:
 
 #: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
 #: unsupported or oversized ("decompression bomb") files.
-UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, MemoryError, Image.DecompressionBombError,
-              Image.DecompressionBombWarning)
+UNREADABLE = (
+    OSError,
+    UnidentifiedImageError,
+    ValueError,
+    SyntaxError,
+    MemoryError,
+    Image.DecompressionBombError,
+    Image.DecompressionBombWarning,
+)
 
 
 def load_rgb(path: str | Path) -> Image.Image:
@@ -85,6 +108,7 @@ def unreadable_reason(path: Path, exc: BaseException) -> str:
 def builtin_photo_paths(names: Sequence[str] = BUILTIN_PHOTOS) -> list[Path]:
     """Paths of scikit-image's bundled photos."""
     import skimage.data
+
     folder = Path(skimage.data.__file__).parent
     paths = [folder / n for n in names]
     missing = [p.name for p in paths if not p.is_file()]
@@ -106,8 +130,15 @@ class CalibrationImages:
     describes what the last iteration used.
     """
 
-    def __init__(self, sources: list, transform: Callable, batch_size: int, description: dict,
-                 limit: int, crop_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        sources: list,
+        transform: Callable,
+        batch_size: int,
+        description: dict,
+        limit: int,
+        crop_seed: int | None = None,
+    ) -> None:
         if batch_size < 1:
             raise CorpError(f"batch size must be >= 1, got {batch_size}")
         if limit < 1:
@@ -122,28 +153,50 @@ class CalibrationImages:
         self.skipped: list[str] = []
 
     @classmethod
-    def from_directory(cls, directory: str | Path, transform: Callable, *, limit: int = 256,
-                       batch_size: int = 32, seed: int = 0) -> "CalibrationImages":
+    def from_directory(
+        cls, directory: str | Path, transform: Callable, *, limit: int = 256, batch_size: int = 32, seed: int = 0
+    ) -> CalibrationImages:
         paths = find_images(directory)
         if not paths:
             raise CorpError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {directory}")
         random.Random(seed).shuffle(paths)
-        return cls(paths, transform, batch_size, {"source": "directory", "path": str(Path(directory).resolve()),
-                                                  "files_found": len(paths)}, limit)
+        return cls(
+            paths,
+            transform,
+            batch_size,
+            {"source": "directory", "path": str(Path(directory).resolve()), "files_found": len(paths)},
+            limit,
+        )
 
     @classmethod
-    def from_builtin(cls, transform: Callable, *, count: int = 256, batch_size: int = 32,
-                     seed: int = 0, photos: Sequence[str] = CALIBRATION_PHOTOS) -> "CalibrationImages":
+    def from_builtin(
+        cls,
+        transform: Callable,
+        *,
+        count: int = 256,
+        batch_size: int = 32,
+        seed: int = 0,
+        photos: Sequence[str] = CALIBRATION_PHOTOS,
+    ) -> CalibrationImages:
         paths = builtin_photo_paths(photos)
         sources = [paths[i % len(paths)] for i in range(count)]
-        return cls(sources, transform, batch_size,
-                   {"source": "builtin", "photos": list(photos), "augmentation":
-                    "seeded random resized crops (scale 0.25-1) and horizontal flips"},
-                   count, crop_seed=seed)
+        return cls(
+            sources,
+            transform,
+            batch_size,
+            {
+                "source": "builtin",
+                "photos": list(photos),
+                "augmentation": "seeded random resized crops (scale 0.25-1) and horizontal flips",
+            },
+            count,
+            crop_seed=seed,
+        )
 
     @classmethod
-    def from_source(cls, directory: str | Path | None, transform: Callable, *, limit: int = 256,
-                    batch_size: int = 32, seed: int = 0) -> "CalibrationImages":
+    def from_source(
+        cls, directory: str | Path | None, transform: Callable, *, limit: int = 256, batch_size: int = 32, seed: int = 0
+    ) -> CalibrationImages:
         """``from_directory`` when a directory is given, else ``from_builtin``."""
         if directory is None:
             return cls.from_builtin(transform, count=limit, batch_size=batch_size, seed=seed)
@@ -172,30 +225,40 @@ class CalibrationImages:
             yield torch.stack(batch)
             self.used += len(batch)
         if self.used == 0:
-            raise CorpError(f"none of the {len(self.skipped)} image files could be read "
-                            f"(e.g. {self.skipped[0] if self.skipped else '-'})")
+            raise CorpError(
+                f"none of the {len(self.skipped)} image files could be read "
+                f"(e.g. {self.skipped[0] if self.skipped else '-'})"
+            )
 
     def summary(self) -> dict:
         """Where the images came from, how many were asked for and used, and which files were
         skipped (``path: reason``, the first five)."""
-        return {**self._description, "images_requested": self._limit, "images_used": self.used,
-                "files_skipped": len(self.skipped), "skipped_examples": self.skipped[:5]}
+        return {
+            **self._description,
+            "images_requested": self._limit,
+            "images_used": self.used,
+            "files_skipped": len(self.skipped),
+            "skipped_examples": self.skipped[:5],
+        }
 
 
 def held_out_images(transform: Callable, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:
     """The held-out side of the bundled photos' split: ``count`` seeded crops and flips (seed
     ``seed + 1``) of the ``HELD_OUT_PHOTOS``, which built-in calibration never uses."""
-    return CalibrationImages.from_builtin(transform, count=count, batch_size=batch_size, seed=seed + 1,
-                                          photos=HELD_OUT_PHOTOS)
+    return CalibrationImages.from_builtin(
+        transform, count=count, batch_size=batch_size, seed=seed + 1, photos=HELD_OUT_PHOTOS
+    )
 
 
-def split_builtin_images(transform: Callable, n_calib: int, n_held_out: int, batch_size: int = 32, seed: int = 0
-                         ) -> tuple[CalibrationImages, CalibrationImages]:
+def split_builtin_images(
+    transform: Callable, n_calib: int, n_held_out: int, batch_size: int = 32, seed: int = 0
+) -> tuple[CalibrationImages, CalibrationImages]:
     """The bundled photos split into calibration images (``n_calib`` crops of the
     ``CALIBRATION_PHOTOS`` with ``seed``, what ``compress`` calibrates on by default) and
     :func:`held_out_images` (``n_held_out``, disjoint photos)."""
-    calib = CalibrationImages.from_builtin(transform, count=n_calib, batch_size=batch_size, seed=seed,
-                                           photos=CALIBRATION_PHOTOS)
+    calib = CalibrationImages.from_builtin(
+        transform, count=n_calib, batch_size=batch_size, seed=seed, photos=CALIBRATION_PHOTOS
+    )
     return calib, held_out_images(transform, n_held_out, batch_size, seed)
 
 

@@ -8,6 +8,7 @@ ones. The ridge is ``lambda = alpha * tr(Sigma) / H``: the mean variance of all 
 the same whichever channels are kept, so that the problems for nested kept sets are nested too
 (:func:`prefix_objective`, §8).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,8 +78,14 @@ class ChannelSolution:
     output_energy: float
 
 
-def solve_channels(stats: MomentAccumulator, w2: torch.Tensor, kept: torch.Tensor, pruned: torch.Tensor,
-                   alpha: float, compensate: bool = True) -> ChannelSolution:
+def solve_channels(
+    stats: MomentAccumulator,
+    w2: torch.Tensor,
+    kept: torch.Tensor,
+    pruned: torch.Tensor,
+    alpha: float,
+    compensate: bool = True,
+) -> ChannelSolution:
     """Ridge regression of the pruned channels on the kept ones, from centred statistics.
 
     ``B = Sigma_PS (Sigma_SS + lambda I)^-1``, ``c = mu_P - B mu_S``, with ``lambda`` from
@@ -117,8 +124,9 @@ def output_energy(stats: MomentAccumulator, w2: torch.Tensor) -> float:
     return _weighted_trace(w32, stats.covariance.float()) + float((w32 @ stats.mean.float()).square().sum())
 
 
-def keep_order(stats: MomentAccumulator, weight: torch.Tensor, ranker: str, alpha: float, groups: int = 1,
-               kept: int | None = None) -> torch.Tensor:
+def keep_order(
+    stats: MomentAccumulator, weight: torch.Tensor, ranker: str, alpha: float, groups: int = 1, kept: int | None = None
+) -> torch.Tensor:
     """The channels ``(H,)`` in the order they are kept (prefixes are the kept sets).
 
     ``ranker``: a score of :data:`SCORE_RANKERS` (highest first) or ``greedy``
@@ -136,8 +144,7 @@ def keep_order(stats: MomentAccumulator, weight: torch.Tensor, ranker: str, alph
     return per_group.T.reshape(-1)  # rank 0 of every group, then rank 1, ...
 
 
-def prefix_objective(stats: MomentAccumulator, weight: torch.Tensor, order: torch.Tensor,
-                     alpha: float) -> torch.Tensor:
+def prefix_objective(stats: MomentAccumulator, weight: torch.Tensor, order: torch.Tensor, alpha: float) -> torch.Tensor:
     """The ridge-compensated consumer error of every kept prefix ``S_k = order[:k]``, k = 0..H,
     ``(H + 1,)`` float64:
 
@@ -154,8 +161,9 @@ def prefix_objective(stats: MomentAccumulator, weight: torch.Tensor, order: torc
     return torch.cat([trailing.flip(0).cumsum(0).flip(0), trailing.new_zeros(1)]).clamp_min(0.0)
 
 
-def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, groups: int = 1,
-                 kept: int | None = None) -> torch.Tensor:
+def greedy_order(
+    stats: MomentAccumulator, weight: torch.Tensor, alpha: float, groups: int = 1, kept: int | None = None
+) -> torch.Tensor:
     """Channels in the order a greedy selection keeps them (docs/method.md §7): each step adds the channel whose
     inclusion lowers the ridge objective ``J`` (:func:`prefix_objective`) most. This is a
     pivoted Cholesky of ``Mreg = Sigma + lambda I`` with the consumer's output error as the
@@ -199,8 +207,8 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
         columns[p], images[p] = col, u
         resid_diag -= col.square()
         if p == panel - 1 or t == steps - 1:
-            schur.addmm_(columns[:p + 1].T, columns[:p + 1], alpha=-1.0)
-            g.addmm_(images[:p + 1].T, columns[:p + 1], alpha=-1.0)
+            schur.addmm_(columns[: p + 1].T, columns[: p + 1], alpha=-1.0)
+            g.addmm_(images[: p + 1].T, columns[: p + 1], alpha=-1.0)
         free[i] = False
         open_groups[group[i]] = False
         if not open_groups.any():
@@ -210,20 +218,30 @@ def greedy_order(stats: MomentAccumulator, weight: torch.Tensor, alpha: float, g
     return torch.cat([torch.tensor(order, dtype=torch.long, device=cov.device), rest])
 
 
-def fold_mlp(mlp: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: torch.Tensor | None = None,
-             c: torch.Tensor | None = None) -> None:
+def fold_mlp(
+    mlp: nn.Module,
+    kept: torch.Tensor,
+    pruned: torch.Tensor,
+    B: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
+) -> None:
     """Replace ``mlp.fc1``/``mlp.fc2`` by the reduced, compensated layers (in place).
 
     fc1 (an ``nn.Linear`` or a :class:`~corp_deploy.layers.GatedLinear`) keeps rows ``S = kept``;
-    ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c`` for ``P = pruned`` (``B`` ``(|P|, |S|)`` and ``c`` ``(|P|,)``; ``None`` means zero, so
-    ``fold_mlp(mlp, S, P)`` only slices). fc2 gains a bias if it had none and the shift is
-    non-zero.
+    ``W2' = W2[:, S] + W2[:, P] @ B``, ``b2' = b2 + W2[:, P] @ c`` for ``P = pruned``
+    (``B`` ``(|P|, |S|)`` and ``c`` ``(|P|,)``; ``None`` means zero, so ``fold_mlp(mlp, S, P)``
+    only slices). fc2 gains a bias if it had none and the shift is non-zero.
     """
     mlp.fc1, mlp.fc2 = keep_rows(mlp.fc1, kept), compensated_consumer(mlp.fc2, kept, pruned, B, c)
 
 
-def compensated_consumer(layer: nn.Linear, kept: torch.Tensor, pruned: torch.Tensor,
-                         B: torch.Tensor | None = None, c: torch.Tensor | None = None) -> nn.Linear:
+def compensated_consumer(
+    layer: nn.Linear,
+    kept: torch.Tensor,
+    pruned: torch.Tensor,
+    B: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
+) -> nn.Linear:
     """The consumer ``layer`` reading only channels ``kept``, with the compensation folded in:
     ``W' = W[:, S] + W[:, P] @ B``, ``b' = b + W[:, P] @ c`` (``None``: zero). It gains a bias if
     it had none and the shift is non-zero."""
@@ -231,8 +249,9 @@ def compensated_consumer(layer: nn.Linear, kept: torch.Tensor, pruned: torch.Ten
     new_w = w[:, kept] if B is None else w[:, kept] + w[:, pruned] @ B.double()
     shift = w[:, pruned] @ c.double() if c is not None else torch.zeros_like(w[:, 0])
     needs_bias = layer.bias is not None or bool(torch.any(shift != 0))
-    new = nn.Linear(len(kept), layer.out_features, bias=needs_bias, device=layer.weight.device,
-                    dtype=layer.weight.dtype)
+    new = nn.Linear(
+        len(kept), layer.out_features, bias=needs_bias, device=layer.weight.device, dtype=layer.weight.dtype
+    )
     with torch.no_grad():
         new.weight.copy_(new_w.to(layer.weight.dtype))
         if needs_bias:

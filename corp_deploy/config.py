@@ -1,4 +1,5 @@
 """Compression settings: what every method shares, and the chosen method's own options."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,14 @@ from .methods import METHODS, MethodOptions, option_defaults, option_owners
 
 #: Which parts are pruned: CORP's MLP hidden channels (``mlp``), attention query/key dims
 #: (``attn``; ToaSt prunes value dims with them) and value/output dims (``vo``).
-TARGET_PARTS = {"mlp": ("mlp",), "attn": ("qk",), "vo": ("vo",), "both": ("mlp", "qk"),
-                "mlp-vo": ("mlp", "vo"), "all": ("mlp", "qk", "vo")}
+TARGET_PARTS = {
+    "mlp": ("mlp",),
+    "attn": ("qk",),
+    "vo": ("vo",),
+    "both": ("mlp", "qk"),
+    "mlp-vo": ("mlp", "vo"),
+    "all": ("mlp", "qk", "vo"),
+}
 TARGETS = tuple(TARGET_PARTS)
 #: The sparsity of every part when neither a sparsity nor a budget is given.
 DEFAULT_SPARSITY = 0.5
@@ -67,26 +74,34 @@ class CompressConfig:
         if self.options is None:
             object.__setattr__(self, "options", method.options_class())
         elif type(self.options) is not method.options_class:
-            raise CorpError(f"method {self.method} takes {method.options_class.__name__}, not "
-                            f"{type(self.options).__name__}")
+            raise CorpError(
+                f"method {self.method} takes {method.options_class.__name__}, not {type(self.options).__name__}"
+            )
         else:  # this config's own copy: ``options.check`` resolves defaults that depend on the config
             object.__setattr__(self, "options", dataclasses.replace(self.options))
         if not self.compensation and not method.has_compensation:
             others = [m.name for m in METHODS.values() if m.has_compensation]
-            raise CorpError(f"method {self.method} has no compensation step to switch off; "
-                            f"--no-compensation applies to {' and '.join(others)}")
+            raise CorpError(
+                f"method {self.method} has no compensation step to switch off; "
+                f"--no-compensation applies to {' and '.join(others)}"
+            )
         given = [name for name in ("s_mlp", "s_attn", "s_vo") if getattr(self, name) is not None]
         if self.has_budget and given:
-            raise SettingError(f"a MAC budget and sparsities ({', '.join('{setting}' for _ in given)}) exclude each "
-                               "other: the budget decides every part's size", *given)
+            raise SettingError(
+                f"a MAC budget and sparsities ({', '.join('{setting}' for _ in given)}) exclude each "
+                "other: the budget decides every part's size",
+                *given,
+            )
         if self.target is None:
             object.__setattr__(self, "target", self.options.default_target or method.default_target)
         check_choice("target", self.target, TARGETS)
         if self.target not in method.targets:
             others = [m.name for m in METHODS.values() if self.target in m.targets]
-            raise CorpError(f"method {self.method} prunes {method.prunes} only; target {self.target} is not "
-                            f"part of it. Use target {'/'.join(method.targets)}"
-                            + (f", or method {'/'.join(others)}." if others else "."))
+            raise CorpError(
+                f"method {self.method} prunes {method.prunes} only; target {self.target} is not "
+                f"part of it. Use target {'/'.join(method.targets)}"
+                + (f", or method {'/'.join(others)}." if others else ".")
+            )
         for name in ("s_mlp", "s_attn", "s_vo"):
             value = getattr(self, name)
             if value is None and not self.has_budget:
@@ -113,8 +128,9 @@ class CompressConfig:
             if owners[name] == method:
                 own[name] = value
             elif value != defaults[name]:
-                raise SettingError(f"{{setting}} applies to method {owners[name]} only, not {method} (got {value!r})",
-                                   name)
+                raise SettingError(
+                    f"{{setting}} applies to method {owners[name]} only, not {method} (got {value!r})", name
+                )
         return cls(**settings, options=METHODS[method].options_class(**own))
 
     @property
@@ -143,6 +159,7 @@ class CompressConfig:
     def to_dict(self) -> dict[str, Any]:
         """The flat settings (:meth:`from_settings` reads them back): the shared fields, this
         method's options, and every other method's options at their defaults."""
-        shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                  if field.name != "options"}
+        shared = {
+            field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "options"
+        }
         return {**shared, **option_defaults(), **self.options.to_dict()}

@@ -1,10 +1,11 @@
 """Parameter and multiply-accumulate counts, and peak memory."""
+
 from __future__ import annotations
 
 import copy
 import resource
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -54,14 +55,16 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
         def attention(mod, args, out):
             nonlocal total
             total += formula(mod, tuple(args[0].shape))
+
         return attention
 
     forward_blank_image(model, input_size, hook_of)
     return total
 
 
-def forward_blank_image(model: nn.Module, input_size: tuple[int, ...],
-                        hook_of: Callable[[nn.Module], Callable | None]) -> None:
+def forward_blank_image(
+    model: nn.Module, input_size: tuple[int, ...], hook_of: Callable[[nn.Module], Callable | None]
+) -> None:
     """Run ``model`` on one all-zero image of ``input_size`` ``(C, H, W)`` with the forward hook
     ``hook_of(module)`` (None: no hook) on each of its modules; the hooks are removed afterwards."""
     hooks = [mod.register_forward_hook(hook) for mod in model.modules() if (hook := hook_of(mod)) is not None]
@@ -77,8 +80,8 @@ def forward_blank_image(model: nn.Module, input_size: tuple[int, ...],
 def peak_memory_mb(device: torch.device) -> dict:
     """Peak process RSS (MB) and, on CUDA, peak allocated GPU memory (MB)."""
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_mb = rss_kb / 1024 if sys.platform != "darwin" else rss_kb / 2 ** 20
+    rss_mb = rss_kb / 1024 if sys.platform != "darwin" else rss_kb / 2**20
     out = {"process_rss_peak": round(rss_mb, 1)}
     if device.type == "cuda":
-        out["cuda_allocated_peak"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
+        out["cuda_allocated_peak"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return out

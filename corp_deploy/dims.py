@@ -1,4 +1,5 @@
 """The arithmetic of kept dimensions."""
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Every rank is given the same calibration batches and runs its share through the 
 deals batch ``b`` to rank ``b mod world size``). Without an initialised process group every function
 here is the single-process identity.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,9 @@ def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` says that another process of the group went away (it failed or was killed:
     its own message, not this one, tells why)."""
     network = getattr(dist, "DistNetworkError", ())
-    return launched_by_torchrun() and (isinstance(exc, network) or "closed by peer" in str(exc)
-                                       or "reset by peer" in str(exc))
+    return launched_by_torchrun() and (
+        isinstance(exc, network) or "closed by peer" in str(exc) or "reset by peer" in str(exc)
+    )
 
 
 def barrier() -> None:
@@ -110,7 +112,7 @@ def all_gather_rows(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     counts = gather_counts(tensor.shape[0])
     padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
-    padded[:tensor.shape[0]] = tensor
+    padded[: tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(parts, padded)
     return torch.cat([part[:n] for part, n in zip(parts, counts)])

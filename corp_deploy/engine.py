@@ -16,16 +16,18 @@ and key Grams (``images x heads x d x d`` float32 x 2, 100 MB for DeiT-B / 256 i
 for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's drift refit
 (docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
 states) and, for one block at a time, two targets formed from the dense block's input, attention
-and MLP outputs, and the compressed attention's output-projection inputs (three more, at most). No gradient is ever taken.
+and MLP outputs, and the compressed attention's output-projection inputs (three more, at most).
+No gradient is ever taken.
 Measured numbers: benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import copy
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,9 +44,14 @@ from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 
 
-def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
-             config: CompressConfig = CompressConfig(), *, progress: bool = False, in_place: bool = False
-             ) -> tuple[nn.Module, dict]:
+def compress(
+    model: nn.Module,
+    calibration_batches: Iterable[torch.Tensor],
+    config: CompressConfig = CompressConfig(),  # noqa: B008 (frozen: one shared default is safe)
+    *,
+    progress: bool = False,
+    in_place: bool = False,
+) -> tuple[nn.Module, dict]:
     """Compress a timm ViT with ``config.method`` (CORP by default); the input model is left unchanged
     unless ``in_place``.
 
@@ -67,8 +74,10 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     method = METHODS[config.method]
     if distributed.active() and not method.runs_distributed:
         runs = " and ".join(name for name, m in METHODS.items() if m.runs_distributed)
-        raise SettingError(f"{{setting}} {config.method} does not run under torch.distributed yet ({runs} do); "
-                           "run it in one process", "method")
+        raise SettingError(
+            f"{{setting}} {config.method} does not run under torch.distributed yet ({runs} do); run it in one process",
+            "method",
+        )
     method.check_model(model, config)
     check_rounding(model, config)
     device = resolve_device(config.device)
@@ -82,9 +91,11 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
         if n_images == 0:
             raise CorpError("the calibration set is empty")
         if min(images_per_rank) == 0:
-            raise CorpError(f"the {n_images} calibration images come in fewer batches than there are processes "
-                            f"({distributed.world_size()}): give every process at least one batch (a smaller "
-                            "batch size or more images)")
+            raise CorpError(
+                f"the {n_images} calibration images come in fewer batches than there are processes "
+                f"({distributed.world_size()}): give every process at least one batch (a smaller "
+                "batch size or more images)"
+            )
         input_size = cache.input_size
         dense_macs = count_macs(model, input_size)
         bar.start_blocks(method.block_steps(model, config))
@@ -93,14 +104,16 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
     model = model.cpu().eval()
     report = {
         "method": config.method,
-        "calibration": {"images": n_images, "tokens_per_image": cache.tokens,
-                        "input_size": list(input_size)},
+        "calibration": {"images": n_images, "tokens_per_image": cache.tokens, "input_size": list(input_size)},
         "params": {"dense": dense_params, "compressed": count_params(model)},
         "macs": {"dense": dense_macs, "compressed": count_macs(model, input_size)},
         "layers": layers,
         **run.report,
-        **({"distributed": {"world_size": distributed.world_size(), "images_per_rank": images_per_rank}}
-           if distributed.active() else {}),
+        **(
+            {"distributed": {"world_size": distributed.world_size(), "images_per_rank": images_per_rank}}
+            if distributed.active()
+            else {}
+        ),
         "time_s": timer.totals(),
         "peak_memory_mb": peak_memory_mb(device),
     }
@@ -108,8 +121,11 @@ def compress(model: nn.Module, calibration_batches: Iterable[torch.Tensor],
 
 
 #: Per part: what its dims are called, and the sparsity setting that prunes it.
-_PARTS = {"mlp": ("MLP hidden channels", "s_mlp"), "qk": ("query/key dims per head", "s_attn"),
-          "vo": ("value dims per head", "s_vo")}
+_PARTS = {
+    "mlp": ("MLP hidden channels", "s_mlp"),
+    "qk": ("query/key dims per head", "s_attn"),
+    "vo": ("value dims per head", "s_vo"),
+}
 
 
 def check_rounding(model: nn.Module, config: CompressConfig) -> None:
@@ -126,19 +142,28 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
             label, setting = _PARTS[part]
             total = totals[part]
             if config.round_to > total:
-                raise SettingError(f"{{setting}} {config.round_to} is larger than the {total} {label} of block {i}: "
-                                   f"nothing could be pruned there; use {{setting}} {total} or less", "round_to", "round_to")
+                raise SettingError(
+                    f"{{setting}} {config.round_to} is larger than the {total} {label} of block {i}: "
+                    f"nothing could be pruned there; use {{setting}} {total} or less",
+                    "round_to",
+                    "round_to",
+                )
             sparsity = getattr(config, setting)
             if not METHODS[config.method].per_layer_sparsity or config.has_budget or not sparsity:
                 continue
             if kept_count(total, sparsity, config.round_to) == total:
-                raise SettingError(f"{{setting}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
-                                   f"multiple of {config.round_to} ({{setting}}): nothing would be pruned; raise the "
-                                   "sparsity or lower the rounding", setting, "round_to")
+                raise SettingError(
+                    f"{{setting}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
+                    f"multiple of {config.round_to} ({{setting}}): nothing would be pruned; raise the "
+                    "sparsity or lower the rounding",
+                    setting,
+                    "round_to",
+                )
 
 
-def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
-               on_batch: Callable[[int], None]) -> tuple[BoundaryCache, int]:
+def _embed_all(
+    model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device, on_batch: Callable[[int], None]
+) -> tuple[BoundaryCache, int]:
     """Run each batch up to the first block (patch + position embedding, prefix tokens); under
     torch.distributed only this rank's batches (batch ``b`` goes to rank ``b mod world size``;
     every batch is checked on every rank, so that a bad one stops all ranks alike). Returns the
@@ -151,8 +176,9 @@ def _embed_all(model: nn.Module, batches: Iterable[torch.Tensor], device: torch.
         if not torch.isfinite(images).all():
             raise CorpError("calibration batch contains NaN or infinite values")
         if cache.input_size and tuple(images.shape[1:]) != cache.input_size:
-            raise CorpError(f"calibration batches differ in image size: {tuple(images.shape[1:])} "
-                            f"after {cache.input_size}")
+            raise CorpError(
+                f"calibration batches differ in image size: {tuple(images.shape[1:])} after {cache.input_size}"
+            )
         cache.input_size = tuple(images.shape[1:])
         if index % distributed.world_size() == distributed.rank():
             cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
@@ -231,13 +257,18 @@ class _Progress:
         self._bar = None
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn)
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=Console(stderr=True))
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
             self._images = self._bar.add_task("loading calibration images", total=None)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self._bar is not None:
             self._bar.start()
         return self

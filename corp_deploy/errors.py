@@ -26,8 +26,10 @@ class SettingError(CorpError):
     def naming(self, name) -> str:
         """The message with each setting written as ``name(setting)``."""
         parts = self.template.split(SETTING)
-        return "".join(part + (name(setting) if i < len(self.settings) else "")
-                       for i, (part, setting) in enumerate(zip(parts, [*self.settings, ""])))
+        return "".join(
+            part + (name(setting) if i < len(self.settings) else "")
+            for i, (part, setting) in enumerate(zip(parts, [*self.settings, ""]))
+        )
 
 
 #: Where a :class:`SettingError` names a setting.

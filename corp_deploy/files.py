@@ -1,5 +1,6 @@
 """Writing single files atomically (JSON included) and checksums. Whole output directories:
 :mod:`corp_deploy.outputs`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +11,12 @@ import os
 import signal
 import tempfile
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .errors import CorpError
-
 
 #: Temporary names carry at most this much of the final name, so that a name near the file
 #: system's limit still leaves room for the suffix.

@@ -3,9 +3,10 @@ heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cle
 
 SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so every ``with`` block on the
 way out removes what it was writing (:mod:`corp_deploy.outputs`); the command then exits with
-130 or 143 and one line: an output being written was either completed or removed. Library warnings and log lines stay off the terminal; corp-deploy's own
-warnings are printed as ``warning: ...``.
+130 or 143 and one line: an output being written was either completed or removed. Library
+warnings and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,14 @@ def main() -> None:
         signal.signal(signum, _raise_interrupted)
     try:
         from .cli import cli
+
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
-        print(f"\ncorp-deploy: stopped by {exc}; nothing partial was left behind (an output being written was "
-              "either completed or removed)", file=sys.stderr)
+        print(
+            f"\ncorp-deploy: stopped by {exc}; nothing partial was left behind (an output being written was "
+            "either completed or removed)",
+            file=sys.stderr,
+        )
         sys.exit(exc.exit_code)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome

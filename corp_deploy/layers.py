@@ -1,10 +1,11 @@
 """Reduced-dimension layers, timm's attention forward (:func:`multi_head_attention`, written once
 for timm's and the pruned attention, calibration's probes and reduced-precision export) and the
 per-block structure of a compressed ViT."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +31,25 @@ class PrunedAttention(nn.Module):
     ``RelPosAttention``.
     """
 
-    def __init__(self, dim: int, num_heads: int, qk_head_dim: int, v_head_dim: int, scale: float,
-                 qkv_bias: bool = True, proj_bias: bool = True, rel_pos: nn.Module | None = None,
-                 rope: torch.Tensor | None = None, num_prefix_tokens: int = 0, rotate_half: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qk_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        rel_pos: nn.Module | None = None,
+        rope: torch.Tensor | None = None,
+        num_prefix_tokens: int = 0,
+        rotate_half: bool = False,
+    ) -> None:
         super().__init__()
         if rope is not None and rope.shape[-1] != 2 * qk_head_dim:
-            raise ValueError(f"a rotary embedding of width {rope.shape[-1]} does not fit query/key heads of "
-                             f"{qk_head_dim} dims")
+            raise ValueError(
+                f"a rotary embedding of width {rope.shape[-1]} does not fit query/key heads of {qk_head_dim} dims"
+            )
         self.num_heads = num_heads
         self.qk_head_dim = qk_head_dim
         self.v_head_dim = v_head_dim
@@ -49,19 +62,33 @@ class PrunedAttention(nn.Module):
         self.rotate_half = rotate_half
 
     @classmethod
-    def replacing(cls, attn: nn.Module, qk_head_dim: int, v_head_dim: int, *, proj_bias: bool | None = None,
-                  scale: float | None = None) -> "PrunedAttention":
+    def replacing(
+        cls,
+        attn: nn.Module,
+        qk_head_dim: int,
+        v_head_dim: int,
+        *,
+        proj_bias: bool | None = None,
+        scale: float | None = None,
+    ) -> PrunedAttention:
         """An empty module (weights to be filled) to replace ``attn`` (timm ``Attention``,
         ``RelPosAttention`` or a ``PrunedAttention``) with other head dims: same width, heads,
         softmax scale (unless ``scale``), qkv bias, relative position module, rotary embedding,
         device and dtype; ``proj_bias`` defaults to whether ``attn.proj`` has one."""
         qkv = attn.qkv
-        return cls(qkv.in_features, attn.num_heads, qk_head_dim, v_head_dim, attn.scale if scale is None else scale,
-                   qkv_bias=qkv.bias is not None,
-                   proj_bias=attn.proj.bias is not None if proj_bias is None else proj_bias,
-                   rel_pos=getattr(attn, "rel_pos", None), rope=getattr(attn, "rope", None),
-                   num_prefix_tokens=getattr(attn, "num_prefix_tokens", 0),
-                   rotate_half=getattr(attn, "rotate_half", False)).to(qkv.weight.device, qkv.weight.dtype)
+        return cls(
+            qkv.in_features,
+            attn.num_heads,
+            qk_head_dim,
+            v_head_dim,
+            attn.scale if scale is None else scale,
+            qkv_bias=qkv.bias is not None,
+            proj_bias=attn.proj.bias is not None if proj_bias is None else proj_bias,
+            rel_pos=getattr(attn, "rel_pos", None),
+            rope=getattr(attn, "rope", None),
+            num_prefix_tokens=getattr(attn, "num_prefix_tokens", 0),
+            rotate_half=getattr(attn, "rotate_half", False),
+        ).to(qkv.weight.device, qkv.weight.dtype)
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, dim)`` -> q, k ``(B, H, N, qk_head_dim)`` (rotated when there is a rotary
@@ -78,12 +105,18 @@ class PrunedAttention(nn.Module):
         npt = self.num_prefix_tokens
         return torch.cat([t[:, :, :npt], apply_rot_embed_cat(t[:, :, npt:], self.rope, half=self.rotate_half)], dim=2)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        shared_rel_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``attn_mask`` as in timm ``Attention``; ``shared_rel_pos`` as in ``RelPosAttention``
         (used when this module has no ``rel_pos`` of its own)."""
-        return multi_head_attention(self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos),
-                                    is_causal=is_causal)
+        return multi_head_attention(
+            self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos), is_causal=is_causal
+        )
 
     def logit_bias(self, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor | None:
         """The additive logit bias ``(1, H, N, N)``: this module's relative position bias, else
@@ -91,16 +124,19 @@ class PrunedAttention(nn.Module):
         return relative_position_bias(self) if self.rel_pos is not None else shared_rel_pos
 
     def extra_repr(self) -> str:
-        return (f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
-                f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}" + (", rotary" if self.rope is not None else ""))
+        return (
+            f"num_heads={self.num_heads}, qk_head_dim={self.qk_head_dim}, "
+            f"v_head_dim={self.v_head_dim}, scale={self.scale:.6g}" + (", rotary" if self.rope is not None else "")
+        )
 
 
 #: ``kernel(q, k, v, scale, attn_mask, rel_bias, is_causal)``: per-head queries and keys
 #: ``(B, H, N, d)`` and values ``(B, H, N, d_v)`` to ``softmax(scale * q k^T + attn_mask + rel_bias) v``,
 #: ``(B, H, N, d_v)``; ``attn_mask`` and ``rel_bias`` are additive logit biases or None,
 #: ``is_causal`` as in ``scaled_dot_product_attention``.
-AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None",
-                            "torch.Tensor | None", bool], torch.Tensor]
+AttentionKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None", "torch.Tensor | None", bool], torch.Tensor
+]
 #: Sees one batch's per-head queries, keys and values ``(B, H, N, d)`` each (values may have
 #: their own head dim).
 HeadsProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -108,8 +144,15 @@ HeadsProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 ProjInputProbe = Callable[[torch.Tensor], None]
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: torch.Tensor | None,
-                rel_bias: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+def sdpa_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    attn_mask: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """The :data:`AttentionKernel` of timm's attention: PyTorch's fused
     ``scaled_dot_product_attention`` with the bias ``attn_mask + rel_bias``."""
     if rel_bias is not None:
@@ -127,10 +170,17 @@ def attention_heads(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return q, k, v
 
 
-def multi_head_attention(attn: nn.Module, x: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                         rel_bias: torch.Tensor | None = None, is_causal: bool = False,
-                         kernel: AttentionKernel = sdpa_kernel, on_heads: HeadsProbe | None = None,
-                         on_proj_input: ProjInputProbe | None = None) -> torch.Tensor:
+def multi_head_attention(
+    attn: nn.Module,
+    x: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    kernel: AttentionKernel = sdpa_kernel,
+    on_heads: HeadsProbe | None = None,
+    on_proj_input: ProjInputProbe | None = None,
+) -> torch.Tensor:
     """timm's attention forward, ``(B, N, dim)`` -> ``(B, N, dim)``, for timm ``Attention`` (or
     ``RelPosAttention`` without qk-norm) and :class:`PrunedAttention`: ``qkv`` -> heads
     (:func:`attention_heads`) -> ``kernel`` with ``attn.scale`` -> heads concatenated -> ``proj``.
@@ -172,8 +222,13 @@ def keep_rows(layer: nn.Module, kept: torch.Tensor | None = None, count: int | N
     (weights copied), or with ``count`` outputs and empty weights; same device and dtype."""
     if isinstance(layer, GatedLinear):
         return GatedLinear(keep_rows(layer.gate, kept, count), keep_rows(layer.up, kept, count), layer.act)
-    out = nn.Linear(layer.in_features, len(kept) if kept is not None else count, bias=layer.bias is not None,
-                    device=layer.weight.device, dtype=layer.weight.dtype)
+    out = nn.Linear(
+        layer.in_features,
+        len(kept) if kept is not None else count,
+        bias=layer.bias is not None,
+        device=layer.weight.device,
+        dtype=layer.weight.dtype,
+    )
     if kept is not None:
         with torch.no_grad():
             out.weight.copy_(layer.weight[kept])
@@ -222,13 +277,15 @@ def block_dims(block: nn.Module) -> BlockDims:
     """Read the current dims of a timm ``Block`` (dense or compressed)."""
     attn = block.attn
     if isinstance(attn, PrunedAttention):
-        return BlockDims(block.mlp.fc1.out_features, attn.num_heads, attn.qk_head_dim,
-                         attn.v_head_dim, "pruned", attn.scale)
+        return BlockDims(
+            block.mlp.fc1.out_features, attn.num_heads, attn.qk_head_dim, attn.v_head_dim, "pruned", attn.scale
+        )
     return BlockDims(block.mlp.fc1.out_features, attn.num_heads, *head_dims(attn))
 
 
-def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None,
-                  proj_bias: bool | None = None) -> None:
+def reshape_block(
+    block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = None, proj_bias: bool | None = None
+) -> None:
     """Replace a block's layers by empty ones of the sizes in ``dims`` (weights to be loaded).
 
     ``fc2_bias`` / ``proj_bias`` force whether the new fc2 / attention output projection has a
@@ -238,8 +295,14 @@ def reshape_block(block: nn.Module, dims: BlockDims, *, fc2_bias: bool | None = 
     if dims.mlp_hidden != mlp.fc1.out_features or fc2_bias is not None:
         has_fc2_bias = mlp.fc2.bias is not None if fc2_bias is None else fc2_bias
         mlp.fc1 = keep_rows(mlp.fc1, count=dims.mlp_hidden)
-        mlp.fc2 = nn.Linear(dims.mlp_hidden, mlp.fc2.out_features, bias=has_fc2_bias,
-                            device=mlp.fc2.weight.device, dtype=mlp.fc2.weight.dtype)
+        mlp.fc2 = nn.Linear(
+            dims.mlp_hidden,
+            mlp.fc2.out_features,
+            bias=has_fc2_bias,
+            device=mlp.fc2.weight.device,
+            dtype=mlp.fc2.weight.dtype,
+        )
     if dims.attention == "pruned":
-        block.attn = PrunedAttention.replacing(block.attn, dims.qk_head_dim, dims.v_head_dim, proj_bias=proj_bias,
-                                               scale=dims.scale)
+        block.attn = PrunedAttention.replacing(
+            block.attn, dims.qk_head_dim, dims.v_head_dim, proj_bias=proj_bias, scale=dims.scale
+        )

@@ -1,4 +1,5 @@
 """Building the base timm Vision Transformer: names, weights and supported structure."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,9 @@ def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) ->
     full = ALIASES.get(name, name)
     base = full.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
     if not timm.is_model(base):
-        raise CorpError(f"unknown model {name!r}; supported: {supported_summary()} "
-                        f"(aliases: {', '.join(sorted(ALIASES))})")
+        raise CorpError(
+            f"unknown model {name!r}; supported: {supported_summary()} (aliases: {', '.join(sorted(ALIASES))})"
+        )
     skeleton = _skeleton(base, model_kwargs or {})
     problem = structure_problem(skeleton)
     if problem is not None:
@@ -65,9 +67,14 @@ def base_skeleton(name: str, model_kwargs: dict[str, Any] | None = None) -> nn.M
     return standard_form(_skeleton(full, dict(model_kwargs or {}))).eval()
 
 
-def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
-                      pretrained: bool = True, checkpoint: str | Path | None = None,
-                      seed: int | None = None) -> nn.Module:
+def create_base_model(
+    name: str,
+    model_kwargs: dict[str, Any] | None = None,
+    *,
+    pretrained: bool = True,
+    checkpoint: str | Path | None = None,
+    seed: int | None = None,
+) -> nn.Module:
     """The dense timm model in eval mode.
 
     Weights come from ``checkpoint`` (a local state dict) when given, else from timm's
@@ -82,7 +89,8 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
             f"cannot reach the Hugging Face hub to download pretrained weights for {full}. "
             "Pass local weights with --checkpoint FILE (safetensors or .pth state dict), "
             "use --no-pretrained for random weights, or set HF_HUB_OFFLINE=1 to use weights "
-            "already in the local Hugging Face cache.")
+            "already in the local Hugging Face cache."
+        )
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -96,7 +104,8 @@ def create_base_model(name: str, model_kwargs: dict[str, Any] | None = None, *,
             f"could not fetch pretrained weights for {full} ({type(exc).__name__}: "
             f"{first_line(exc)}). "
             "Without network access, pass local weights with --checkpoint FILE "
-            "(safetensors or .pth state dict) or use --no-pretrained for random weights.") from None
+            "(safetensors or .pth state dict) or use --no-pretrained for random weights."
+        ) from None
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     check_vit(model)
@@ -111,6 +120,7 @@ def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
     accepts some arguments it cannot run with, e.g. a NaN drop rate)."""
     from .calibration import model_transform
     from .cost import forward_blank_image
+
     _, data_config = model_transform(model)
     try:
         forward_blank_image(model, tuple(data_config["input_size"]), lambda module: None)
@@ -136,6 +146,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     import os
     import socket
     from urllib.parse import urlparse
+
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         return True
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -154,6 +165,7 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
+
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -162,8 +174,9 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     for key in ("state_dict", "model", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) and v.layout == torch.strided
-                                              for v in state.values()):
+    if not isinstance(state, dict) or not all(
+        isinstance(v, torch.Tensor) and v.layout == torch.strided for v in state.values()
+    ):
         raise CorpError(f"checkpoint {path} does not hold a state dict of dense tensors")
     own = model.state_dict()
     missing = [k for k in own if k not in state]
@@ -176,11 +189,15 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
         problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:2])})")
     if reshaped:
         first = reshaped[0]
-        problems.append(f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in the "
-                        f"checkpoint, {list(own[first].shape)} in the model)")
+        problems.append(
+            f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in the "
+            f"checkpoint, {list(own[first].shape)} in the model)"
+        )
     if problems:
-        raise CorpError(f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
-                        "Check the model name and --model-arg values (e.g. num_classes, img_size).")
+        raise CorpError(
+            f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
+            "Check the model name and --model-arg values (e.g. num_classes, img_size)."
+        )
     model.load_state_dict(state, strict=True)
 
 

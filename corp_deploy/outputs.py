@@ -16,6 +16,7 @@ makes an output *recognisably the tool's own*:
 The record is an integrity check against corruption and mix-ups, not a signature: whoever
 can rewrite the files can rewrite the record too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,9 @@ import stat
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .errors import CorpError
 from .files import NAME_IN_TEMP, current_umask, sha256_file, signals_deferred, write_json
@@ -58,8 +59,10 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
         raise CorpError(f"output directory {given} is the file system root; choose a folder for the output")
     cwd = Path.cwd().resolve()
     if path == cwd or path in cwd.parents:
-        raise CorpError(f"output directory {given} is the current directory or contains it; choose another "
-                        "folder (the output replaces the whole directory)")
+        raise CorpError(
+            f"output directory {given} is the current directory or contains it; choose another "
+            "folder (the output replaces the whole directory)"
+        )
     check_creatable(path, given)
     try:
         mode = path.lstat().st_mode
@@ -70,8 +73,10 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
     with _directory_lock(path.parent):  # a consistent view while another corp-deploy run swaps it
         problem = foreign_content(path, kind)
     if problem is not None:
-        raise CorpError(f"refusing to write {KINDS[kind]} to {given}: {problem}; nothing was changed. "
-                        "Move it away or choose another -o")
+        raise CorpError(
+            f"refusing to write {KINDS[kind]} to {given}: {problem}; nothing was changed. "
+            "Move it away or choose another -o"
+        )
     return path
 
 
@@ -124,8 +129,13 @@ def write_record(folder: Path, kind: str) -> dict:
                 raise CorpError(f"{entry} is a folder without a corp-deploy record inside an output")
             continue
         files[entry.name] = {"bytes": entry.stat().st_size, "sha256": sha256_file(entry)}
-    record = {"format": RECORD_FORMAT, "format_version": RECORD_VERSION, "kind": kind,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+    record = {
+        "format": RECORD_FORMAT,
+        "format_version": RECORD_VERSION,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": files,
+    }
     write_json(folder / RECORD_FILE, record)
     return record
 
@@ -143,11 +153,20 @@ def read_record(folder: Path) -> dict | None:
     if not isinstance(record, dict):
         return None
     files = record.get("files")
-    if (record.get("format") != RECORD_FORMAT or record.get("format_version") != RECORD_VERSION
-            or record.get("kind") not in KINDS or not isinstance(files, dict)
-            or not all(_plain_name(name) and name != RECORD_FILE and isinstance(entry, dict)
-                       and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)
-                       for name, entry in files.items())):
+    if (
+        record.get("format") != RECORD_FORMAT
+        or record.get("format_version") != RECORD_VERSION
+        or record.get("kind") not in KINDS
+        or not isinstance(files, dict)
+        or not all(
+            _plain_name(name)
+            and name != RECORD_FILE
+            and isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int)
+            for name, entry in files.items()
+        )
+    ):
         return None
     return record
 
@@ -179,8 +198,7 @@ def read_verified(folder: str | Path, kind: str, name: str) -> bytes:
     return data
 
 
-def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: str, version: int,
-                       again: str) -> dict:
+def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: str, version: int, again: str) -> dict:
     """The JSON file ``name`` of the output ``folder`` of ``kind``, checked against its record and
     of format ``format_name`` at ``version``. ``again`` tells the user what to do with another
     version (``compress the model again``). CorpError naming the file otherwise."""
@@ -192,8 +210,10 @@ def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: st
         earlier = None
     found = earlier.get("format_version") if isinstance(earlier, dict) else None
     if isinstance(earlier, dict) and earlier.get("format") == format_name and found != version:
-        raise CorpError(f"{folder}: {kind} format version {found} is not supported by this corp-deploy (reads "
-                        f"version {version}); {again}")
+        raise CorpError(
+            f"{folder}: {kind} format version {found} is not supported by this corp-deploy (reads "
+            f"version {version}); {again}"
+        )
     try:
         data = json.loads(read_verified(folder, kind, name))  # what is used is what was checked
     except ValueError:
@@ -207,8 +227,10 @@ def _record_of(folder: Path, kind: str) -> dict:
     """``folder``'s record, of ``kind``; CorpError otherwise."""
     record = read_record(folder)
     if record is None:
-        raise CorpError(f"{folder} has no readable {RECORD_FILE}: it was not written by this version of "
-                        f"corp-deploy, or the record is damaged; write it again")
+        raise CorpError(
+            f"{folder} has no readable {RECORD_FILE}: it was not written by this version of "
+            f"corp-deploy, or the record is damaged; write it again"
+        )
     if record["kind"] != kind:
         raise CorpError(f"{folder} is {KINDS[record['kind']]}, not {KINDS[kind]}")
     return record
@@ -228,8 +250,10 @@ def _recorded_path(folder: Path, record: dict, name: str) -> Path:
 
 
 def _changed(path: Path) -> CorpError:
-    return CorpError(f"{path} does not match the SHA-256 that corp-deploy recorded when it wrote it "
-                     "(changed or corrupted since); write it again")
+    return CorpError(
+        f"{path} does not match the SHA-256 that corp-deploy recorded when it wrote it "
+        "(changed or corrupted since); write it again"
+    )
 
 
 def foreign_content(folder: Path, kind: str) -> str | None:
@@ -274,8 +298,12 @@ def _unrecorded(folder: Path, record: dict) -> str | None:
 
 def _as_recorded(path: Path, recorded: dict) -> bool:
     """Whether ``path`` is a regular file of the size and SHA-256 its record gives."""
-    return (not path.is_symlink() and path.is_file() and path.stat().st_size == recorded["bytes"]
-            and sha256_file(path) == recorded["sha256"])
+    return (
+        not path.is_symlink()
+        and path.is_file()
+        and path.stat().st_size == recorded["bytes"]
+        and sha256_file(path) == recorded["sha256"]
+    )
 
 
 def _remove_output(folder: Path) -> list[str]:
@@ -319,8 +347,9 @@ def _swap_into_place(new: Path, dest: Path, kind: str) -> str | None:
     if dest.exists() or dest.is_symlink():
         problem = "it is not a directory" if dest.is_symlink() or not dest.is_dir() else foreign_content(dest, kind)
         if problem is not None:
-            raise CorpError(f"refusing to replace {dest}: {problem} (it changed while this run worked); "
-                            "nothing was changed")
+            raise CorpError(
+                f"refusing to replace {dest}: {problem} (it changed while this run worked); nothing was changed"
+            )
         old = dest.with_name(f".{dest.name[:NAME_IN_TEMP]}.old-{os.getpid()}-{time.time_ns()}")
         os.rename(dest, old)
         try:
@@ -330,8 +359,10 @@ def _swap_into_place(new: Path, dest: Path, kind: str) -> str | None:
             raise
         problems = _remove_output(old)
         if problems:
-            return (f"the new output is in place, but the old one could not be removed completely: {old} is "
-                    f"left ({'; '.join(problems[:3])}); delete it once you have checked it")
+            return (
+                f"the new output is in place, but the old one could not be removed completely: {old} is "
+                f"left ({'; '.join(problems[:3])}); delete it once you have checked it"
+            )
         return None
     os.rename(new, dest)
     return None
@@ -391,8 +422,9 @@ def check_creatable(path: Path, given: str | Path | None = None) -> None:
         with signals_deferred():  # the probe folder never outlives this line
             os.rmdir(tempfile.mkdtemp(prefix=".corp-deploy-probe-", dir=existing))
     except OSError as exc:
-        raise CorpError(f"cannot create {given}: {existing} is not writable "
-                        f"({exc.strerror or type(exc).__name__})") from None
+        raise CorpError(
+            f"cannot create {given}: {existing} is not writable ({exc.strerror or type(exc).__name__})"
+        ) from None
 
 
 def _plain_name(name: str) -> bool:

@@ -1,4 +1,5 @@
 """Pictures of a compression: how a MAC budget was spent over the blocks."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
     """PNG of a budget report (``report["budget"]``): per block and part, the fraction of dims
     kept (left) and the unit's distortion at that size (right, log scale)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -23,11 +25,21 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
         x = [b + (i - (len(parts) - 1) / 2) * width for b in blocks]
         kept_ax.bar(x, [units[b]["kept"] / units[b]["total"] for b in blocks], width, label=PART_LABELS[part])
         dist_ax.bar(x, [units[b]["distortion"] for b in blocks], width, label=PART_LABELS[part])
-    kept_ax.set(xlabel="block", ylabel="fraction of dims kept", ylim=(0, 1.05), xticks=blocks,
-                title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
-                      f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)")
-    dist_ax.set(xlabel="block", ylabel=f"distortion ({budget['distortion']})", yscale="log", xticks=blocks,
-                title="Distortion at the kept size (none: unit kept whole)")
+    kept_ax.set(
+        xlabel="block",
+        ylabel="fraction of dims kept",
+        ylim=(0, 1.05),
+        xticks=blocks,
+        title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
+        f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)",
+    )
+    dist_ax.set(
+        xlabel="block",
+        ylabel=f"distortion ({budget['distortion']})",
+        yscale="log",
+        xticks=blocks,
+        title="Distortion at the kept size (none: unit kept whole)",
+    )
     positive = [u["distortion"] for u in budget["units"] if u["distortion"] > 0]
     if positive:  # log scale over the pruned units only
         dist_ax.set_ylim(min(positive) / 3, max(positive) * 3)

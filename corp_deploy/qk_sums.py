@@ -14,6 +14,7 @@ Kronecker sum ``Z = sum_i A_i ⊗ G_i`` (``Z[(p, q), (r, s)] = sum_i A_i[p, r] G
 Both answer every question exactly (the second up to float64 summation order), so the solvers in
 :mod:`corp_deploy.attention` take either.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,9 @@ class ImageGrams:
 
     def trace_product(self) -> float:
         """``sum_i tr(A_i) tr(G_i)`` (``= tr Z``)."""
-        traces = torch.diagonal(self.a, dim1=-2, dim2=-1).double().sum(-1) * \
-            torch.diagonal(self.g, dim1=-2, dim2=-1).double().sum(-1)
+        traces = torch.diagonal(self.a, dim1=-2, dim2=-1).double().sum(-1) * torch.diagonal(
+            self.g, dim1=-2, dim2=-1
+        ).double().sum(-1)
         return float(traces.sum())
 
     def cross(self, inner: torch.Tensor, outer: torch.Tensor) -> torch.Tensor:
@@ -75,8 +77,7 @@ class ImageGrams:
         ``m = len(p)``. Formed over the dims the pairs use only (one product of the packed Grams)."""
         dims = torch.unique(torch.cat([p, q]))  # sorted
         z = pack(self.a[:, dims][:, :, dims]).T @ pack(self.g[:, dims][:, :, dims])
-        return _gather(z, packed_index(len(dims), z.device), torch.searchsorted(dims, p),
-                       torch.searchsorted(dims, q))
+        return _gather(z, packed_index(len(dims), z.device), torch.searchsorted(dims, p), torch.searchsorted(dims, q))
 
 
 class KroneckerSums:

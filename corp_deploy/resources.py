@@ -5,6 +5,7 @@ The bounds are deliberately low (what is certainly held at once, not what the al
 so a run is refused only when it could not possibly fit; anything they let through can still run
 out of memory, which the CLI reports as one message.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -98,6 +99,7 @@ def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, b
     batches of ``batch`` adds: the hidden states of every image at a block boundary (the calibration
     cache, :mod:`corp_deploy.engine`) and one batch's inference."""
     from .engine import embed_tokens
+
     parameter = next(model.parameters())
     with torch.no_grad():
         tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
@@ -108,13 +110,16 @@ def check_fits(what: str, needed: int, hint: str) -> None:
     """CorpError when ``needed`` bytes (a lower bound) exceed the memory available now."""
     available = available_bytes()
     if available is not None and needed > available:
-        raise CorpError(f"{what} needs at least {needed / 2 ** 30:.1f} GiB of memory (estimated) and "
-                        f"{available / 2 ** 30:.1f} GiB are available; {hint}")
+        raise CorpError(
+            f"{what} needs at least {needed / 2**30:.1f} GiB of memory (estimated) and "
+            f"{available / 2**30:.1f} GiB are available; {hint}"
+        )
 
 
 def check_disk(what: str, needed: int, folder: str | Path, hint: str) -> None:
     """CorpError when ``needed`` bytes exceed the free space of the file system of ``folder``."""
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise CorpError(f"{what} needs {needed / 2 ** 30:.1f} GiB of disk in {folder} and {free / 2 ** 30:.1f} GiB "
-                        f"are free; {hint}")
+        raise CorpError(
+            f"{what} needs {needed / 2**30:.1f} GiB of disk in {folder} and {free / 2**30:.1f} GiB are free; {hint}"
+        )

@@ -3,6 +3,7 @@
 All accumulators take float32 activations, do the large products in float32 on
 per-batch centred data, and keep their running sums in float64 (docs/method.md §1).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +23,7 @@ def _add_lower_gram(out: torch.Tensor, x: torch.Tensor, block: int = 384) -> Non
     """
     if out.device.type == "cpu" and out.dtype == x.dtype == torch.float32 and out.is_contiguous():
         from scipy.linalg.blas import ssyrk
+
         c = out.numpy().T  # Fortran-ordered view: its upper triangle is out's lower one
         result = ssyrk(1.0, x.contiguous().numpy().T, beta=1.0, c=c, trans=0, lower=0, overwrite_c=1)
         if result is not c and not np.shares_memory(result, c):
@@ -29,7 +31,7 @@ def _add_lower_gram(out: torch.Tensor, x: torch.Tensor, block: int = 384) -> Non
         return
     d = x.shape[1]
     for i in range(0, d, block):
-        out[i:, i:i + block].addmm_(x[:, i:].T, x[:, i:i + block])
+        out[i:, i : i + block].addmm_(x[:, i:].T, x[:, i : i + block])
 
 
 def symmetrize_lower_(matrix: torch.Tensor, block: int = 384) -> torch.Tensor:
@@ -37,9 +39,9 @@ def symmetrize_lower_(matrix: torch.Tensor, block: int = 384) -> torch.Tensor:
     panels of ``block`` rows (cache-friendlier than one big transpose); returns it."""
     d = matrix.shape[0]
     for i in range(0, d, block):
-        diag = matrix[i:i + block, i:i + block]
+        diag = matrix[i : i + block, i : i + block]
         diag.copy_(torch.tril(diag) + torch.tril(diag, -1).T)
-        matrix[i:i + block, i + block:] = matrix[i + block:, i:i + block].T
+        matrix[i : i + block, i + block :] = matrix[i + block :, i : i + block].T
     return matrix
 
 
@@ -58,8 +60,9 @@ class MomentAccumulator:
     matrix is held), so no samples can be added after that.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True,
-                 flush_samples: int = 65536) -> None:
+    def __init__(
+        self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True, flush_samples: int = 65536
+    ) -> None:
         self.n = 0
         self._flush_samples = flush_samples
         self._shift: torch.Tensor | None = None
@@ -90,7 +93,7 @@ class MomentAccumulator:
             self._shift = torch.cat([part.float().mean(0) for part in parts])
         step = max(1, self.CHUNK_ELEMENTS // len(self._shift))
         for start in range(0, rows, step):
-            chunk = [part[start:start + step].float() for part in parts]
+            chunk = [part[start : start + step].float() for part in parts]
             x = chunk[0] if len(chunk) == 1 else torch.cat(chunk, -1)
             if self.positive is not None:
                 self.positive += torch.count_nonzero(x > 0, dim=0).double()
@@ -118,7 +121,9 @@ class MomentAccumulator:
         total = int(weighted[-1])
         common = weighted[:-1] / max(total, 1)
         delta = own - common
-        self._gram64 += torch.outer(delta, self._sum) + torch.outer(self._sum, delta) + self.n * torch.outer(delta, delta)
+        self._gram64 += (
+            torch.outer(delta, self._sum) + torch.outer(self._sum, delta) + self.n * torch.outer(delta, delta)
+        )
         self._sum += self.n * delta
         distributed.all_reduce_sum(self._sum)
         distributed.all_reduce_sum(self._gram64)
@@ -157,7 +162,7 @@ class MomentAccumulator:
     @property
     def second_moment_diag(self) -> torch.Tensor:
         """``E[x_j^2]`` per dim, float64 ``(d,)``."""
-        return torch.diagonal(self.covariance) + self.mean ** 2
+        return torch.diagonal(self.covariance) + self.mean**2
 
     @property
     def positive_rate(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ of a pruned channel may use the kept channels of every head, since the fold goes
 proj matrix. Every head keeps the same number of value dims, so the module stays a plain
 multi-head attention.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,13 @@ from .channels import compensated_consumer
 from .layers import PrunedAttention, head_dims
 
 
-def fold_values(attn: nn.Module, kept: torch.Tensor, pruned: torch.Tensor, B: torch.Tensor | None = None,
-                c: torch.Tensor | None = None) -> PrunedAttention:
+def fold_values(
+    attn: nn.Module,
+    kept: torch.Tensor,
+    pruned: torch.Tensor,
+    B: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
+) -> PrunedAttention:
     """A :class:`PrunedAttention` keeping the proj-input channels ``kept`` (every head the same
     count) with the compensation folded into the output projection.
 

@@ -14,10 +14,19 @@ One module per concern:
 - ``manifest``: ``export.json``;
 - ``pipeline``: ``export_artifact``, what ``corp-deploy export`` runs.
 """
+
 from .onnx_export import export_onnx
 from .parity import Tolerance, compare_outputs
 from .pipeline import ExportOptions, ExportResult, ParityError, export_artifact
 from .tensorrt import BatchProfile
 
-__all__ = ["BatchProfile", "ExportOptions", "ExportResult", "ParityError", "Tolerance", "compare_outputs",
-           "export_artifact", "export_onnx"]
+__all__ = [
+    "BatchProfile",
+    "ExportOptions",
+    "ExportResult",
+    "ParityError",
+    "Tolerance",
+    "compare_outputs",
+    "export_artifact",
+    "export_onnx",
+]

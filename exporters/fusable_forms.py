@@ -12,6 +12,7 @@ benchmarks/RESULTS.md "INT8: output rounding, smoothing, entropy"): the fused fo
 than the exporter's in fp32 (p10-p90 1.00-1.04) and in int8 (0.97-1.04; there fc2's smoothing
 scale then takes a Mul after the GELU instead of the GELU's constant).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,11 @@ def rewrite_gelu(graph) -> int:
         for x, half_name in _operand_orders(product):
             half = producers.get(half_name)
             plus_one_name = _times_half(half, constants)
-            if (plus_one_name is None or readers[half_name] != 1
-                    or erf_gelu_input(producers.get(plus_one_name), producers, constants) != x):
+            if (
+                plus_one_name is None
+                or readers[half_name] != 1
+                or erf_gelu_input(producers.get(plus_one_name), producers, constants) != x
+            ):
                 continue
             half.input[:] = [x, next(i for i in half.input if i != plus_one_name)]
             product.input[:] = [half.output[0], plus_one_name]
@@ -57,8 +61,11 @@ def erf_gelu_input(plus_one, producers: dict, constants: dict[str, float]) -> st
     erf_name = _other_than_constant(plus_one, constants, 1.0)
     erf = producers.get(erf_name) if erf_name else None
     divide = producers.get(erf.input[0]) if erf is not None and erf.op_type == "Erf" else None
-    if divide is None or divide.op_type != "Div" or not math.isclose(constants.get(divide.input[1], 0.0),
-                                                                       math.sqrt(2), rel_tol=1e-3):
+    if (
+        divide is None
+        or divide.op_type != "Div"
+        or not math.isclose(constants.get(divide.input[1], 0.0), math.sqrt(2), rel_tol=1e-3)
+    ):
         return None
     return divide.input[0]
 
@@ -87,8 +94,11 @@ def scalar_initializers(graph) -> dict[str, float]:
     from onnx import TensorProto, numpy_helper
 
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-    return {t.name: float(numpy_helper.to_array(t).reshape(())) for t in graph.initializer
-            if int(np.prod(t.dims)) == 1 and t.data_type in floats}
+    return {
+        t.name: float(numpy_helper.to_array(t).reshape(()))
+        for t in graph.initializer
+        if int(np.prod(t.dims)) == 1 and t.data_type in floats
+    }
 
 
 def _read_counts(graph) -> dict[str, int]:
@@ -101,8 +111,11 @@ def _read_counts(graph) -> dict[str, int]:
         counts[name] = counts.get(name, 0) + 1
     for node in graph.node:
         for attribute in node.attribute:
-            subgraphs = [attribute.g] if attribute.type == AttributeProto.GRAPH else (
-                list(attribute.graphs) if attribute.type == AttributeProto.GRAPHS else [])
+            subgraphs = (
+                [attribute.g]
+                if attribute.type == AttributeProto.GRAPH
+                else (list(attribute.graphs) if attribute.type == AttributeProto.GRAPHS else [])
+            )
             for subgraph in subgraphs:
                 for name, count in _read_counts(subgraph).items():
                     counts[name] = counts.get(name, 0) + count

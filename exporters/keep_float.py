@@ -14,11 +14,12 @@ quantized again with ranges from every calibration image. The held-out photos of
 itself are never used to choose: the gate judges the final graph afterwards, and fails it as
 usual when no N within the ladder was enough.
 """
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -39,10 +40,18 @@ HOLD_BACK_EVERY = 4
 MAX_FLOAT_SHARE = 0.25
 
 
-def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, batches: Iterable[torch.Tensor],
-                           keep: int | str, method: str, tolerance: Tolerance,
-                           log: Callable[[str], None] = lambda message: None,
-                           smoothing: float | None = DEFAULT_ALPHA, activations: str = DEFAULT_ACTIVATIONS) -> dict:
+def quantize_keeping_float(
+    model: nn.Module,
+    fp32_path: Path,
+    out_path: Path,
+    batches: Iterable[torch.Tensor],
+    keep: int | str,
+    method: str,
+    tolerance: Tolerance,
+    log: Callable[[str], None] = lambda message: None,
+    smoothing: float | None = DEFAULT_ALPHA,
+    activations: str = DEFAULT_ACTIVATIONS,
+) -> dict:
     """Quantize ``fp32_path`` (the float32 export of ``model``) to ``out_path`` with ``keep``
     (a count or :data:`AUTO`) Linear layers in float, and the Linear layers' inputs smoothed with
     strength ``smoothing`` (:mod:`exporters.smoothing`; ``None``: not smoothed), the scales chosen
@@ -70,8 +79,9 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
     def quantize(calibration: Iterable[torch.Tensor], ranking: list[str], count: int) -> dict:
         kept, input_scales = set(ranking[:count]), scales(calibration)
         log(f"{name}: quantizing to int8 ({method} ranges, Linear layers in float: {count}) ...")
-        int8 = quantize_int8(fp32_path, out_path, (b.numpy() for b in calibration), method, kept, input_scales,
-                             activations=activations)
+        int8 = quantize_int8(
+            fp32_path, out_path, (b.numpy() for b in calibration), method, kept, input_scales, activations=activations
+        )
         return {**int8, "kept_float": sorted(kept), "smoothing_alpha": smoothing}
 
     def rank(calibration: Iterable[torch.Tensor]) -> list[str]:
@@ -94,11 +104,14 @@ def quantize_keeping_float(model: nn.Module, fp32_path: Path, out_path: Path, ba
         release_freed_memory()  # the session's weights and buffers, before the next graph is loaded
         result = compare_outputs(reference, outputs, top1=model.num_classes > 0)
         failed = tolerance.violations(result)
-        tries.append({"kept": count, "cosine": result.cosine, "top1_agreement": result.top1_agreement,
-                      "passed": not failed})
-        log(f"{name}: {count} in float: min cosine {result.cosine:.4f} on the {images} calibration images "
+        tries.append(
+            {"kept": count, "cosine": result.cosine, "top1_agreement": result.top1_agreement, "passed": not failed}
+        )
+        log(
+            f"{name}: {count} in float: min cosine {result.cosine:.4f} on the {images} calibration images "
             f"({held_back} held back from the ranges)"
-            + (f": {'; '.join(failed)}" if failed else ": meets the gate's tolerance"))
+            + (f": {'; '.join(failed)}" if failed else ": meets the gate's tolerance")
+        )
         if not failed:
             break
     if held_back:  # the choice made, the ranges are refitted on every calibration image
@@ -137,8 +150,9 @@ class HeldBack:
         return images // HOLD_BACK_EVERY
 
 
-def linear_sensitivity(model: nn.Module, batches: Iterable[torch.Tensor], input_scales: dict | None = None,
-                       error_batches: int = 2) -> list[str]:
+def linear_sensitivity(
+    model: nn.Module, batches: Iterable[torch.Tensor], input_scales: dict | None = None, error_batches: int = 2
+) -> list[str]:
     """Module paths of ``model``'s Linear layers, the most hurt by this recipe first: each layer's
     relative output error ``||Q(x) Q(W)^T - x W^T||^2 / ||x W^T||^2`` when only its own input
     (symmetric, per tensor, range = the calibration maximum, as minmax sets it) and weight

@@ -3,6 +3,7 @@
 Every reader checks ``export.json`` and the graph and engine files it uses against the export's
 record (:mod:`corp_deploy.outputs`) before anything runs; file names in the manifest are plain
 names inside the export folder."""
+
 from __future__ import annotations
 
 import platform
@@ -26,11 +27,19 @@ def versions() -> dict:
     import torch
 
     import corp_deploy
+
     from .tensorrt import tensorrt_version
-    return {"corp_deploy": corp_deploy.__version__, "torch": torch.__version__, "timm": timm.__version__,
-            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "polygraphy": polygraphy.__version__, "tensorrt": tensorrt_version(),
-            "python": platform.python_version()}
+
+    return {
+        "corp_deploy": corp_deploy.__version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "polygraphy": polygraphy.__version__,
+        "tensorrt": tensorrt_version(),
+        "python": platform.python_version(),
+    }
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -50,15 +59,21 @@ def _manifest_problem(manifest: dict) -> str | None:
     """What in an ``export.json`` (its record matching, i.e. edited along with the record) a reader
     cannot use, or None."""
     artifact, models = manifest.get("artifact"), manifest.get("models")
-    if not (isinstance(artifact, dict) and all(isinstance(artifact.get(key), str)
-                                               for key in ("path", "config_sha256", "weights_sha256"))):
+    if not (
+        isinstance(artifact, dict)
+        and all(isinstance(artifact.get(key), str) for key in ("path", "config_sha256", "weights_sha256"))
+    ):
         return "artifact needs its path and the SHA-256 of its config and weights"
     if not (isinstance(models, dict) and "model" in models):
         return "models needs the compressed model"
     for key, entry in models.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("onnx"), list) and entry["onnx"]
-                and all(isinstance(name, str) for name in entry["onnx"])
-                and (entry.get("engine") is None or isinstance(entry["engine"], str))):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("onnx"), list)
+            and entry["onnx"]
+            and all(isinstance(name, str) for name in entry["onnx"])
+            and (entry.get("engine") is None or isinstance(entry["engine"], str))
+        ):
             return f"models.{key} needs a list of ONNX file names and an engine name or null"
     return None
 

@@ -10,6 +10,7 @@ compares them row by row. Two forms, each where its numbers are reported:
   ``torch.nn.functional.cosine_similarity`` (each norm floored at 1e-8); ``bench``'s fidelity
   and the studies.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -3,6 +3,7 @@
 Exporter and opset defaults come from measurements on dense and pruned DeiT
 (``benchmarks/studies/export_choice.py``, results in ``benchmarks/RESULTS.md``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,12 +30,20 @@ DEFAULT_OPSET = 18
 MIN_OPSET = 17  # LayerNormalization is an ONNX op from opset 17 on
 #: Protobuf cannot serialise a message of 2 GiB or more; larger models keep their weights
 #: in one external file ``<name>.data`` beside the graph.
-PROTOBUF_LIMIT = 2 ** 31
+PROTOBUF_LIMIT = 2**31
 
 
-def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, int], *,
-                opset: int = DEFAULT_OPSET, exporter: str = DEFAULT_EXPORTER, precision: str = "fp32",
-                trace_batch: int = 2, single_file_limit: int = PROTOBUF_LIMIT) -> dict:
+def export_onnx(
+    model: nn.Module,
+    path: str | Path,
+    input_size: tuple[int, int, int],
+    *,
+    opset: int = DEFAULT_OPSET,
+    exporter: str = DEFAULT_EXPORTER,
+    precision: str = "fp32",
+    trace_batch: int = 2,
+    single_file_limit: int = PROTOBUF_LIMIT,
+) -> dict:
     """Write ``model`` as ONNX to ``path`` (atomically), then check it and infer its shapes. Its
     GELUs are written in the form ONNX Runtime fuses (:mod:`exporters.fusable_forms`).
 
@@ -68,22 +77,34 @@ def export_onnx(model: nn.Module, path: str | Path, input_size: tuple[int, int, 
         data_name = None
         if proto.ByteSize() >= single_file_limit:
             data_name = path.name + ".data"
-            onnx.save_model(proto, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_name, size_threshold=1024)
+            onnx.save_model(
+                proto,
+                str(staged),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=data_name,
+                size_threshold=1024,
+            )
         else:
             onnx.save_model(proto, str(staged))
         del proto
         onnx.checker.check_model(str(staged), full_check=True)
-        onnx.shape_inference.infer_shapes_path(str(staged), str(staged), check_type=True,
-                                               strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes_path(
+            str(staged), str(staged), check_type=True, strict_mode=True, data_prop=True
+        )
         if data_name is not None:
             os.replace(Path(work) / data_name, path.parent / data_name)
         os.replace(staged, path)
     graph = onnx.load(str(path), load_external_data=False).graph
-    return {"files": [path.name] + ([data_name] if data_name else []), "opset": opset,
-            "exporter": exporter, "precision": precision,
-            "inputs": [_describe(v) for v in graph.input], "outputs": [_describe(v) for v in graph.output],
-            "dynamic_axes": {INPUT_NAME: {"0": BATCH_AXIS}, OUTPUT_NAME: {"0": BATCH_AXIS}}}
+    return {
+        "files": [path.name] + ([data_name] if data_name else []),
+        "opset": opset,
+        "exporter": exporter,
+        "precision": precision,
+        "inputs": [_describe(v) for v in graph.input],
+        "outputs": [_describe(v) for v in graph.output],
+        "dynamic_axes": {INPUT_NAME: {"0": BATCH_AXIS}, OUTPUT_NAME: {"0": BATCH_AXIS}},
+    }
 
 
 def check_settings(opset: int, exporter: str) -> None:
@@ -93,11 +114,13 @@ def check_settings(opset: int, exporter: str) -> None:
         raise CorpError(f"exporter must be one of {', '.join(EXPORTERS)}; got {exporter!r}")
     highest = max_opset(exporter)
     if not (isinstance(opset, int) and MIN_OPSET <= opset <= highest):
-        raise CorpError(f"--opset must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
-                        f"highest that it and this ONNX Runtime support); got {opset}")
+        raise CorpError(
+            f"--opset must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
+            f"highest that it and this ONNX Runtime support); got {opset}"
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def max_opset(exporter: str) -> int:
     """The highest ONNX opset ``exporter`` writes here that this ONNX Runtime also loads."""
     import onnx
@@ -106,6 +129,7 @@ def max_opset(exporter: str) -> int:
 
     if exporter == "torchscript":
         from torch.onnx import _constants
+
         highest = getattr(_constants, "ONNX_MAX_OPSET", _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
     else:
         highest = onnx.defs.onnx_opset_version()
@@ -114,9 +138,16 @@ def max_opset(exporter: str) -> int:
     value = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
     for opset in range(highest, MIN_OPSET, -1):
         imports = [helper.make_opsetid("", opset)]
-        probe = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
-                                                    [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]),
-                                  opset_imports=imports, ir_version=helper.find_min_ir_version_for(imports))
+        probe = helper.make_model(
+            helper.make_graph(
+                [helper.make_node("Identity", ["x"], ["y"])],
+                "probe",
+                [value],
+                [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+            ),
+            opset_imports=imports,
+            ir_version=helper.find_min_ir_version_for(imports),
+        )
         try:
             ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
             return opset
@@ -137,17 +168,34 @@ def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: in
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             batch = torch.export.Dim(BATCH_AXIS, min=1, max=1 << 16)
-            torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=True,
-                              dynamic_shapes=({0: batch},), verbose=False, **common)
+            torch.onnx.export(
+                model,
+                (example,),
+                str(path),
+                dynamo=True,
+                external_data=True,
+                dynamic_shapes=({0: batch},),
+                verbose=False,
+                **common,
+            )
         else:
-            torch.onnx.export(model, (example,), str(path), dynamo=False,
-                              dynamic_axes={INPUT_NAME: {0: BATCH_AXIS}, OUTPUT_NAME: {0: BATCH_AXIS}},
-                              **common)
+            torch.onnx.export(
+                model,
+                (example,),
+                str(path),
+                dynamo=False,
+                dynamic_axes={INPUT_NAME: {0: BATCH_AXIS}, OUTPUT_NAME: {0: BATCH_AXIS}},
+                **common,
+            )
 
 
 def _describe(value) -> dict:
     import onnx
+
     tensor_type = value.type.tensor_type
     dims = [d.dim_param or d.dim_value for d in tensor_type.shape.dim]
-    return {"name": value.name, "shape": dims,
-            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name}
+    return {
+        "name": value.name,
+        "shape": dims,
+        "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name,
+    }

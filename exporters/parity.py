@@ -6,6 +6,7 @@ into a :class:`Comparison` (metrics from :mod:`exporters.metrics`); :class:`Tole
 whether it passes; a :class:`ParityCheck` is one backend checked against a reference at each
 batch size, as ``export.json`` records it.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,10 +45,12 @@ def compare_outputs(reference: np.ndarray, candidate: np.ndarray, *, top1: bool 
         raise ValueError(f"output shapes differ: {ref.shape} vs {cand.shape}")
     diff = np.abs(ref - cand)
     floor = max(1e-6 * float(np.abs(ref).max(initial=0.0)), 1e-12)
-    return Comparison(max_abs=float(diff.max(initial=0.0)),
-                      max_rel=float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)),
-                      cosine=float(cosine(ref, cand).min(initial=1.0)),
-                      top1_agreement=float(np.mean(top1_matches(ref, cand))) if top1 else None)
+    return Comparison(
+        max_abs=float(diff.max(initial=0.0)),
+        max_rel=float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)),
+        cosine=float(cosine(ref, cand).min(initial=1.0)),
+        top1_agreement=float(np.mean(top1_matches(ref, cand))) if top1 else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,12 @@ class ParityCheck:
         a skipped check."""
         results = list(self.batches.values())
         top1 = [r.top1_agreement for r in results if r.top1_agreement is not None]
-        return Comparison(max_abs=max(r.max_abs for r in results), max_rel=max(r.max_rel for r in results),
-                          cosine=min(r.cosine for r in results), top1_agreement=min(top1) if top1 else None)
+        return Comparison(
+            max_abs=max(r.max_abs for r in results),
+            max_rel=max(r.max_rel for r in results),
+            cosine=min(r.cosine for r in results),
+            top1_agreement=min(top1) if top1 else None,
+        )
 
     def to_dict(self) -> dict:
         """``{"batch_<b>": numbers}``, or ``{"skipped": reason}``: the check as ``export.json`` has it."""
@@ -103,7 +110,7 @@ class Tolerance:
             raise CorpError(f"the minimum top-1 agreement must be in [0, 1]; got {self.min_top1}")
 
     @classmethod
-    def for_precision(cls, precision: str, **overrides: float | None) -> "Tolerance":
+    def for_precision(cls, precision: str, **overrides: float | None) -> Tolerance:
         """The default limits for ``precision`` with the given non-None ``overrides``."""
         return replace(DEFAULT_TOLERANCES[precision], **{k: v for k, v in overrides.items() if v is not None})
 

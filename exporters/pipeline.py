@@ -6,27 +6,35 @@ engine one against ONNX Runtime on the same graph; a failed gate leaves nothing 
 An int8 graph is the float32 export quantized on calibration images (:mod:`exporters.quantize`),
 gated against the float32 PyTorch model on held-out images.
 """
+
 from __future__ import annotations
 
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from torch import nn
 
-from corp_deploy import (CalibrationImages, CorpError, count_macs, count_params, load_base_model,
-                         load_compressed, model_transform, read_config)
+from corp_deploy import (
+    CalibrationImages,
+    CorpError,
+    count_macs,
+    count_params,
+    load_base_model,
+    load_compressed,
+    model_transform,
+    read_config,
+)
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
 from corp_deploy.files import existing_dir, sha256_file, write_json
-from corp_deploy.resources import (FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory,
-                                   weight_bytes)
 from corp_deploy.outputs import check_output_dir, staged_output
+from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
 
 from . import tensorrt as trt_backend
 from .keep_float import AUTO, quantize_keeping_float
@@ -35,9 +43,9 @@ from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
 from .quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
-from .smoothing import DEFAULT_ALPHA
 from .results import ExportResult, ModelExport
 from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
+from .smoothing import DEFAULT_ALPHA
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
 EXIT_INCOMPLETE = 3
@@ -92,38 +100,54 @@ class ExportOptions:
         if self.precision not in EXPORT_PRECISIONS:
             raise CorpError(f"precision must be one of {', '.join(EXPORT_PRECISIONS)}; got {self.precision!r}")
         if self.int8_calibration not in CALIBRATION_METHODS:
-            raise CorpError(f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; "
-                            f"got {self.int8_calibration!r}")
+            raise CorpError(
+                f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; got {self.int8_calibration!r}"
+            )
         if self.int8_activations not in ACTIVATION_TYPES:
-            raise CorpError(f"int8 activations must be one of {', '.join(ACTIVATION_TYPES)}; "
-                            f"got {self.int8_activations!r}")
-        int8_options = (self.int8_calibration != DEFAULT_CALIBRATION or self.calib is not None
-                        or self.calib_samples is not None or self.int8_keep_float != AUTO
-                        or self.int8_smoothing != DEFAULT_ALPHA or self.int8_activations != DEFAULT_ACTIVATIONS)
+            raise CorpError(
+                f"int8 activations must be one of {', '.join(ACTIVATION_TYPES)}; got {self.int8_activations!r}"
+            )
+        int8_options = (
+            self.int8_calibration != DEFAULT_CALIBRATION
+            or self.calib is not None
+            or self.calib_samples is not None
+            or self.int8_keep_float != AUTO
+            or self.int8_smoothing != DEFAULT_ALPHA
+            or self.int8_activations != DEFAULT_ACTIVATIONS
+        )
         if int8_options and self.precision != "int8":
-            raise CorpError("the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, "
-                            "--int8-activations, --calib, --calib-samples) apply only with --precision int8")
+            raise CorpError(
+                "the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, "
+                "--int8-activations, --calib, --calib-samples) apply only with --precision int8"
+            )
         if self.trt and self.int8_activations != DEFAULT_ACTIVATIONS:
-            raise CorpError(f"--int8-activations {self.int8_activations} is for ONNX Runtime on the CPU: TensorRT "
-                            f"needs signed int8 activations with symmetric ranges (--int8-activations "
-                            f"{DEFAULT_ACTIVATIONS}, the default)")
+            raise CorpError(
+                f"--int8-activations {self.int8_activations} is for ONNX Runtime on the CPU: TensorRT "
+                f"needs signed int8 activations with symmetric ranges (--int8-activations "
+                f"{DEFAULT_ACTIVATIONS}, the default)"
+            )
         if self.int8_smoothing is not None and not 0 <= self.int8_smoothing <= 1:
             raise CorpError(f"the int8 smoothing strength must be from 0 to 1 or None, got {self.int8_smoothing!r}")
         if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
-            raise CorpError(f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, "
-                            f"got {self.int8_keep_float!r}")
+            raise CorpError(
+                f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, got {self.int8_keep_float!r}"
+            )
         if self.calib is not None:  # recorded absolute: resolves the same from anywhere
             object.__setattr__(self, "calib", existing_dir(self.calib, "--calib"))
         if self.calib_samples is not None and self.calib_samples < 1:
             raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
         if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
-            raise CorpError(f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
-                            f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}")
+            raise CorpError(
+                f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
+                f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}"
+            )
         if self.timing_cache is not None:
             cache = Path(self.timing_cache)
             if cache.is_dir() or not cache.parent.is_dir():
-                raise CorpError(f"--timing-cache {cache}: " + ("a directory, not a file" if cache.is_dir() else
-                                                              f"its folder {cache.parent} does not exist"))
+                raise CorpError(
+                    f"--timing-cache {cache}: "
+                    + ("a directory, not a file" if cache.is_dir() else f"its folder {cache.parent} does not exist")
+                )
             object.__setattr__(self, "timing_cache", cache.resolve())
         if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
             raise CorpError("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
@@ -135,9 +159,14 @@ def default_export_dir(artifact: str | Path, precision: str) -> Path:
     return Path(artifact) / f"export-{precision}"
 
 
-def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
-                    options: ExportOptions | None = None, *, dense_model: nn.Module | None = None,
-                    log: Callable[[str], None] = lambda message: None) -> ExportResult:
+def export_artifact(
+    artifact: str | Path,
+    out_dir: str | Path | None = None,
+    options: ExportOptions | None = None,
+    *,
+    dense_model: nn.Module | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> ExportResult:
     """Export the compressed model of ``artifact`` (and its dense base with ``options.dense``).
 
     Writes ``model.onnx`` (``dense.onnx``), with ``options.trt`` also ``build_engine.sh`` and,
@@ -158,8 +187,11 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
         models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
     _check_keep_float_leaves_int8(models, options)
     input_size = tuple(config["input"]["input_size"])
-    check_fits("the export", sum(export_bytes(model, input_size) for model in models.values()),
-               "export on a machine with more memory")
+    check_fits(
+        "the export",
+        sum(export_bytes(model, input_size) for model in models.values()),
+        "export on a machine with more memory",
+    )
     classifier = models["model"].num_classes > 0
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
@@ -168,15 +200,19 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
 
     entries, graph, onnxruntime = {}, {}, {}
-    with tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch, \
-            staged_output(out_dir, "export") as tmp, ExitStack() as runners:
-        calibration = (int8_calibration_images(models["model"], config, options, Path(scratch))
-                       if options.precision == "int8" else None)
+    with (
+        tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
+        staged_output(out_dir, "export") as tmp,
+        ExitStack() as runners,
+    ):
+        calibration = (
+            int8_calibration_images(models["model"], config, options, Path(scratch))
+            if options.precision == "int8"
+            else None
+        )
         for name, model in models.items():
-            log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, "
-                f"{options.precision}) ...")
-            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, tolerance,
-                                        log)
+            log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, {options.precision}) ...")
+            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, tolerance, log)
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
             runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
             checked = {}
@@ -185,22 +221,45 @@ def export_artifact(artifact: str | Path, out_dir: str | Path | None = None,
             else:
                 runners.enter_context(runner)
                 with TorchRunner(model) as reference:
-                    checked = check_parity(f"{name}.onnx on ONNX Runtime vs PyTorch", reference, runner, images,
-                                           PARITY_BATCHES, tolerance, classifier)
+                    checked = check_parity(
+                        f"{name}.onnx on ONNX Runtime vs PyTorch",
+                        reference,
+                        runner,
+                        images,
+                        PARITY_BATCHES,
+                        tolerance,
+                        classifier,
+                    )
                 if options.trt and not trt_missing:
                     onnxruntime[name] = runner  # the engine's reference, later
                 else:
                     runner.close()
             parity = ParityCheck(f"{name}.onnx", OnnxRuntimeRunner.name, TorchRunner.name, checked, skipped=reason)
-            entries[name] = ModelExport(onnx=graph["files"], params=count_params(model),
-                                        macs=count_macs(model, input_size), parity=[parity], int8=int8)
+            entries[name] = ModelExport(
+                onnx=graph["files"],
+                params=count_params(model),
+                macs=count_macs(model, input_size),
+                parity=[parity],
+                int8=int8,
+            )
         if options.trt:
             _write_build_script(tmp, list(models), options, input_size)
             if not trt_missing:
                 for name, model in models.items():
                     reference = onnxruntime.get(name) or runners.enter_context(TorchRunner(model))
-                    _build_and_check_engine(tmp, name, entries[name], reference, options, input_size, images,
-                                            engine_batches, tolerance, classifier, log)
+                    _build_and_check_engine(
+                        tmp,
+                        name,
+                        entries[name],
+                        reference,
+                        options,
+                        input_size,
+                        images,
+                        engine_batches,
+                        tolerance,
+                        classifier,
+                        log,
+                    )
         if recorded_checksums(artifact) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
         manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing)
@@ -216,9 +275,11 @@ def _check_keep_float_leaves_int8(models: dict[str, nn.Module], options: ExportO
     for key, model in models.items():
         linears = sum(isinstance(module, nn.Linear) for module in model.modules())
         if options.int8_keep_float >= linears:
-            raise CorpError(f"--int8-keep-float {options.int8_keep_float} would keep all {linears} Linear layers of "
-                            f"the {'dense' if key == 'dense' else 'compressed'} model in float, leaving no int8 "
-                            f"layer; give fewer than {linears}, or auto")
+            raise CorpError(
+                f"--int8-keep-float {options.int8_keep_float} would keep all {linears} Linear layers of "
+                f"the {'dense' if key == 'dense' else 'compressed'} model in float, leaving no int8 "
+                f"layer; give fewer than {linears}, or auto"
+            )
 
 
 def export_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
@@ -237,9 +298,15 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
     return next(iter(images)).numpy()
 
 
-def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptions,
-                  calibration: tuple[SpooledBatches, dict] | None, tolerance: Tolerance,
-                  log: Callable[[str], None]) -> tuple[dict, dict | None]:
+def _export_graph(
+    model: nn.Module,
+    path: Path,
+    input_size,
+    options: ExportOptions,
+    calibration: tuple[SpooledBatches, dict] | None,
+    tolerance: Tolerance,
+    log: Callable[[str], None],
+) -> tuple[dict, dict | None]:
     """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
     int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed).
     ``calibration``: int8 only, the calibration batches and their summary; ``tolerance``: the
@@ -252,13 +319,24 @@ def _export_graph(model: nn.Module, path: Path, input_size, options: ExportOptio
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         release_freed_memory()  # the exporter's traced program and graph copies
-        int8 = quantize_keeping_float(model, fp32, path, batches, options.int8_keep_float, options.int8_calibration,
-                                      tolerance, log, options.int8_smoothing, options.int8_activations)
+        int8 = quantize_keeping_float(
+            model,
+            fp32,
+            path,
+            batches,
+            options.int8_keep_float,
+            options.int8_calibration,
+            tolerance,
+            log,
+            options.int8_smoothing,
+            options.int8_activations,
+        )
     return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
 
 
-def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptions, folder: Path
-                            ) -> tuple[SpooledBatches, dict]:
+def int8_calibration_images(
+    model: nn.Module, config: dict, options: ExportOptions, folder: Path
+) -> tuple[SpooledBatches, dict]:
     """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
     step (one batch in memory at a time), and their summary: ``options.calib`` or the artifact's own
     calibration source (a directory, or the built-in photos with the same seed)."""
@@ -267,18 +345,31 @@ def int8_calibration_images(model: nn.Module, config: dict, options: ExportOptio
     if directory is None and recorded.get("source") == "directory":
         directory = Path(recorded["path"])
         if not directory.is_dir():
-            raise CorpError(f"the artifact was calibrated on {directory}, which is not there any more; "
-                            "pass the int8 calibration images with --calib DIR")
+            raise CorpError(
+                f"the artifact was calibrated on {directory}, which is not there any more; "
+                "pass the int8 calibration images with --calib DIR"
+            )
     transform, data_config = model_transform(model)
     limit = options.calib_samples or settings.get("calib_samples", 256)
-    check_disk(f"decoding {limit} int8 calibration images", limit * FLOAT32 * math.prod(data_config["input_size"]),
-               folder, "use fewer --calib-samples, or point TMPDIR at a larger disk")
+    check_disk(
+        f"decoding {limit} int8 calibration images",
+        limit * FLOAT32 * math.prod(data_config["input_size"]),
+        folder,
+        "use fewer --calib-samples, or point TMPDIR at a larger disk",
+    )
     images = CalibrationImages.from_source(directory, transform, limit=limit, seed=settings.get("seed", 0))
     return SpooledBatches(images, folder), images.summary()
 
 
-def check_parity(label: str, reference: Runner, candidate: Runner, images: np.ndarray, batches,
-                 tolerance: Tolerance, classifier: bool) -> dict[int, Comparison]:
+def check_parity(
+    label: str,
+    reference: Runner,
+    candidate: Runner,
+    images: np.ndarray,
+    batches,
+    tolerance: Tolerance,
+    classifier: bool,
+) -> dict[int, Comparison]:
     """Compare two runners on disjoint slices of ``images`` of each size in ``batches``.
 
     Returns ``{batch size: comparison}``; raises :class:`ParityError` with every number when any
@@ -286,17 +377,21 @@ def check_parity(label: str, reference: Runner, candidate: Runner, images: np.nd
     """
     results, failures, start = {}, [], 0
     for b in batches:
-        x = images[start:start + b]
+        x = images[start : start + b]
         start += b
         result = compare_outputs(reference.infer(x), candidate.infer(x), top1=classifier)
         results[b] = result
         failures += [f"batch {b}: {v}" for v in tolerance.violations(result)]
     if failures:
-        numbers = "; ".join(f"batch_{b}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.to_dict().items() if v is not None)
-                            for b, r in results.items())
-        raise ParityError(f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
-                          "Nothing was written. Loosen the limits with --atol / --min-cosine only if this "
-                          "precision loss is acceptable.")
+        numbers = "; ".join(
+            f"batch_{b}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.to_dict().items() if v is not None)
+            for b, r in results.items()
+        )
+        raise ParityError(
+            f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
+            "Nothing was written. Loosen the limits with --atol / --min-cosine only if this "
+            "precision loss is acceptable."
+        )
     return results
 
 
@@ -307,55 +402,116 @@ def _onnxruntime_runner(path: Path, precision: str) -> tuple[OnnxRuntimeRunner |
     try:  # ONNX Runtime's CPU provider has no bfloat16 kernels
         return OnnxRuntimeRunner(path, "cuda"), None
     except BackendUnavailable as exc:
-        return None, (f"ONNX Runtime's CPU provider has no bfloat16 kernels and {exc}; verify it on a "
-                      "GPU machine with `corp-deploy export --precision bf16`")
+        return None, (
+            f"ONNX Runtime's CPU provider has no bfloat16 kernels and {exc}; verify it on a "
+            "GPU machine with `corp-deploy export --precision bf16`"
+        )
 
 
 def _write_build_script(folder: Path, names: list[str], options: ExportOptions, input_size) -> None:
     graphs = [f"{name}.onnx" for name in names]
     files = [f for graph in graphs for f in (graph, f"{graph}.data") if (folder / f).is_file()]
     script = folder / trt_backend.SCRIPT_NAME
-    script.write_text(trt_backend.build_script(
-        graphs, {f: sha256_file(folder / f) for f in files}, batch=options.batch, image_shape=input_size,
-        precision=options.precision, workspace_gb=options.workspace_gb, timing_cache=options.timing_cache))
+    script.write_text(
+        trt_backend.build_script(
+            graphs,
+            {f: sha256_file(folder / f) for f in files},
+            batch=options.batch,
+            image_shape=input_size,
+            precision=options.precision,
+            workspace_gb=options.workspace_gb,
+            timing_cache=options.timing_cache,
+        )
+    )
     script.chmod(0o755)
 
 
-def _build_and_check_engine(folder: Path, name: str, entry: ModelExport, reference: Runner,
-                            options: ExportOptions, input_size, images: np.ndarray, batches, tolerance: Tolerance,
-                            classifier: bool, log) -> None:
+def _build_and_check_engine(
+    folder: Path,
+    name: str,
+    entry: ModelExport,
+    reference: Runner,
+    options: ExportOptions,
+    input_size,
+    images: np.ndarray,
+    batches,
+    tolerance: Tolerance,
+    classifier: bool,
+    log,
+) -> None:
     """Build ``<name>.engine``, gate it against ``reference`` (ONNX Runtime on the same graph, or
     PyTorch for bf16 where ONNX Runtime cannot run it) and record both in ``entry``."""
     log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
     entry.engine_build = trt_backend.build_engine(
-        folder / f"{name}.onnx", folder / f"{name}.engine", batch=options.batch, image_shape=input_size,
-        workspace_gb=options.workspace_gb, timing_cache=options.timing_cache)
+        folder / f"{name}.onnx",
+        folder / f"{name}.engine",
+        batch=options.batch,
+        image_shape=input_size,
+        workspace_gb=options.workspace_gb,
+        timing_cache=options.timing_cache,
+    )
     entry.engine = f"{name}.engine"
     log(f"{name}: checking TensorRT against {reference.name} at batch sizes {tuple(batches)} ...")
     with trt_backend.TensorRTRunner(folder / entry.engine) as engine:
-        entry.parity.append(ParityCheck(entry.engine, engine.name, reference.name, check_parity(
-            f"{name}.engine on TensorRT vs {reference.name}", reference, engine, images, batches, tolerance,
-            classifier)))
+        entry.parity.append(
+            ParityCheck(
+                entry.engine,
+                engine.name,
+                reference.name,
+                check_parity(
+                    f"{name}.engine on TensorRT vs {reference.name}",
+                    reference,
+                    engine,
+                    images,
+                    batches,
+                    tolerance,
+                    classifier,
+                ),
+            )
+        )
 
 
-def _manifest(artifact: Path, config: dict, made_from: dict[str, str], graph: dict, models: dict[str, ModelExport],
-              options: ExportOptions, tolerance: Tolerance, trt_missing: str | None) -> dict:
+def _manifest(
+    artifact: Path,
+    config: dict,
+    made_from: dict[str, str],
+    graph: dict,
+    models: dict[str, ModelExport],
+    options: ExportOptions,
+    tolerance: Tolerance,
+    trt_missing: str | None,
+) -> dict:
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "artifact": {"path": str(artifact.resolve()), "base_model": config["base_model"]["name"],
-                     "method": config["settings"].get("method"), **made_from},
-        "precision": options.precision, "exporter": graph["exporter"], "opset": graph["opset"],
-        "inputs": graph["inputs"], "outputs": graph["outputs"], "dynamic_axes": graph["dynamic_axes"],
+        "artifact": {
+            "path": str(artifact.resolve()),
+            "base_model": config["base_model"]["name"],
+            "method": config["settings"].get("method"),
+            **made_from,
+        },
+        "precision": options.precision,
+        "exporter": graph["exporter"],
+        "opset": graph["opset"],
+        "inputs": graph["inputs"],
+        "outputs": graph["outputs"],
+        "dynamic_axes": graph["dynamic_axes"],
         "data_config": config["input"]["data_config"],
-        "parity_inputs": {"images": "seeded random crops of scikit-image's bundled photos, preprocessed "
-                                    "with the model's data config", "batches": list(PARITY_BATCHES)},
+        "parity_inputs": {
+            "images": "seeded random crops of scikit-image's bundled photos, preprocessed with the model's data config",
+            "batches": list(PARITY_BATCHES),
+        },
         "tolerance": tolerance.to_dict(),
         "models": {name: entry.to_dict() for name, entry in models.items()},
-        "tensorrt": {"requested": options.trt, "built": options.trt and trt_missing is None,
-                     "not_built_reason": trt_missing, "batch_profile": options.batch.to_dict(),
-                     "workspace_gb": options.workspace_gb,
-                     "timing_cache": str(Path(options.timing_cache).resolve()) if options.timing_cache else None,
-                     "script": trt_backend.SCRIPT_NAME if options.trt else None},
+        "tensorrt": {
+            "requested": options.trt,
+            "built": options.trt and trt_missing is None,
+            "not_built_reason": trt_missing,
+            "batch_profile": options.batch.to_dict(),
+            "workspace_gb": options.workspace_gb,
+            "timing_cache": str(Path(options.timing_cache).resolve()) if options.timing_cache else None,
+            "script": trt_backend.SCRIPT_NAME if options.trt else None,
+        },
         "versions": versions(),
     }

@@ -12,6 +12,7 @@ and builder precision flags no longer exist. So precision is decided here, in th
   opset 22; it is under 1 % of a ViT's MACs);
 * the graph input and output stay float32, so callers feed the same tensors as for fp32.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,27 +46,41 @@ class Float32SoftmaxAttention(PrunedAttention):
     else runs in the parameters' dtype. Same parameters, layout and fixed ``scale``."""
 
     @classmethod
-    def from_module(cls, attn: nn.Module) -> "Float32SoftmaxAttention":
+    def from_module(cls, attn: nn.Module) -> Float32SoftmaxAttention:
         """Sharing the ``qkv``, ``proj``, relative position and rotary embedding of a
         :class:`PrunedAttention`, a plain timm ``Attention`` or a ``RelPosAttention`` without qk-norm."""
         if not is_prunable_attention(attn):
-            raise CorpError(f"cannot export attention of type {type(attn).__name__} (qk-norm, "
-                            "scale-norm or gating) in reduced precision; use --precision fp32")
+            raise CorpError(
+                f"cannot export attention of type {type(attn).__name__} (qk-norm, "
+                "scale-norm or gating) in reduced precision; use --precision fp32"
+            )
         new = cls.replacing(attn, *head_dims(attn))
         new.qkv, new.proj = attn.qkv, attn.proj
         return new
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        shared_rel_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if is_causal:
             raise CorpError("causal attention is not supported in reduced-precision export")
-        return multi_head_attention(self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos),
-                                    kernel=float32_softmax_kernel)
+        return multi_head_attention(
+            self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos), kernel=float32_softmax_kernel
+        )
 
 
-def float32_softmax_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           attn_mask: torch.Tensor | None, rel_bias: torch.Tensor | None,
-                           is_causal: bool = False) -> torch.Tensor:
+def float32_softmax_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    attn_mask: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """The attention kernel (:data:`corp_deploy.layers.AttentionKernel`, not causal) written out:
     logits in the parameters' dtype, then biases, softmax in float32, weights cast back for ``@ v``."""
     logits = ((q * scale) @ k.transpose(-2, -1)).float()

@@ -34,6 +34,7 @@ mostly blocks 0-2 and the MLP down projections, benchmarks/RESULTS.md "INT8"): `
 moves them into the weights first (:mod:`exporters.smoothing`), and ``float_modules`` keeps chosen
 Linear layers in float (which ones: :mod:`exporters.keep_float`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,8 +43,8 @@ import io
 import logging
 import tempfile
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -75,10 +76,16 @@ CALIBRATOR_OPTIONS = {"Entropy": {"num_bins": 2048, "num_quantized_bins": 255}}
 CALIBRATION_CHUNK = 1
 
 
-def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable[np.ndarray],
-                  method: str = DEFAULT_CALIBRATION, float_modules: frozenset[str] | set[str] = frozenset(),
-                  input_scales: dict | None = None, quantize_outputs: bool = False,
-                  activations: str = DEFAULT_ACTIVATIONS) -> dict:
+def quantize_int8(
+    fp32_path: str | Path,
+    out_path: str | Path,
+    batches: Iterable[np.ndarray],
+    method: str = DEFAULT_CALIBRATION,
+    float_modules: frozenset[str] | set[str] = frozenset(),
+    input_scales: dict | None = None,
+    quantize_outputs: bool = False,
+    activations: str = DEFAULT_ACTIVATIONS,
+) -> dict:
     """Write the QDQ int8 form of the float32 graph ``fp32_path`` to ``out_path``.
 
     Activation ranges are collected streaming (:func:`calibrate_ranges`) and handed to
@@ -111,14 +118,22 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, batches: Iterable
             smoothing = {"smoothing": smooth_graph(fp32_path, smoothed, input_scales)}
             fp32_path = smoothed
             release_freed_memory()
-        record = _quantize_static(fp32_path, out_path, batches, method, float_modules, Path(scratch),
-                                  quantize_outputs, activations)
+        record = _quantize_static(
+            fp32_path, out_path, batches, method, float_modules, Path(scratch), quantize_outputs, activations
+        )
     return {**record, **smoothing}
 
 
-def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np.ndarray], method: str,
-                     float_modules: frozenset[str] | set[str], scratch: Path, quantize_outputs: bool,
-                     activations: str) -> dict:
+def _quantize_static(
+    fp32_path: Path,
+    out_path: str | Path,
+    batches: Iterable[np.ndarray],
+    method: str,
+    float_modules: frozenset[str] | set[str],
+    scratch: Path,
+    quantize_outputs: bool,
+    activations: str,
+) -> dict:
     """:func:`quantize_int8` of an already smoothed (or unsmoothed) graph; ``scratch`` a temporary folder."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import save_tensors_data
@@ -129,8 +144,10 @@ def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np
     kept_float = [name for name, module, _ in linear_ops if module in float_modules]
     missing = sorted(set(float_modules) - {module for _, module, _ in linear_ops})
     if missing:
-        raise CorpError(f"cannot keep {', '.join(missing[:3])} in float: no operator of {Path(fp32_path).name} is "
-                        "recorded as coming from it")
+        raise CorpError(
+            f"cannot keep {', '.join(missing[:3])} in float: no operator of {Path(fp32_path).name} is "
+            "recorded as coming from it"
+        )
     calibrate_method = getattr(CalibrationMethod, CALIBRATION_METHODS[method])
     ranges, images = calibrate_ranges(fp32_path, batches, calibrate_method, scratch)
     release_freed_memory()
@@ -139,15 +156,24 @@ def _quantize_static(fp32_path: Path, out_path: str | Path, batches: Iterable[np
     root_logger = logging.getLogger()
     root_logger.addFilter(_without_preprocessing_advice)
     try:
-        quantize_static(str(fp32_path), str(out_path), None, quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QInt8 if signed else QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, per_channel=True,
-                        op_types_to_quantize=list(QUANTIZED_OPS),
-                        nodes_to_exclude=activation_products + kept_float, calibrate_method=calibrate_method,
-                        calibration_cache_path=cache,
-                        extra_options={"ActivationSymmetric": signed, "WeightSymmetric": True,
-                                       "OpTypesToExcludeOutputQuantization":
-                                           [] if quantize_outputs else list(QUANTIZED_OPS)})
+        quantize_static(
+            str(fp32_path),
+            str(out_path),
+            None,
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8 if signed else QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=list(QUANTIZED_OPS),
+            nodes_to_exclude=activation_products + kept_float,
+            calibrate_method=calibrate_method,
+            calibration_cache_path=cache,
+            extra_options={
+                "ActivationSymmetric": signed,
+                "WeightSymmetric": True,
+                "OpTypesToExcludeOutputQuantization": [] if quantize_outputs else list(QUANTIZED_OPS),
+            },
+        )
     finally:
         root_logger.removeFilter(_without_preprocessing_advice)
         release_freed_memory()
@@ -162,10 +188,14 @@ def _linear_ops(fp32_path: str | Path) -> list[tuple[str, str, bool]]:
     """``(node name, module path, has a weight)`` of every :data:`QUANTIZED_OPS` node of a graph
     (the graph itself is not kept: it holds every weight)."""
     import onnx
+
     graph = onnx.load(str(fp32_path), load_external_data=False).graph
     weights = {t.name for t in graph.initializer}
-    return [(node.name, module_path(node), any(i in weights for i in node.input[:2]))
-            for node in graph.node if node.op_type in QUANTIZED_OPS]
+    return [
+        (node.name, module_path(node), any(i in weights for i in node.input[:2]))
+        for node in graph.node
+        if node.op_type in QUANTIZED_OPS
+    ]
 
 
 def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calibrate_method, scratch: Path):
@@ -185,10 +215,14 @@ def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calib
             feed, self._feed = self._feed, None
             return feed
 
-    calibrator = create_calibrator(Path(fp32_path), list(QUANTIZED_OPS),
-                                   augmented_model_path=str(scratch / "augmented.onnx"),
-                                   calibrate_method=calibrate_method, providers=["CPUExecutionProvider"],
-                                   extra_options=CALIBRATOR_OPTIONS.get(calibrate_method.name, {}))
+    calibrator = create_calibrator(
+        Path(fp32_path),
+        list(QUANTIZED_OPS),
+        augmented_model_path=str(scratch / "augmented.onnx"),
+        calibrate_method=calibrate_method,
+        providers=["CPUExecutionProvider"],
+        extra_options=CALIBRATOR_OPTIONS.get(calibrate_method.name, {}),
+    )
     calibrator.model = None  # the loaded graph, not read after its session is made: one graph less in memory
     input_name = calibrator.infer_session.get_inputs()[0].name
     images = 0
@@ -196,7 +230,7 @@ def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calib
         for batch in batches:
             batch = np.ascontiguousarray(batch, dtype=np.float32)
             for start in range(0, len(batch), CALIBRATION_CHUNK):
-                calibrator.collect_data(OneChunk({input_name: batch[start:start + CALIBRATION_CHUNK]}))
+                calibrator.collect_data(OneChunk({input_name: batch[start : start + CALIBRATION_CHUNK]}))
             images += len(batch)
         if images == 0:
             raise CorpError("no calibration images for int8 quantization")
@@ -246,10 +280,31 @@ def describe_quantized(path: str | Path) -> dict:
             float_nodes.append(node.name)
     dequantized = {node.input[0] for node in graph.node if node.op_type == "DequantizeLinear"}
     int8 = [t for t in graph.initializer if t.data_type == onnx.TensorProto.INT8 and t.name in dequantized]
-    return {"quantized_ops": dict(sorted(quantized.items())), "float_ops": dict(sorted(floating.items())),
-            "int8_weights": int(sum(np.prod(t.dims) for t in int8)), "float_nodes": float_nodes}
+    return {
+        "quantized_ops": dict(sorted(quantized.items())),
+        "float_ops": dict(sorted(floating.items())),
+        "int8_weights": int(sum(np.prod(t.dims) for t in int8)),
+        "float_nodes": float_nodes,
+    }
 
 
 #: Ops that move or reshape data without arithmetic (not listed as float compute).
-_SHAPE_OPS = frozenset({"Reshape", "Transpose", "Shape", "Gather", "Slice", "Concat", "Squeeze", "Unsqueeze",
-                        "Expand", "Constant", "ConstantOfShape", "Identity", "Cast", "Flatten", "Split"})
+_SHAPE_OPS = frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "Shape",
+        "Gather",
+        "Slice",
+        "Concat",
+        "Squeeze",
+        "Unsqueeze",
+        "Expand",
+        "Constant",
+        "ConstantOfShape",
+        "Identity",
+        "Cast",
+        "Flatten",
+        "Split",
+    }
+)

@@ -2,6 +2,7 @@
 
 Typed records that serialise (``to_dict``) to exactly the entries of ``export.json``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,8 +28,13 @@ class ModelExport:
 
     def to_dict(self) -> dict:
         """The model's entry in ``export.json``."""
-        entry = {"onnx": self.onnx, "engine": self.engine, "params": self.params, "macs": self.macs,
-                 "parity": {check.key: check.to_dict() for check in self.parity}}
+        entry = {
+            "onnx": self.onnx,
+            "engine": self.engine,
+            "params": self.params,
+            "macs": self.macs,
+            "parity": {check.key: check.to_dict() for check in self.parity},
+        }
         if self.int8 is not None:
             entry["int8"] = self.int8
         if self.engine_build is not None:
@@ -51,8 +57,10 @@ class ExportResult:
         from rich.table import Table
 
         manifest = self.manifest
-        table = Table(title=f"corp-deploy export -> {self.out_dir}",
-                      caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}")
+        table = Table(
+            title=f"corp-deploy export -> {self.out_dir}",
+            caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}",
+        )
         for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
             table.add_column(column, justify="left" if column in ("file", "checked against") else "right")
         for entry in self.models.values():
@@ -61,6 +69,11 @@ class ExportResult:
                     table.add_row(check.file, check.reference, "not run", "", "")
                     continue
                 worst = check.worst()
-                table.add_row(check.file, check.reference, f"{worst.max_abs:.2e}", f"{worst.cosine:.6f}",
-                              f"{worst.top1_agreement:.3f}" if worst.top1_agreement is not None else "-")
+                table.add_row(
+                    check.file,
+                    check.reference,
+                    f"{worst.max_abs:.2e}",
+                    f"{worst.cosine:.6f}",
+                    f"{worst.top1_agreement:.3f}" if worst.top1_agreement is not None else "-",
+                )
         return table

@@ -12,6 +12,7 @@ Every runner is a context manager that closes on exit::
     with OnnxRuntimeRunner(path) as runner:
         outputs = runner.infer(images)
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,7 +59,7 @@ class Runner(ABC):
             self._release()
             self.closed = True
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,6 +105,7 @@ class OnnxRuntimeRunner(Runner):
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
         import onnxruntime as ort
+
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only; failures are raised below
         if threads:

@@ -17,10 +17,11 @@ inserted before the layer (an attention output, pooled features, and a GELU in t
 Runtime fuses, :mod:`exporters.fusable_forms`, whose constant 0.5 must stay 0.5 to be fused).
 Either way the float graph computes what it did, up to float32 rounding.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -66,17 +67,21 @@ def smoothing_scale(peak: torch.Tensor, weight: torch.Tensor, alpha: float = DEF
     return torch.where(peak > 0, scale.clamp(1 / SCALE_LIMIT, SCALE_LIMIT), torch.ones_like(scale))
 
 
-def linear_input_scales(model: nn.Module, batches: Iterable[torch.Tensor], alpha: float = DEFAULT_ALPHA
-                        ) -> dict[str, torch.Tensor]:
+def linear_input_scales(
+    model: nn.Module, batches: Iterable[torch.Tensor], alpha: float = DEFAULT_ALPHA
+) -> dict[str, torch.Tensor]:
     """:func:`smoothing_scale` of every Linear layer of ``model`` from its input peaks on ``batches``:
     ``{module path: (in_features,) float32}``."""
     modules = dict(model.named_modules())
-    return {name: smoothing_scale(peak, modules[name].weight, alpha)
-            for name, peak in linear_input_peaks(model, batches).items()}
+    return {
+        name: smoothing_scale(peak, modules[name].weight, alpha)
+        for name, peak in linear_input_peaks(model, batches).items()
+    }
 
 
-def smooth_graph(fp32_path: str | Path, out_path: str | Path, scales: dict[str, np.ndarray | torch.Tensor]
-                 ) -> dict[str, int]:
+def smooth_graph(
+    fp32_path: str | Path, out_path: str | Path, scales: dict[str, np.ndarray | torch.Tensor]
+) -> dict[str, int]:
     """Write ``fp32_path`` to ``out_path`` with each scale of ``scales`` (by module path, see
     :func:`exporters.quantize.module_path`) moved from its Linear layer's input into its weight.
 

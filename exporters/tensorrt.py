@@ -5,6 +5,7 @@ Engines are built **strongly typed**: the precision is the one written in the ON
 (see :mod:`exporters.precision`), which is the only mode TensorRT 11 has and an explicit
 flag on TensorRT 10. TF32 is off, so float32 layers compute in true float32.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -38,7 +39,7 @@ class BatchProfile:
             raise CorpError(f"batch profile needs 1 <= MIN <= OPT <= MAX; got {self}")
 
     @classmethod
-    def parse(cls, text: str) -> "BatchProfile":
+    def parse(cls, text: str) -> BatchProfile:
         """``"MIN:OPT:MAX"``, or ``"N"`` for a fixed batch size."""
         parts = text.split(":")
         try:
@@ -92,9 +93,15 @@ class EngineBuild:
         return asdict(self)
 
 
-def build_engine(onnx_path: str | Path, engine_path: str | Path, *, batch: BatchProfile,
-                 image_shape: tuple[int, ...], workspace_gb: float | None = None,
-                 timing_cache: str | Path | None = None) -> EngineBuild:
+def build_engine(
+    onnx_path: str | Path,
+    engine_path: str | Path,
+    *,
+    batch: BatchProfile,
+    image_shape: tuple[int, ...],
+    workspace_gb: float | None = None,
+    timing_cache: str | Path | None = None,
+) -> EngineBuild:
     """Build a serialized engine from ``onnx_path`` into ``engine_path``.
 
     Strongly typed network, one optimisation profile for the input's batch axis,
@@ -106,12 +113,17 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, *, batch: Batch
     from polygraphy.logger import G_LOGGER
 
     profile = Profile().add(INPUT_NAME, *batch.shapes(image_shape))
-    pools = {trt.MemoryPoolType.WORKSPACE: int(workspace_gb * 2 ** 30)} if workspace_gb else None
+    pools = {trt.MemoryPoolType.WORKSPACE: int(workspace_gb * 2**30)} if workspace_gb else None
     cache = str(timing_cache) if timing_cache else None
-    config = CreateConfig(profiles=[profile], memory_pool_limits=pools, tf32=False,
-                          load_timing_cache=cache if cache and Path(cache).is_file() else None)
-    build = EngineBytesFromNetwork(NetworkFromOnnxPath(str(onnx_path), strongly_typed=True),
-                                   config=config, save_timing_cache=cache)
+    config = CreateConfig(
+        profiles=[profile],
+        memory_pool_limits=pools,
+        tf32=False,
+        load_timing_cache=cache if cache and Path(cache).is_file() else None,
+    )
+    build = EngineBytesFromNetwork(
+        NetworkFromOnnxPath(str(onnx_path), strongly_typed=True), config=config, save_timing_cache=cache
+    )
     start = time.perf_counter()
     try:
         with G_LOGGER.verbosity(G_LOGGER.WARNING):
@@ -130,6 +142,7 @@ class TensorRTRunner(Runner):
 
     def __init__(self, engine_path: str | Path) -> None:
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
         self._runner = TrtRunner(EngineFromBytes(Path(engine_path).read_bytes()))
         self._runner.activate()
 
@@ -141,9 +154,16 @@ class TensorRTRunner(Runner):
         self._runner.deactivate()
 
 
-def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: BatchProfile,
-                 image_shape: tuple[int, ...], precision: str, workspace_gb: float | None = None,
-                 timing_cache: str | Path | None = None) -> str:
+def build_script(
+    onnx_files: list[str],
+    checksums: dict[str, str],
+    *,
+    batch: BatchProfile,
+    image_shape: tuple[int, ...],
+    precision: str,
+    workspace_gb: float | None = None,
+    timing_cache: str | Path | None = None,
+) -> str:
     """A bash script that builds ``<name>.engine`` from each ``<name>.onnx`` with ``trtexec``:
     the same profile, workspace, timing cache and strongly typed precision as
     :func:`build_engine`. It first checks every file of ``checksums`` (name -> SHA-256: the graphs
@@ -154,8 +174,9 @@ def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: Bat
     dims = "x".join(str(d) for d in image_shape)
     sizes = dict(zip(("min", "opt", "max"), (batch.min, batch.opt, batch.max)))
     trtexec = [f"--{kind}Shapes={INPUT_NAME}:{b}x{dims}" for kind, b in sizes.items()]
-    polygraphy = [f"--trt-{kind}-shapes {INPUT_NAME}:[{b},{','.join(map(str, image_shape))}]"
-                  for kind, b in sizes.items()]
+    polygraphy = [
+        f"--trt-{kind}-shapes {INPUT_NAME}:[{b},{','.join(map(str, image_shape))}]" for kind, b in sizes.items()
+    ]
     if workspace_gb:
         trtexec.append(f"--memPoolSize=workspace:{int(workspace_gb * 1024)}M")
         polygraphy.append(f"--pool-limit workspace:{int(workspace_gb * 1024)}M")
@@ -163,11 +184,15 @@ def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: Bat
     if timing_cache:
         polygraphy.append('--load-timing-cache "$TIMING_CACHE" --save-timing-cache "$TIMING_CACHE"')
     verifications = "\n".join(f"verify {shlex.quote(name)} {digest}" for name, digest in sorted(checksums.items()))
-    builds = "\n".join(f"build {shlex.quote(name)} {shlex.quote(Path(name).with_suffix('.engine').name)}"
-                       for name in onnx_files)
-    int8_note = ("\n#   int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built\n"
-                 "#   strongly typed with no precision flag (TensorRT's documentation: no --int8 with Q/DQ)"
-                 if precision == "int8" else "")
+    builds = "\n".join(
+        f"build {shlex.quote(name)} {shlex.quote(Path(name).with_suffix('.engine').name)}" for name in onnx_files
+    )
+    int8_note = (
+        "\n#   int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built\n"
+        "#   strongly typed with no precision flag (TensorRT's documentation: no --int8 with Q/DQ)"
+        if precision == "int8"
+        else ""
+    )
     return f"""#!/usr/bin/env bash
 # Build the TensorRT engine(s) of this export on the machine that will run them: an engine
 # is specific to its GPU model and TensorRT version. Written by corp-deploy export.
@@ -175,7 +200,7 @@ def build_script(onnx_files: list[str], checksums: dict[str, str], *, batch: Bat
 #   precision {precision}: taken from the ONNX graph (strongly typed build), TF32 off{int8_note}
 # Usage: bash {SCRIPT_NAME}     (trtexec from TensorRT >= 10 on PATH, or TRTEXEC=/path/to/trtexec)
 # The same build with Polygraphy instead, per file (TIMING_CACHE as set below):
-#   polygraphy convert model.onnx --convert-to trt -o model.engine --strongly-typed {' '.join(polygraphy)}
+#   polygraphy convert model.onnx --convert-to trt -o model.engine --strongly-typed {" ".join(polygraphy)}
 set -euo pipefail
 cd "$(dirname "$0")"
 TIMING_CACHE={cache}
@@ -195,7 +220,7 @@ if [ -z "$TRTEXEC" ]; then
   exit 127
 fi
 help="$("$TRTEXEC" --help 2>&1 || true)"
-flags=({' '.join(trtexec)})
+flags=({" ".join(trtexec)})
 if [ -n "$TIMING_CACHE" ]; then flags+=("--timingCacheFile=$TIMING_CACHE"); fi
 # TensorRT 10 takes the precision from the graph only with --stronglyTyped; TensorRT 11 always does.
 if grep -q -- "--stronglyTyped" <<<"$help"; then flags+=(--stronglyTyped); fi
@@ -206,4 +231,4 @@ build() {{
 }}
 {builds}
 echo "done: engines are in $(pwd)"
-"""
+"""  # noqa: E501 (two shell lines are longer, kept as users have them)

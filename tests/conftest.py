@@ -1,6 +1,7 @@
 """Shared fixtures: small random-weight timm ViTs and calibration batches, the command line run
 in-process, one small compressed artifact (built once per session), and a fixed seed for every
 test. Values needed where a fixture cannot be requested are in ``tests/helpers.py``."""
+
 from __future__ import annotations
 
 import random
@@ -34,9 +35,11 @@ def small_vit():
 def image_batches():
     """``image_batches(n_batches, batch, size=32, seed=1)``: batches of random images
     ``(batch, 3, size, size)`` drawn from their own generator."""
+
     def batches(n_batches: int, batch: int, size: int = 32, seed: int = 1) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n_batches)]
+
     return batches
 
 
@@ -51,6 +54,7 @@ def run_cli():
     def run(args, state_dir):
         result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state_dir)})
         return result, result.output + (result.stderr if hasattr(result, "stderr") else "")
+
     return run
 
 
@@ -67,8 +71,23 @@ def batches(image_batches):
 def _compress_tiny(run_cli, root: Path, seed: int) -> Path:
     """``corp-deploy compress`` of the small ViT with random weights from ``seed``, on 16 built-in
     photos, at sparsity 0.5, into ``root/art``."""
-    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 16,
-                            "--s", 0.5, "--seed", seed, "-o", root / "art"], root / "state")
+    result, text = run_cli(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--calib-samples",
+            16,
+            "--s",
+            0.5,
+            "--seed",
+            seed,
+            "-o",
+            root / "art",
+        ],
+        root / "state",
+    )
     assert result.exit_code == 0, text
     return root / "art"
 

@@ -2,6 +2,7 @@
 fixtures cannot be requested (parametrisations, command lines and refusal cases written at module
 level). Tests otherwise request the fixtures of ``conftest.py`` (``small_vit``, ``image_batches``,
 ``run_cli``, ``tiny_artifact``, ...)."""
+
 from __future__ import annotations
 
 import timm
@@ -23,8 +24,7 @@ def build_small_vit(seed: int = 0, **overrides) -> torch.nn.Module:
     in eval mode; its biases are drawn too (timm initialises them to near zero), so that bias
     handling is exercised. Tests request it as the ``small_vit`` fixture."""
     torch.manual_seed(seed)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False,
-                              **{**SMALL_VIT_KWARGS, **overrides})
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, **{**SMALL_VIT_KWARGS, **overrides})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

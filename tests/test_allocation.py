@@ -1,5 +1,6 @@
 """Spending a MAC budget (docs/method.md §8): the allocation against brute force, its budget and
 floor guarantees, and budget mode end to end on a small ViT."""
+
 import itertools
 import math
 
@@ -8,8 +9,8 @@ import torch
 
 import corp_deploy.methods.corp as corp_method
 from corp_deploy import CompressConfig, compress, count_macs
-from corp_deploy.methods.corp.allocation import Unit, allocate, candidate_sizes
 from corp_deploy.errors import CorpError
+from corp_deploy.methods.corp.allocation import Unit, allocate, candidate_sizes
 
 
 def convex_unit(total, macs_per_dim, scale, power=2.0):
@@ -56,8 +57,10 @@ def test_convex_curves_are_allocated_optimally_within_the_budget(budget_fraction
 
 def test_budget_is_never_exceeded_and_rounding_and_floors_hold():
     g = torch.Generator().manual_seed(0)
-    units = [Unit(t, m, torch.rand(t + 1, generator=g, dtype=torch.float64).sort(descending=True).values)
-             for t, m in ((64, 7), (48, 11), (96, 3), (32, 13))]
+    units = [
+        Unit(t, m, torch.rand(t + 1, generator=g, dtype=torch.float64).sort(descending=True).values)
+        for t, m in ((64, 7), (48, 11), (96, 3), (32, 13))
+    ]
     for unit in units:
         unit.distortion[-1] = 0.0
     fixed = 500
@@ -74,7 +77,6 @@ def test_budget_is_never_exceeded_and_rounding_and_floors_hold():
 def test_equal_curves_give_the_uniform_split():
     units = [convex_unit(16, 5, 1.0) for _ in range(4)]
     fixed = 100
-    dense = fixed + 4 * 16 * 5
     for kept_each in (4, 8, 12):
         budget = fixed + 4 * kept_each * 5
         assert allocate(units, fixed, budget) == [kept_each] * 4
@@ -102,7 +104,9 @@ def test_full_budget_reproduces_the_dense_model(vit, budget_batches, image_batch
         torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(macs=0.6), dict(speedup=2.0, round_to=4), dict(macs=0.5, equal_head_dims=True)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(macs=0.6), dict(speedup=2.0, round_to=4), dict(macs=0.5, equal_head_dims=True)]
+)
 def test_budget_mode_meets_the_budget_and_records_every_unit(vit, budget_batches, kwargs):
     config = CompressConfig.from_settings(**kwargs)
     model, report = compress(vit, budget_batches, config)
@@ -115,7 +119,7 @@ def test_budget_mode_meets_the_budget_and_records_every_unit(vit, budget_batches
     assert [(u["block"], u["part"]) for u in budget["units"]] == [(b, p) for b in range(2) for p in parts]
     for unit in budget["units"]:
         assert unit["kept"] % config.round_to == 0 or unit["kept"] == unit["total"]
-    for unit, layer in zip(budget["units"][::len(parts)], report["layers"]):
+    for unit, layer in zip(budget["units"][:: len(parts)], report["layers"]):
         assert unit["kept"] == layer["dims"]["mlp_hidden"]
     for layer in report["layers"]:
         dims = layer["dims"]
@@ -136,6 +140,7 @@ def test_independent_budget_compression_reuses_the_curves_selection(vit, budget_
     def plan_without_orders(model, run, config):
         sizes, report = plan(model, run, config)
         return [type(s)(s.mlp, s.qk, s.v) for s in sizes], report
+
     monkeypatch.setattr(corp_method, "plan_budget", plan_without_orders)
     selected_again, _ = compress(vit, budget_batches, config)
     assert reused.state_dict().keys() == selected_again.state_dict().keys()

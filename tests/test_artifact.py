@@ -1,12 +1,20 @@
 """Artifact save/load: bit-exact round trip, self-description, atomic writes."""
+
 import json
 import re
 
 import pytest
 import torch
 
-from corp_deploy import (CompressConfig, compress, create_base_model, load_base_model, load_compressed,
-                         read_config, save_artifact)
+from corp_deploy import (
+    CompressConfig,
+    compress,
+    create_base_model,
+    load_base_model,
+    load_compressed,
+    read_config,
+    save_artifact,
+)
 from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
 from corp_deploy.errors import CorpError
 from corp_deploy.families import examples
@@ -21,9 +29,14 @@ def compressed(vit, batches):
 
 
 def save(model, report, path, name="deit_tiny_patch16_224", kwargs=SMALL_VIT_KWARGS):
-    return save_artifact(model, path, base_model={"name": name, "model_kwargs": dict(kwargs),
-                                                  "weights": {"source": "random"}},
-                         settings=CompressConfig().to_dict(), calibration={"images": 24}, report=report)
+    return save_artifact(
+        model,
+        path,
+        base_model={"name": name, "model_kwargs": dict(kwargs), "weights": {"source": "random"}},
+        settings=CompressConfig().to_dict(),
+        calibration={"images": 24},
+        report=report,
+    )
 
 
 def test_round_trip_is_bit_exact(compressed, tmp_path, image_batches):
@@ -40,14 +53,24 @@ def test_round_trip_is_bit_exact(compressed, tmp_path, image_batches):
 def test_config_describes_the_model(compressed, tmp_path):
     dense, model, report = compressed
     path = save(model, report, tmp_path / "art")
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "corp-deploy-record.json", "model.safetensors",
-                                                      "report.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "corp-deploy-record.json",
+        "model.safetensors",
+        "report.json",
+    ]
     cfg = read_config(path)
     assert cfg["format_version"] == 2 and cfg["settings"]["method"] == "corp"
     assert "method" not in cfg  # recorded once, in the settings
     assert cfg["base_model"]["name"] == "deit_tiny_patch16_224"
-    assert cfg["blocks"][0] == {"mlp_hidden": 96, "num_heads": 3, "qk_head_dim": 8, "v_head_dim": 16,
-                                "attention": "pruned", "scale": 0.25}
+    assert cfg["blocks"][0] == {
+        "mlp_hidden": 96,
+        "num_heads": 3,
+        "qk_head_dim": 8,
+        "v_head_dim": 16,
+        "attention": "pruned",
+        "scale": 0.25,
+    }
     assert cfg["input"]["input_size"] == [3, 32, 32]
     assert {"torch", "timm", "corp_deploy", "safetensors"} <= set(cfg["versions"])
     saved_report = json.loads((path / "report.json").read_text())
@@ -70,6 +93,7 @@ def test_failed_write_leaves_nothing(compressed, tmp_path, monkeypatch):
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
+
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(OSError):
         save(model, report, tmp_path / "art")
@@ -115,6 +139,7 @@ def test_latest_artifact_pointer(compressed, tmp_path, monkeypatch):
 
 def test_base_model_is_inferred_when_not_given(tmp_path, image_batches):
     import timm
+
     torch.manual_seed(0)
     dense = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7).eval()
     model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
@@ -127,17 +152,27 @@ def test_base_model_is_inferred_when_not_given(tmp_path, image_batches):
 
 def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_batches):
     from safetensors.torch import save_file
+
     from corp_deploy.files import sha256_file
+
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=3)
     model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
     checkpoint = tmp_path / "dense.safetensors"
     save_file({k: v + 0.5 for k, v in dense.state_dict().items()}, str(checkpoint))
-    sources = {"random": {"source": "random", "seed": 3},
-               "checkpoint": {"source": "checkpoint", "path": str(checkpoint), "sha256": sha256_file(checkpoint)},
-               "unknown": {"source": "somewhere"}}
-    paths = {name: save_artifact(model, tmp_path / name, report=report, base_model={
-        "name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS, "weights": weights})
-        for name, weights in sources.items()}
+    sources = {
+        "random": {"source": "random", "seed": 3},
+        "checkpoint": {"source": "checkpoint", "path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+        "unknown": {"source": "somewhere"},
+    }
+    paths = {
+        name: save_artifact(
+            model,
+            tmp_path / name,
+            report=report,
+            base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS, "weights": weights},
+        )
+        for name, weights in sources.items()
+    }
     for name, offset in (("random", 0.0), ("checkpoint", 0.5)):
         rebuilt = load_base_model(paths[name]).state_dict()
         assert all(torch.equal(rebuilt[k], v + offset) for k, v in dense.state_dict().items()), name
@@ -151,11 +186,15 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
         load_base_model(paths["checkpoint"])
 
 
-@pytest.mark.parametrize("change, mismatches", [
-    (lambda model: setattr(model.norm, "bias", None), ["norm.bias"]),
-    (lambda model: model.register_buffer("extra", torch.zeros(1)), ["extra"]),
-    (lambda model: setattr(model, "head", torch.nn.Linear(48, 5)), ["head.weight", "head.bias"]),
-], ids=["missing-tensor", "extra-tensor", "other-shape"])
+@pytest.mark.parametrize(
+    "change, mismatches",
+    [
+        (lambda model: setattr(model.norm, "bias", None), ["norm.bias"]),
+        (lambda model: model.register_buffer("extra", torch.zeros(1)), ["extra"]),
+        (lambda model: setattr(model, "head", torch.nn.Linear(48, 5)), ["head.weight", "head.bias"]),
+    ],
+    ids=["missing-tensor", "extra-tensor", "other-shape"],
+)
 def test_a_model_its_base_model_does_not_rebuild_is_refused(compressed, tmp_path, change, mismatches):
     """The check on the weightless skeleton refuses a state dict with a tensor missing, one too many,
     or one of another shape, naming them, and writes nothing."""
@@ -172,6 +211,7 @@ def test_every_family_is_checked_without_weights_and_loads_the_weights_it_saved(
     buffer, Swin's shift-mask groups included, has the shape of the real model's), and loading gives
     back exactly the saved weights. Compressed models of every family are saved in test_families."""
     from corp_deploy import artifact
+
     example = examples()[family]
     model = create_base_model(example.model, example.kwargs, pretrained=False, seed=0)
     skeletons = []
@@ -185,8 +225,11 @@ def test_every_family_is_checked_without_weights_and_loads_the_weights_it_saved(
 
     monkeypatch.setattr(artifact, "base_skeleton", recorded_skeleton)
     monkeypatch.setattr(artifact, "create_base_model", no_dense_model)
-    path = save_artifact(model, tmp_path / "art", base_model={"name": example.model, "model_kwargs": example.kwargs,
-                                                             "weights": {"source": "random", "seed": 0}})
+    path = save_artifact(
+        model,
+        tmp_path / "art",
+        base_model={"name": example.model, "model_kwargs": example.kwargs, "weights": {"source": "random", "seed": 0}},
+    )
     monkeypatch.undo()
     [skeleton] = skeletons
     assert {t.device.type for t in [*skeleton.parameters(), *skeleton.buffers()]} == {"meta"}

@@ -1,4 +1,5 @@
 """Query/key compensation against raw per-image activations (docs/method.md §3)."""
+
 import pytest
 import scipy.linalg
 import torch
@@ -64,8 +65,7 @@ def test_every_sum_matches_explicit_kronecker_products(form):
     torch.testing.assert_close(sums.products(), (a * g).sum(0))
     assert sums.trace_product() == pytest.approx(float(torch.trace(expected)), rel=1e-12)
     inner, outer = torch.tensor([1, 3]), torch.tensor([2, 0, 3])
-    torch.testing.assert_close(sums.cross(inner, outer),
-                               (a[:, outer][:, :, inner] @ g[:, inner][:, :, outer]).sum(0))
+    torch.testing.assert_close(sums.cross(inner, outer), (a[:, outer][:, :, inner] @ g[:, inner][:, :, outer]).sum(0))
 
 
 def test_summed_and_per_image_forms_solve_the_same_system():
@@ -84,7 +84,7 @@ def test_summed_and_per_image_forms_solve_the_same_system():
 @pytest.mark.parametrize("form", FORMS)
 def test_ranking_is_per_image_logit_energy(form):
     attn, x, q, k, sums, S, P = setup(form=form)
-    expected = ((q ** 2).sum(2) * (k ** 2).sum(2)).mean(0)  # (heads, d)
+    expected = ((q**2).sum(2) * (k**2).sum(2)).mean(0)  # (heads, d)
     torch.testing.assert_close(attn_ops.qk_dim_scores(sums), expected, rtol=1e-5, atol=1e-6)
     for h in range(HEADS):
         assert expected[h, S[h]].min() >= expected[h, P[h]].max()
@@ -123,8 +123,7 @@ def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form
     attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
         sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3)
-        qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
-        ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
+        qs, ks = q[:, h][..., S[h]], k[:, h][..., S[h]]
         full = q[:, h] @ k[:, h].transpose(1, 2)
         sliced = qs @ ks.transpose(1, 2)
         comp = qs @ (torch.eye(len(S[h]), dtype=q.dtype) + sol.M) @ ks.transpose(1, 2)
@@ -132,7 +131,7 @@ def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form
         err_comp = float(((full - comp) ** 2).sum()) / N_IMAGES
         assert sol.error_uncompensated == pytest.approx(err_slice, rel=1e-4)
         assert sol.error_compensated == pytest.approx(err_comp, rel=1e-3)
-        assert sol.logit_energy == pytest.approx(float((full ** 2).sum()) / N_IMAGES, rel=1e-4)
+        assert sol.logit_energy == pytest.approx(float((full**2).sum()) / N_IMAGES, rel=1e-4)
         assert err_comp < err_slice
 
 
@@ -183,13 +182,15 @@ def test_folded_logits_equal_compensated_logits_including_biases():
         B, N, _ = x.shape
         dq = S.shape[1]
         qkv = pruned.qkv(x)
-        q2 = qkv[..., :HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
-        k2 = qkv[..., HEADS * dq:2 * HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
+        q2 = qkv[..., : HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
+        k2 = qkv[..., HEADS * dq : 2 * HEADS * dq].reshape(B, N, HEADS, dq).transpose(1, 2).double()
         for h in range(HEADS):
-            expected = q[:, h][..., S[h]] @ (torch.eye(dq, dtype=q.dtype) + sols[h].M) \
-                @ k[:, h][..., S[h]].transpose(1, 2)
-            torch.testing.assert_close(attn.scale * q2[:, h] @ k2[:, h].transpose(1, 2),
-                                       attn.scale * expected, rtol=1e-4, atol=1e-4)
+            expected = (
+                q[:, h][..., S[h]] @ (torch.eye(dq, dtype=q.dtype) + sols[h].M) @ k[:, h][..., S[h]].transpose(1, 2)
+            )
+            torch.testing.assert_close(
+                attn.scale * q2[:, h] @ k2[:, h].transpose(1, 2), attn.scale * expected, rtol=1e-4, atol=1e-4
+            )
         # the module computes softmax(scale * logits) @ V with the original V and proj
         v = attn.qkv(x).reshape(B, N, 3, HEADS, attn.head_dim).permute(2, 0, 3, 1, 4)[2].double()
         logits = attn.scale * q2 @ k2.transpose(-1, -2)

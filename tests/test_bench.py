@@ -1,5 +1,6 @@
 """`corp-deploy bench`: report schema, interleaving, skipped backends, the regression gate,
 fidelity metrics on known inputs, and accuracy on a labelled folder."""
+
 import copy
 import json
 import math
@@ -17,8 +18,7 @@ from benchmarks.gate import GateLimits, regressions
 from benchmarks.targets import resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
 
-FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1",
-        "--data-samples", "6"]
+FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1", "--data-samples", "6"]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,18 @@ def all_numbers(value):
 def test_report_schema_numbers_and_renderings(bench_run):
     report, out, text = bench_run
     assert report["format"] == "corp-deploy-bench" and report["format_version"] == 1
-    assert {"machine", "versions", "settings", "models", "ideal_speedup", "backends", "latency", "parity",
-            "fidelity", "gate"} <= set(report)
+    assert {
+        "machine",
+        "versions",
+        "settings",
+        "models",
+        "ideal_speedup",
+        "backends",
+        "latency",
+        "parity",
+        "fidelity",
+        "gate",
+    } <= set(report)
     assert all(math.isfinite(n) for n in all_numbers(report))
     assert report["settings"]["batches"] == [1, 3]
     models = report["models"]
@@ -100,6 +110,7 @@ def test_interleaving_alternates_and_cancels_drift(monkeypatch):
         def run_once():
             calls.append(name)
             clock[0] += units * (1 + 0.5 * ((len(calls) - 1) // 2))
+
         return run_once
 
     samples = latency.interleaved({"A": work("A", 2.0), "B": work("B", 1.0)}, warmup=1, min_time=20, min_rounds=3)
@@ -128,16 +139,20 @@ def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run
     worse = copy.deepcopy(report)
     worse["fidelity"].update(top1_agreement=0.5, kl_mean=0.25, feature_cosine=0.75)
     assert regressions(worse, GateLimits(min_agreement=0.9, max_kl=0.1, min_cosine=0.8)) == [
-        "fidelity: top-1 agreement 0.5000 < 0.9", "fidelity: mean KL 0.25 > 0.1", "fidelity: feature cosine 0.7500 < 0.8"]
+        "fidelity: top-1 agreement 0.5000 < 0.9",
+        "fidelity: mean KL 0.25 > 0.1",
+        "fidelity: feature cosine 0.7500 < 0.8",
+    ]
     # the CLI: exit 4, every regression printed, the reports still written
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(doctored))
-    result, text = run_cli(["bench", artifact, *FAST, "--backends", "ort", "--baseline", baseline,
-                        "--json", tmp_path / "new.json"], tmp_path / "state")
+    result, text = run_cli(
+        ["bench", artifact, *FAST, "--backends", "ort", "--baseline", baseline, "--json", tmp_path / "new.json"],
+        tmp_path / "state",
+    )
     assert result.exit_code == 4, text
     assert "regression gate FAILED" in text and "latency: ort-cpu, batch 1: compressed p50" in text
     assert json.loads((tmp_path / "new.json").read_text())["gate"]["passed"] is False
-
 
 
 def test_baselines_that_cannot_gate_are_refused(bench_run, artifact, tmp_path, run_cli):
@@ -150,10 +165,12 @@ def test_baselines_that_cannot_gate_are_refused(bench_run, artifact, tmp_path, r
     failed.write_text(json.dumps({**report, "gate": {**report["gate"], "passed": False}}))
     good.write_text(json.dumps(report))
     before = good.read_bytes()
-    cases = [(["--baseline", empty, "--json", tmp_path / "r.json"], "it timed nothing"),
-             (["--baseline", failed, "--json", tmp_path / "r.json"], "its own regression gate failed"),
-             (["--baseline", good, "--json", good], "the reports would replace --baseline"),
-             (["--baseline", tmp_path / "." / "good.json", "--json", good], "the reports would replace --baseline")]
+    cases = [
+        (["--baseline", empty, "--json", tmp_path / "r.json"], "it timed nothing"),
+        (["--baseline", failed, "--json", tmp_path / "r.json"], "its own regression gate failed"),
+        (["--baseline", good, "--json", good], "the reports would replace --baseline"),
+        (["--baseline", tmp_path / "." / "good.json", "--json", good], "the reports would replace --baseline"),
+    ]
     for args, message in cases:
         result, text = run_cli(["bench", artifact, *FAST, *args], tmp_path / "state")
         assert result.exit_code == 1 and message in text and "Traceback" not in text, (args, text)
@@ -169,6 +186,7 @@ def test_folders_that_can_share_images_are_not_held_out(tmp_path):
     assert folders_overlap(calib, calib / "sub") and folders_overlap(calib / "sub", calib)
     assert folders_overlap(calib / "sub" / "..", calib) and folders_overlap(tmp_path / "link", calib)
     assert not folders_overlap(calib, other) and not folders_overlap(calib / "sub", other)
+
 
 def test_fidelity_metrics_on_known_inputs():
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0]])
@@ -187,7 +205,7 @@ def test_fidelity_metrics_on_known_inputs():
     expected_kl = float((p * (p / q).log()).sum()) / 2
     result = meter.result()
     assert result["top1_agreement"] == 0.5 and result["kl_mean"] == pytest.approx(expected_kl, rel=1e-12)
-    assert result["feature_cosine"] == pytest.approx((2 ** -0.5 - 1.0) / 2)
+    assert result["feature_cosine"] == pytest.approx((2**-0.5 - 1.0) / 2)
     backbone = FidelityMeter(classifier=False)
     backbone.update((features, features), (features, features))
     assert backbone.result()["top1_agreement"] is None and backbone.result()["kl_mean"] is None

@@ -1,4 +1,5 @@
 """MLP compensation against independent computations on raw activations (docs/method.md §2)."""
+
 import pytest
 import torch
 from timm.layers import Mlp
@@ -64,8 +65,8 @@ def test_layer_errors_match_closed_form_and_actual_outputs():
     # actual errors of the fc2 output on the calibration samples
     sliced = h[:, P] @ w2[:, P].T
     compensated = (h[:, P] - h[:, S] @ sol.B.T - sol.c) @ w2[:, P].T
-    assert sol.error_uncompensated == pytest.approx(float((sliced ** 2).sum(1).mean()), rel=1e-5)
-    assert sol.error_compensated == pytest.approx(float((compensated ** 2).sum(1).mean()), rel=1e-4)
+    assert sol.error_uncompensated == pytest.approx(float((sliced**2).sum(1).mean()), rel=1e-5)
+    assert sol.error_compensated == pytest.approx(float((compensated**2).sum(1).mean()), rel=1e-4)
     # docs/method.md §2 closed form tr(W2_P Sigma_{PP|S} W2_P^T)
     cov = torch.cov(h.T, correction=0)
     cond = cov[P][:, P] - cov[P][:, S] @ torch.linalg.solve(cov[S][:, S], cov[S][:, P])
@@ -112,8 +113,9 @@ def test_fold_applies_the_solution_to_the_module():
         w2 = mlp.fc2.weight.double()
         S, P = split()
         sol = mlp_ops.solve_channels(stats_of(h), mlp.fc2.weight, S, P, alpha=1e-3)
-        expected = (h.double()[:, S] @ w2[:, S].T + (h.double()[:, S] @ sol.B.T + sol.c) @ w2[:, P].T
-                    + mlp.fc2.bias.double())
+        expected = (
+            h.double()[:, S] @ w2[:, S].T + (h.double()[:, S] @ sol.B.T + sol.c) @ w2[:, P].T + mlp.fc2.bias.double()
+        )
         mlp_ops.fold_mlp(mlp, sol.kept, sol.pruned, sol.B, sol.c)
         out = mlp(x)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
@@ -145,9 +147,11 @@ def test_rankers():
     torch.testing.assert_close(mlp_ops.channel_scores(stats, w2, "energy"), energy, **FLOAT32)
     torch.testing.assert_close(mlp_ops.channel_scores(stats, w2, "magnitude"), col.sqrt())
     torch.testing.assert_close(mlp_ops.channel_scores(stats, w2, "combined"), energy * col, **FLOAT32)
-    torch.testing.assert_close(mlp_ops.channel_scores(stats, w2, "active"),
-                               torch.tensor([0.5, 0.75, 0.75], dtype=torch.float64))
-    torch.testing.assert_close(mlp_ops.channel_scores(stats, w2, "variance"),
-                               h.double().var(0, correction=0), **FLOAT32)
+    torch.testing.assert_close(
+        mlp_ops.channel_scores(stats, w2, "active"), torch.tensor([0.5, 0.75, 0.75], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        mlp_ops.channel_scores(stats, w2, "variance"), h.double().var(0, correction=0), **FLOAT32
+    )
     S, P = mlp_ops.split_channels(torch.tensor([3.0, 1.0, 2.0, 0.5]), 2)
     assert S.tolist() == [0, 2] and P.tolist() == [1, 3]

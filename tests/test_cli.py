@@ -39,8 +39,24 @@ def run(args):
 
 def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
     out = tmp_path / "out"
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--s-mlp", "0.5",
-                        "--s-attn", "0.25", "--calib", str(calib_dir), "--batch-size", "4", "-o", str(out)])
+    result, text = run(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *TINY,
+            "--s-mlp",
+            "0.5",
+            "--s-attn",
+            "0.25",
+            "--calib",
+            str(calib_dir),
+            "--batch-size",
+            "4",
+            "-o",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, text
     assert "skipped 1 unreadable" in text and "parameters (M)" in text
     cfg = read_config(out)
@@ -57,11 +73,23 @@ def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
 def test_default_output_dir_builtin_calibration_and_pth_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
-    dense = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48,
-                              depth=2, num_heads=3)
+    dense = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
     torch.save({"model": dense.state_dict()}, tmp_path / "w.pth")
-    result, text = run(["compress", "deit_tiny", *TINY, "--checkpoint", str(tmp_path / "w.pth"),
-                        "--s", "0.5", "--calib-samples", "6", "--target", "mlp"])
+    result, text = run(
+        [
+            "compress",
+            "deit_tiny",
+            *TINY,
+            "--checkpoint",
+            str(tmp_path / "w.pth"),
+            "--s",
+            "0.5",
+            "--calib-samples",
+            "6",
+            "--target",
+            "mlp",
+        ]
+    )
     assert result.exit_code == 0, text
     assert "built-in photos" in text
     out = tmp_path / "corp-deploy" / "deit_tiny-mlp-s0.5"
@@ -86,21 +114,41 @@ def bad_inputs(tmp_path):
     corrupt.write_bytes(b"garbage")
     other = tmp_path / "other.safetensors"
     from safetensors.torch import save_file
+
     save_file({"foo": torch.zeros(2)}, str(other))
     base = ["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4"]
     return [
         (["compress", "resnet_nonexistent"], "unknown model"),
         (["compress", "resnet18", "--no-pretrained"], "timm ResNet, which has no sequence of transformer blocks"),
         # refusals name the class that is not supported, not the model's name pattern
-        (["compress", "beit_base_patch16_224", "--no-pretrained", "--model-arg", "use_shared_rel_pos_bias=true",
-          "--model-arg", "use_rel_pos_bias=false", "--model-arg", "img_size=32", "--model-arg", "patch_size=16"],
-         "shares one relative position bias across blocks (Beit"),
-        (["compress", "cait_xxs24_224", "--no-pretrained", "--model-arg", "depth=2"],
-         "talking-heads attention mixes the heads' logits"),
-        (["compress", "swinv2_tiny_window8_256", "--no-pretrained"],
-         "timm SwinTransformerV2: its blocks are post-norm"),
-        (["compress", "vit_relpos_medium_patch16_rpn_224", "--no-pretrained"],
-         "ResPostRelPosBlock, not timm's pre-norm RelPosBlock"),
+        (
+            [
+                "compress",
+                "beit_base_patch16_224",
+                "--no-pretrained",
+                "--model-arg",
+                "use_shared_rel_pos_bias=true",
+                "--model-arg",
+                "use_rel_pos_bias=false",
+                "--model-arg",
+                "img_size=32",
+                "--model-arg",
+                "patch_size=16",
+            ],
+            "shares one relative position bias across blocks (Beit",
+        ),
+        (
+            ["compress", "cait_xxs24_224", "--no-pretrained", "--model-arg", "depth=2"],
+            "talking-heads attention mixes the heads' logits",
+        ),
+        (
+            ["compress", "swinv2_tiny_window8_256", "--no-pretrained"],
+            "timm SwinTransformerV2: its blocks are post-norm",
+        ),
+        (
+            ["compress", "vit_relpos_medium_patch16_rpn_224", "--no-pretrained"],
+            "ResPostRelPosBlock, not timm's pre-norm RelPosBlock",
+        ),
         (["compress", "vit_srelpos_small_patch16_224", "--no-pretrained"], "shares one relative position bias"),
         ([*base, "--s", "1.0"], "must be in [0, 1)"),
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
@@ -133,35 +181,57 @@ def test_bad_inputs_give_one_message_and_leave_nothing(tmp_path, monkeypatch):
         assert not list(tmp_path.glob(".out*")), args
 
 
-@pytest.mark.parametrize("args, message, status", [
-    (["--macs", "0"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
-    (["--macs", "1.5"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
-    (["--speedup", "0.5"], "speedup budget --speedup must be a finite number >= 1", 1),
-    (["--macs", "0.6", "--speedup", "2"], "as --macs or as --speedup, not both", 1),
-    (["--macs", "0.6", "--s", "0.5"], "exclude each other", 2),
-    (["--speedup", "2", "--s-vo", "0.5"], "exclude each other", 2),
-    (["--macs", "0.02"], "below what the floors allow", 1),
-    (["--macs", "0.5", "--unit-floor", "1.5"], "--unit-floor must be in [0, 1]", 1),
-    (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 1),
-    (["--s", "0.5", "--equal-head-dims"], "--equal-head-dims ties value dims to query/key dims; it needs --target all", 1),
-    (["--target", "all", "--s-attn", "0.5", "--s-vo", "0.25", "--equal-head-dims"], "must then be equal", 1),
-    (["--s-vo", "0.3"], "--s-vo has no effect with --target both, which prunes mlp and qk only", 2),
-    (["--target", "mlp", "--s-attn", "0.9"], "--s-attn has no effect with --target mlp", 2),
-    (["--target", "attn", "--s-mlp", "0.9"], "--s-mlp has no effect with --target attn", 2),
-    (["--refit", "fc2", "--no-compensation"], "add --refit none", 1),
-])
+@pytest.mark.parametrize(
+    "args, message, status",
+    [
+        (["--macs", "0"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
+        (["--macs", "1.5"], "MAC budget --macs must be a fraction of the dense MACs in (0, 1]", 1),
+        (["--speedup", "0.5"], "speedup budget --speedup must be a finite number >= 1", 1),
+        (["--macs", "0.6", "--speedup", "2"], "as --macs or as --speedup, not both", 1),
+        (["--macs", "0.6", "--s", "0.5"], "exclude each other", 2),
+        (["--speedup", "2", "--s-vo", "0.5"], "exclude each other", 2),
+        (["--macs", "0.02"], "below what the floors allow", 1),
+        (["--macs", "0.5", "--unit-floor", "1.5"], "--unit-floor must be in [0, 1]", 1),
+        (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 1),
+        (
+            ["--s", "0.5", "--equal-head-dims"],
+            "--equal-head-dims ties value dims to query/key dims; it needs --target all",
+            1,
+        ),
+        (["--target", "all", "--s-attn", "0.5", "--s-vo", "0.25", "--equal-head-dims"], "must then be equal", 1),
+        (["--s-vo", "0.3"], "--s-vo has no effect with --target both, which prunes mlp and qk only", 2),
+        (["--target", "mlp", "--s-attn", "0.9"], "--s-attn has no effect with --target mlp", 2),
+        (["--target", "attn", "--s-mlp", "0.9"], "--s-mlp has no effect with --target attn", 2),
+        (["--refit", "fc2", "--no-compensation"], "add --refit none", 1),
+    ],
+)
 def test_bad_budgets_give_one_message_and_leave_nothing(tmp_path, args, message, status):
     out = tmp_path / "out"
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4", *args,
-                        "-o", str(out)])
+    result, text = run(
+        ["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "4", *args, "-o", str(out)]
+    )
     assert result.exit_code == status and message in text and "Traceback" not in text, (args, text)
     assert not out.exists()
 
 
 def test_budget_compress_prints_the_allocation_and_draws_it(tmp_path):
     out = tmp_path / "out"
-    result, text = run(["compress", "deit_tiny", "--no-pretrained", *TINY, "--calib-samples", "8", "--macs", "0.6",
-                        "--round-to", "2", "-o", str(out)])
+    result, text = run(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *TINY,
+            "--calib-samples",
+            "8",
+            "--macs",
+            "0.6",
+            "--round-to",
+            "2",
+            "-o",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, text
     assert "budget 0.6 of the dense MACs" in text and "query/key dims" in text
     allocation = read_config(out)["allocation"]

@@ -1,14 +1,14 @@
 """Error curves (docs/method.md §8) against direct re-solves and actual errors, and the greedy
 selection against brute force."""
+
 import pytest
 import torch
 
-from corp_deploy import CompressConfig, compress
+from corp_deploy import CompressConfig, channels, compress
 from corp_deploy import attention as attn_ops
-from corp_deploy import channels
 from corp_deploy.blocks import BoundaryCache
-from corp_deploy.methods.corp.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
 from corp_deploy.engine import embed_tokens
+from corp_deploy.methods.corp.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
 from corp_deploy.qk_sums import ImageGrams, KroneckerSums, pack
 from corp_deploy.stats import MomentAccumulator, per_image_head_grams
 
@@ -16,8 +16,11 @@ from corp_deploy.stats import MomentAccumulator, per_image_head_grams
 def correlated_stats(n=3000, hidden=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     latent = torch.randn(n, 8, generator=g, dtype=torch.float64)
-    h = latent @ torch.randn(8, hidden, generator=g, dtype=torch.float64) \
-        + 0.3 * torch.randn(n, hidden, generator=g, dtype=torch.float64) + 1.0
+    h = (
+        latent @ torch.randn(8, hidden, generator=g, dtype=torch.float64)
+        + 0.3 * torch.randn(n, hidden, generator=g, dtype=torch.float64)
+        + 1.0
+    )
     stats = MomentAccumulator(hidden)
     stats.update(h.float())
     return stats, torch.randn(10, hidden, generator=g, dtype=torch.float64)
@@ -49,12 +52,15 @@ def test_greedy_takes_the_best_channel_at_every_step():
     alpha = 1e-3
     order = channels.greedy_order(stats, w, alpha)
     for step in range(4):
+
         def objective_with(i, step=step):
             if i in order[:step]:
                 return float("inf")
             kept = order[:step].tolist() + [i]
-            return direct_objective(stats, w, torch.tensor(kept + [j for j in range(12) if j not in kept]),
-                                    step + 1, alpha)
+            return direct_objective(
+                stats, w, torch.tensor(kept + [j for j in range(12) if j not in kept]), step + 1, alpha
+            )
+
         objectives = sorted(objective_with(i) for i in range(12))
         assert objectives[0] < objectives[1]  # a unique best channel
         assert objective_with(int(order[step])) == objectives[0]
@@ -65,7 +71,7 @@ def test_grouped_selection_keeps_equal_counts_and_stops_early():
     for ranker in ("combined", "greedy"):
         order = channels.keep_order(stats, w, ranker, 1e-3, groups=3)
         for k in range(1, 9):
-            assert torch.bincount(order[:3 * k] // 8, minlength=3).tolist() == [k] * 3
+            assert torch.bincount(order[: 3 * k] // 8, minlength=3).tolist() == [k] * 3
         partial = channels.keep_order(stats, w, ranker, 1e-3, groups=3, kept=6)
         assert torch.equal(partial[:6], order[:6]) and sorted(partial.tolist()) == list(range(24))
 
@@ -87,8 +93,9 @@ def test_head_curve_and_its_solutions_match_direct_re_solves(alpha, form):
     for kept in range(1, 9):
         S, P = order[:kept].sort().values, order[kept:].sort().values
         sol = attn_ops.solve_head(by_image, S, P, alpha)
-        assert float(curve[kept]) == pytest.approx(sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20,
-                                                   rel=1e-9)
+        assert float(curve[kept]) == pytest.approx(
+            sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20, rel=1e-9
+        )
         if kept in solutions:
             shared = solutions[kept]
             torch.testing.assert_close(shared.M, sol.M, rtol=1e-8, atol=1e-10)
@@ -123,10 +130,13 @@ def test_measured_curves_equal_the_errors_of_compressing_at_that_size(batches, s
             assert float(curve.error[96]) == pytest.approx(layer["mlp"]["error_compensated"], rel=1e-6)
         if curve.part == "vo":
             assert float(curve.error[8]) == pytest.approx(layer["values"]["error_compensated"], rel=1e-6)
-        assert curve.macs_per_dim == {"mlp": 2 * 17 * 48, "qk": 3 * (2 * 17 * 48 + 17 ** 2),
-                                      "vo": 3 * (2 * 17 * 48 + 17 ** 2)}[curve.part]
-    qk_model, _ = compress(vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0,
-                                                                         refit="none"))
+        assert (
+            curve.macs_per_dim
+            == {"mlp": 2 * 17 * 48, "qk": 3 * (2 * 17 * 48 + 17**2), "vo": 3 * (2 * 17 * 48 + 17**2)}[curve.part]
+        )
+    qk_model, _ = compress(
+        vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0, refit="none")
+    )
     with torch.no_grad():
         for index, (dense_block, qk_block) in enumerate(zip(vit.blocks, qk_model.blocks)):
             x = dense_block.norm1(inputs)
@@ -142,9 +152,7 @@ def test_equal_head_dims_ties_query_key_and_value_units(batches, small_vit):
     with torch.no_grad():
         curves = measure_curves(vit, cache, CompressConfig.from_settings(macs=0.5, equal_head_dims=True))
     assert [c.part for c in curves] == ["mlp", "qkvo"] * 2
-    assert curves[1].macs_per_dim == 2 * 3 * (2 * 17 * 48 + 17 ** 2)
-
-
+    assert curves[1].macs_per_dim == 2 * 3 * (2 * 17 * 48 + 17**2)
 
 
 def test_normed_distortion_weighs_errors_and_energy_as_the_next_norm_reads_them(batches, small_vit):
@@ -157,11 +165,13 @@ def test_normed_distortion_weighs_errors_and_energy_as_the_next_norm_reads_them(
     with torch.no_grad():
         for norm in [b.norm1 for b in vit.blocks] + [b.norm2 for b in vit.blocks] + [vit.norm]:
             norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) * 2)
-    config = CompressConfig.from_settings(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0,
-                                          distortion="normed", refit="none")
+    config = CompressConfig.from_settings(
+        target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, ridge=0.0, distortion="normed", refit="none"
+    )
     mlp_model, _ = compress(vit, batches, config)
-    qk_model, _ = compress(vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0,
-                                                                         refit="none"))
+    qk_model, _ = compress(
+        vit, batches, CompressConfig.from_settings(target="attn", s_attn=0.5, ridge=0.0, refit="none")
+    )
     cache = BoundaryCache()
     cache.batches = [embed_tokens(vit, b) for b in batches]
     inputs = torch.cat(cache.batches)
@@ -172,11 +182,25 @@ def test_normed_distortion_weighs_errors_and_energy_as_the_next_norm_reads_them(
             mid = inputs + dense.ls1(dense.attn(dense.norm1(inputs)))
             out = mid + dense.ls2(dense.mlp(dense.norm2(mid)))
             h = dense.norm2(mid)
-            checks = [(curves[3 * index], 96, gain_after_mlp[index], out,
-                       dense.ls2(mlp_model.blocks[index].mlp(h)) - dense.ls2(dense.mlp(h)))]
+            checks = [
+                (
+                    curves[3 * index],
+                    96,
+                    gain_after_mlp[index],
+                    out,
+                    dense.ls2(mlp_model.blocks[index].mlp(h)) - dense.ls2(dense.mlp(h)),
+                )
+            ]
             x = dense.norm1(inputs[:PROBE_IMAGES])
-            checks.append((curves[3 * index + 1], 8, dense.norm2.weight, mid,
-                           dense.ls1(qk_model.blocks[index].attn(x)) - dense.ls1(dense.attn(x))))
+            checks.append(
+                (
+                    curves[3 * index + 1],
+                    8,
+                    dense.norm2.weight,
+                    mid,
+                    dense.ls1(qk_model.blocks[index].attn(x)) - dense.ls1(dense.attn(x)),
+                )
+            )
             for curve, size, gain, stream, error in checks:
                 expected = float((error * gain).double().square().sum(-1).mean())
                 energy = float(((stream - stream.mean(-1, keepdim=True)) * gain).double().square().sum(-1).mean())

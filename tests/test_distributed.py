@@ -1,5 +1,6 @@
 """Data-parallel calibration (corp_deploy/distributed.py): with the gloo backend and 2 CPU processes,
 statistics summed over the ranks equal the single-process statistics of all samples."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,13 @@ def _moments_of_my_share(data: torch.Tensor) -> dict:
     for batch in data[start:stop].split(37):
         acc.update(batch)
     acc.all_reduce()
-    return {"n": acc.n, "mean": acc.mean, "covariance": acc.covariance, "positive": acc.positive_rate,
-            "share": stop - start}
+    return {
+        "n": acc.n,
+        "mean": acc.mean,
+        "covariance": acc.covariance,
+        "positive": acc.positive_rate,
+        "share": stop - start,
+    }
 
 
 def test_moments_summed_over_ranks_equal_those_of_all_samples(tmp_path):
@@ -125,9 +131,13 @@ def _compress_on_my_share(config: CompressConfig, x: torch.Tensor, sizes: tuple[
     vit, batches = build_small_vit(), _calibration_batches(sizes)
     model, report = compress(vit, batches, config)
     with torch.no_grad():
-        return {"output": model(x), "dims": [layer["dims"] for layer in report["layers"]],
-                "budget": report.get("budget"), "distributed": report["distributed"],
-                "images": report["calibration"]["images"]}
+        return {
+            "output": model(x),
+            "dims": [layer["dims"] for layer in report["layers"]],
+            "budget": report.get("budget"),
+            "distributed": report["distributed"],
+            "images": report["calibration"]["images"],
+        }
 
 
 def _calibration_batches(sizes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -139,22 +149,26 @@ def _calibration_batches(sizes: tuple[int, ...]) -> list[torch.Tensor]:
 PAST_THE_GRAMS = (32, 32, 16)
 
 
-@pytest.mark.parametrize("settings, sizes", [
-    (dict(s_mlp=0.5, s_attn=0.5), (8, 8, 8, 5)),
-    (dict(macs=0.5), (8, 8, 8, 5)),
-    (dict(macs=0.5), (32, 8, 8)),  # the budget's 32 probe images all on the first process
-    (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5)),
-    (dict(s_mlp=0.5, s_attn=0.5), PAST_THE_GRAMS),
-    (dict(macs=0.5), PAST_THE_GRAMS),
-    (dict(method="vbp", s_mlp=0.5), (8, 8, 8, 5))],
-    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums",
-         "vbp"])
+@pytest.mark.parametrize(
+    "settings, sizes",
+    [
+        (dict(s_mlp=0.5, s_attn=0.5), (8, 8, 8, 5)),
+        (dict(macs=0.5), (8, 8, 8, 5)),
+        (dict(macs=0.5), (32, 8, 8)),  # the budget's 32 probe images all on the first process
+        (dict(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5, calibration="sequential"), (8, 8, 8, 5)),
+        (dict(s_mlp=0.5, s_attn=0.5), PAST_THE_GRAMS),
+        (dict(macs=0.5), PAST_THE_GRAMS),
+        (dict(method="vbp", s_mlp=0.5), (8, 8, 8, 5)),
+    ],
+    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums", "vbp"],
+)
 def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes):
     """The same kept dims (uniform and budget: the budget's curves, probes and allocation see the
     same sums; its query/key factorisations are split between the processes; VBP: its global
-    variance ranking sees the merged moments) and the same outputs up to float summation order. With 80 images the query/key statistics are past the images
-    worth their Kronecker sums (72 at the small ViT's head dim 16), though neither process's share
-    is: each folds its Grams at the reduction."""
+    variance ranking sees the merged moments) and the same outputs up to float summation order.
+    With 80 images the query/key statistics are past the images worth their Kronecker sums (72 at
+    the small ViT's head dim 16), though neither process's share is: each folds its Grams at the
+    reduction."""
     if sizes == PAST_THE_GRAMS:
         assert sum(sizes) > images_worth_the_sums(16) > max(sum(sizes[0::2]), sum(sizes[1::2]))
     config = CompressConfig.from_settings(**settings)
@@ -173,17 +187,35 @@ def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes)
         torch.testing.assert_close(result["output"], expected, rtol=1e-5, atol=1e-5)
 
 
-def torchrun_compress(args: list, out: Path, state: Path, processes: int = 2,
-                      command_name: str = "compress") -> subprocess.Popen:
+def torchrun_compress(
+    args: list, out: Path, state: Path, processes: int = 2, command_name: str = "compress"
+) -> subprocess.Popen:
     """``torchrun --standalone --nproc-per-node N --no-python -- corp-deploy compress ARGS -o OUT``
     (the small ViT, random weights; plain ``corp-deploy`` for one process; ``command_name`` another
     command than compress) started in the background, one thread per process (a thread count alone
     moves solved weights at float rounding)."""
-    command = [str(Path(sys.executable).parent / "corp-deploy"), command_name, "deit_tiny", "--no-pretrained",
-               *SMALL_VIT_CLI_ARGS, *[str(a) for a in args], "-o", str(out)]
+    command = [
+        str(Path(sys.executable).parent / "corp-deploy"),
+        command_name,
+        "deit_tiny",
+        "--no-pretrained",
+        *SMALL_VIT_CLI_ARGS,
+        *[str(a) for a in args],
+        "-o",
+        str(out),
+    ]
     if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(processes), "--no-python", "--", *command]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(processes),
+            "--no-python",
+            "--",
+            *command,
+        ]
     env = {**os.environ, "CORP_DEPLOY_STATE_DIR": str(state), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -214,8 +246,9 @@ def test_a_killed_process_ends_the_run_without_an_artifact(tmp_path):
     """One process killed mid-run: torchrun stops the others, exits non-zero, and nothing is
     written where the artifact was to go. The others answer its SIGTERM within torchrun's 30 s
     grace, after which it would have killed them (they would have printed nothing)."""
-    job = torchrun_compress(["--calib-samples", 4096, "--batch-size", 64, "--macs", 0.5], tmp_path / "art",
-                            tmp_path / "state")
+    job = torchrun_compress(
+        ["--calib-samples", 4096, "--batch-size", 64, "--macs", 0.5], tmp_path / "art", tmp_path / "state"
+    )
     workers = _wait_for_children(job.pid, 2)
     time.sleep(3)  # joining, loading the images or calibrating: either way mid-run
     os.kill(workers[-1], signal.SIGKILL)
@@ -246,9 +279,22 @@ def test_a_process_waiting_to_join_the_group_is_stopped_at_once(tmp_path):
     Python's signal handlers do not run: torchrun's SIGTERM went unanswered for its 30 s grace.
     While joining, SIGTERM now ends the process at once (nothing is being written then)."""
     (tmp_path / "join.py").write_text(JOIN)
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            str(tmp_path / "join.py"), str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "join.py"),
+            str(tmp_path),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not ((tmp_path / "joining").exists() and (tmp_path / "rank1.pid").exists()):
         assert time.monotonic() < deadline and job.poll() is None, "the ranks did not start"
@@ -283,8 +329,20 @@ def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> list[int
 def test_torchrun_sweep_writes_one_report_equal_to_one_process(tmp_path):
     """``sweep`` on 2 processes: one sweep folder and one printed report, recording the processes'
     shares; the point's kept sizes equal one process's and its fidelity agrees to float rounding."""
-    args = ["--s", 0.5, "--calib-samples", 64, "--data-samples", 8, "--backends", "ort", "--batch", 1,
-            "--min-time", 0.1]
+    args = [
+        "--s",
+        0.5,
+        "--calib-samples",
+        64,
+        "--data-samples",
+        8,
+        "--backends",
+        "ort",
+        "--batch",
+        1,
+        "--min-time",
+        0.1,
+    ]
     outputs = {}
     for processes, folder in ((2, "two"), (1, "one")):
         job = torchrun_compress(args, tmp_path / folder, tmp_path / "state", processes, command_name="sweep")
@@ -305,8 +363,12 @@ def test_only_compress_and_sweep_run_under_torchrun(tmp_path):
     from click.testing import CliRunner
 
     from corp_deploy.cli import cli
-    result = CliRunner().invoke(cli, ["export", str(tmp_path), "-o", str(tmp_path / "export")],
-                                env={"WORLD_SIZE": "2", "CORP_DEPLOY_STATE_DIR": str(tmp_path)})
+
+    result = CliRunner().invoke(
+        cli,
+        ["export", str(tmp_path), "-o", str(tmp_path / "export")],
+        env={"WORLD_SIZE": "2", "CORP_DEPLOY_STATE_DIR": str(tmp_path)},
+    )
     assert result.exit_code == 1
     assert "only compress and sweep run under torchrun" in result.output and not (tmp_path / "export").exists()
 

@@ -1,4 +1,5 @@
 """Whole-model compression on small random-weight ViTs."""
+
 import copy
 
 import pytest
@@ -14,8 +15,9 @@ from corp_deploy.stats import HeadGrams
 @pytest.mark.parametrize("target", ["mlp", "attn", "both"])
 def test_zero_sparsity_reproduces_the_dense_model(vit, batches, mode, target, image_batches):
     x = image_batches(1, 4, seed=7)[0]
-    model, report = compress(vit, batches, CompressConfig.from_settings(s_mlp=0.0, s_attn=0.0, target=target,
-                                                          calibration=mode))
+    model, report = compress(
+        vit, batches, CompressConfig.from_settings(s_mlp=0.0, s_attn=0.0, target=target, calibration=mode)
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
     assert report["params"]["compressed"] == report["params"]["dense"]
@@ -129,10 +131,11 @@ def test_hand_counted_shapes_params_and_macs_for_deit_tiny_at_half_sparsity():
     removed_per_block = (hidden - kh) * (C + 1) + (hidden - kh) * C + 2 * heads * (d - kq) * (C + 1)
     assert report["params"]["dense"] == 5_717_416
     assert report["params"]["compressed"] == 5_717_416 - depth * removed_per_block
+
     def macs(qk, hid):
-        per_block = (T * C * heads * (2 * qk + d) + heads * T * T * (qk + d) + T * heads * d * C
-                     + 2 * T * C * hid)
+        per_block = T * C * heads * (2 * qk + d) + heads * T * T * (qk + d) + T * heads * d * C + 2 * T * C * hid
         return 196 * C * 3 * 16 * 16 + depth * per_block + C * classes
+
     assert report["macs"]["dense"] == macs(d, hidden) == count_macs(dense, (3, 224, 224))
     assert report["macs"]["compressed"] == macs(kq, kh)
     assert count_params(model) == report["params"]["compressed"]
@@ -149,9 +152,19 @@ def test_bad_calibration_input(vit):
         compress(vit, [torch.zeros(2, 3, 32, 32), torch.zeros(2, 3, 48, 48)], CompressConfig())
 
 
-@pytest.mark.parametrize("kwargs", [dict(s_mlp=1.0), dict(s_attn=-0.1), dict(target="x"),
-                                    dict(ranker="x"), dict(ridge=-1.0), dict(round_to=0),
-                                    dict(calibration="x"), dict(device="tpu")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(s_mlp=1.0),
+        dict(s_attn=-0.1),
+        dict(target="x"),
+        dict(ranker="x"),
+        dict(ridge=-1.0),
+        dict(round_to=0),
+        dict(calibration="x"),
+        dict(device="tpu"),
+    ],
+)
 def test_config_validation(kwargs):
     with pytest.raises(CorpError):
         CompressConfig.from_settings(**kwargs)
@@ -168,6 +181,7 @@ def test_phase_timer_waits_for_the_gpu_at_both_ends_of_a_phase(monkeypatch):
     """Kernels are queued asynchronously on a GPU: without a wait at each boundary a phase's
     kernels would be charged to the next phase that waits. Stand-in clock and synchronize."""
     from corp_deploy import engine
+
     events, clock = [], iter([1.0, 3.5, 10.0, 10.25])
     monkeypatch.setattr(engine.torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
     monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))

@@ -1,4 +1,5 @@
 """`corp-deploy export` end to end: files, manifest, parity gates, the path without TensorRT, bad input."""
+
 import hashlib
 import json
 import os
@@ -33,8 +34,12 @@ def sha256(path):
 
 def test_export_writes_checked_onnx_files_and_a_manifest(tiny_artifact, dense_export):
     out, text = dense_export
-    assert sorted(p.name for p in out.iterdir()) == ["corp-deploy-record.json", "dense.onnx", "export.json",
-                                                     "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "corp-deploy-record.json",
+        "dense.onnx",
+        "export.json",
+        "model.onnx",
+    ]
     assert "│ dense.onnx │ pytorch" in text and "fp32, dynamo exporter, opset 18" in text
     manifest = read_manifest(out)
     record = json.loads((out / "corp-deploy-record.json").read_text())
@@ -72,8 +77,22 @@ def test_exported_files_compute_what_the_models_compute(tiny_artifact, dense_exp
 @pytest.fixture(scope="module")
 def trt_export(tiny_artifact, tmp_path_factory, run_cli):
     out = tmp_path_factory.mktemp("trt") / "out"
-    result, text = run_cli(["export", tiny_artifact, "--trt", "--batch", "2:4:16", "--workspace", 2,
-                        "--timing-cache", out.parent / "trt.cache", "-o", out], out.parent / "state")
+    result, text = run_cli(
+        [
+            "export",
+            tiny_artifact,
+            "--trt",
+            "--batch",
+            "2:4:16",
+            "--workspace",
+            2,
+            "--timing-cache",
+            out.parent / "trt.cache",
+            "-o",
+            out,
+        ],
+        out.parent / "state",
+    )
     return out, result, text
 
 
@@ -83,14 +102,23 @@ def test_trt_without_tensorrt_writes_onnx_and_script_and_exits_3(trt_export):
     assert result.exit_code == EXIT_INCOMPLETE, text
     assert "TensorRT engines not built" in text and NO_TENSORRT in text
     assert "pip install 'corp-deploy[trt]'" in text and f"bash {out / 'build_engine.sh'}" in text
-    assert sorted(p.name for p in out.iterdir()) == ["build_engine.sh", "corp-deploy-record.json", "export.json",
-                                                     "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "build_engine.sh",
+        "corp-deploy-record.json",
+        "export.json",
+        "model.onnx",
+    ]
     assert os.stat(out / "build_engine.sh").st_mode & stat.S_IXUSR
     manifest = read_manifest(out)
     assert manifest["tensorrt"] == {
-        "requested": True, "built": False, "not_built_reason": NO_TENSORRT,
-        "batch_profile": {"min": 2, "opt": 4, "max": 16}, "workspace_gb": 2.0,
-        "timing_cache": str((out.parent / "trt.cache").resolve()), "script": "build_engine.sh"}
+        "requested": True,
+        "built": False,
+        "not_built_reason": NO_TENSORRT,
+        "batch_profile": {"min": 2, "opt": 4, "max": 16},
+        "workspace_gb": 2.0,
+        "timing_cache": str((out.parent / "trt.cache").resolve()),
+        "script": "build_engine.sh",
+    }
     assert manifest["models"]["model"]["engine"] is None
     record = json.loads((out / "corp-deploy-record.json").read_text())
     assert record["files"]["build_engine.sh"]["sha256"] == sha256(out / "build_engine.sh")
@@ -100,8 +128,9 @@ def fake_trtexec(folder, help_text):
     """A stand-in for trtexec that records its arguments (this tests the script, not TensorRT)."""
     folder.mkdir(exist_ok=True)
     stub = folder / "trtexec"
-    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1" = --help ]; then echo "{help_text}"; exit 0; fi\n'
-                    'echo "$@" >> "$TRTEXEC_LOG"\n')
+    stub.write_text(
+        f'#!/usr/bin/env bash\nif [ "$1" = --help ]; then echo "{help_text}"; exit 0; fi\necho "$@" >> "$TRTEXEC_LOG"\n'
+    )
     stub.chmod(0o755)
     return stub
 
@@ -112,26 +141,34 @@ def test_build_script_runs_trtexec_with_the_same_profile(trt_export, tmp_path, t
     help_text = "--stronglyTyped --noTF32" if tensorrt_major == 10 else "--noTF32"  # 11: always strongly typed
     fake_trtexec(tmp_path / "bin", help_text)
     log = tmp_path / "log"
-    done = subprocess.run(["bash", str(out / "build_engine.sh")], capture_output=True, text=True,
-                          env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "TRTEXEC_LOG": str(log)})
+    done = subprocess.run(
+        ["bash", str(out / "build_engine.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "TRTEXEC_LOG": str(log)},
+    )
     assert done.returncode == 0, done.stderr
     cache = (out.parent / "trt.cache").resolve()
-    expected = ("--onnx=model.onnx --saveEngine=model.engine --minShapes=images:2x3x32x32 "
-                "--optShapes=images:4x3x32x32 --maxShapes=images:16x3x32x32 --memPoolSize=workspace:2048M "
-                f"--timingCacheFile={cache}" + (" --stronglyTyped" if tensorrt_major == 10 else "") + " --noTF32")
+    expected = (
+        "--onnx=model.onnx --saveEngine=model.engine --minShapes=images:2x3x32x32 "
+        "--optShapes=images:4x3x32x32 --maxShapes=images:16x3x32x32 --memPoolSize=workspace:2048M "
+        f"--timingCacheFile={cache}" + (" --stronglyTyped" if tensorrt_major == 10 else "") + " --noTF32"
+    )
     assert log.read_text().splitlines() == [expected]
 
 
 def test_build_script_without_trtexec_says_what_to_install(trt_export):
     out, _, _ = trt_export
-    done = subprocess.run(["bash", str(out / "build_engine.sh")], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        ["bash", str(out / "build_engine.sh")], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
     assert done.returncode == 127 and "trtexec not found: install TensorRT" in done.stderr
 
 
 def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(tiny_artifact, tmp_path, run_cli):
-    result, text = run_cli(["export", tiny_artifact, "--precision", "fp16", "--atol", 1e-6, "-o", tmp_path / "out"],
-                       tmp_path / "state")
+    result, text = run_cli(
+        ["export", tiny_artifact, "--precision", "fp16", "--atol", 1e-6, "-o", tmp_path / "out"], tmp_path / "state"
+    )
     assert result.exit_code == EXIT_PARITY, text
     assert "parity gate failed" in text and "max abs error" in text and "batch_8: max_abs=" in text
     assert "Traceback" not in text
@@ -139,8 +176,7 @@ def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(tiny_art
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a CUDA GPU, ONNX Runtime may check bf16 here")
-def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(tiny_artifact_copy, tmp_path,
-                                                                                 run_cli):
+def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(tiny_artifact_copy, tmp_path, run_cli):
     art = tiny_artifact_copy
     state = tmp_path / "state"
     state.mkdir()
@@ -184,12 +220,25 @@ def test_bad_inputs_give_one_message_and_leave_nothing(tiny_artifact, tmp_path, 
 
 def test_dense_export_refuses_a_changed_checkpoint(tmp_path, run_cli):
     from safetensors.torch import save_file
+
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=1)
     checkpoint = tmp_path / "dense.safetensors"
     save_file(dense.state_dict(), str(checkpoint))
     state = tmp_path / "state"
-    result, text = run_cli(["compress", "deit_tiny", *SMALL_VIT_CLI_ARGS, "--checkpoint", checkpoint,
-                        "--calib-samples", 4, "-o", tmp_path / "art"], state)
+    result, text = run_cli(
+        [
+            "compress",
+            "deit_tiny",
+            *SMALL_VIT_CLI_ARGS,
+            "--checkpoint",
+            checkpoint,
+            "--calib-samples",
+            4,
+            "-o",
+            tmp_path / "art",
+        ],
+        state,
+    )
     assert result.exit_code == 0, text
     save_file({k: v + 1 for k, v in dense.state_dict().items()}, str(checkpoint))
     result, text = run_cli(["export", tmp_path / "art", "--dense", "-o", tmp_path / "out"], state)

@@ -1,6 +1,7 @@
 """Every supported timm family, small and with random weights: compress (uniform sparsity and a
 MAC budget), artifact round trip, ONNX export with ONNX Runtime parity, and params and MACs
 against an independent count (torch's FlopCounterMode, which counts the aten ops)."""
+
 import copy
 import math
 import pkgutil
@@ -13,14 +14,25 @@ from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy import (CompressConfig, CorpError, GatedLinear, PrunedAttention, blocks_of, compress, count_macs,
-                         load_compressed, save_artifact, standard_form)
+from corp_deploy import (
+    CompressConfig,
+    CorpError,
+    GatedLinear,
+    PrunedAttention,
+    blocks_of,
+    compress,
+    count_macs,
+    load_compressed,
+    save_artifact,
+    standard_form,
+)
 from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import attention_output
-from corp_deploy.stats import HeadGrams
 from corp_deploy.config import TARGET_PARTS
-from corp_deploy.families import FAMILIES as REGISTRY, examples, family_of, supported_table
+from corp_deploy.families import FAMILIES as REGISTRY
+from corp_deploy.families import examples, family_of, supported_table
 from corp_deploy.layers import keep_rows
+from corp_deploy.stats import HeadGrams
 from exporters import ExportOptions, export_artifact
 
 #: Every family's small test models (each family module names its own), by test id.
@@ -72,9 +84,16 @@ def test_mac_counts_do_not_depend_on_the_attention_kernel(backend):
     dense = create_dense("vit")
     with sdpa_kernel([backend]):
         counted, oracle = count_macs(dense, (3, 32, 32)), independent_macs(dense, 32)
-    linear_and_conv = sum(m.in_features * m.out_features * 17 for m in dense.modules()
-                          if isinstance(m, torch.nn.Linear) and m is not dense.head) + 192 * 3 * 8 * 8 * 16 + 192 * 10
-    assert counted == oracle == linear_and_conv + 2 * 3 * 17 ** 2 * (64 + 64)
+    linear_and_conv = (
+        sum(
+            m.in_features * m.out_features * 17
+            for m in dense.modules()
+            if isinstance(m, torch.nn.Linear) and m is not dense.head
+        )
+        + 192 * 3 * 8 * 8 * 16
+        + 192 * 10
+    )
+    assert counted == oracle == linear_and_conv + 2 * 3 * 17**2 * (64 + 64)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -93,8 +112,12 @@ def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
     if config.options.macs is not None:
         assert report["macs"]["compressed"] <= config.options.macs * report["macs"]["dense"]
 
-    artifact = save_artifact(model, tmp_path / "art", base_model={"name": name, "model_kwargs": kwargs,
-                                                                 "weights": {"source": "random"}}, report=report)
+    artifact = save_artifact(
+        model,
+        tmp_path / "art",
+        base_model={"name": name, "model_kwargs": kwargs, "weights": {"source": "random"}},
+        report=report,
+    )
     with safe_open(str(artifact / "model.safetensors"), "pt") as weights:
         stored = sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
     parameter_names = {name for name, _ in model.named_parameters()}
@@ -121,9 +144,11 @@ def zero_sparsity_configs(family: str) -> list[CompressConfig]:
     return configs
 
 
-@pytest.mark.parametrize("family, config", [(family, config) for family in sorted(FAMILIES)
-                                            for config in zero_sparsity_configs(family)],
-                         ids=lambda v: v if isinstance(v, str) else f"{v.method}-{v.target}")
+@pytest.mark.parametrize(
+    "family, config",
+    [(family, config) for family in sorted(FAMILIES) for config in zero_sparsity_configs(family)],
+    ids=lambda v: v if isinstance(v, str) else f"{v.method}-{v.target}",
+)
 def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config):
     """Nothing pruned: the compressed model of every method computes what the dense one does,
     whatever the family adds (a relative position bias, a CNN stem, a rotary embedding, gates), and
@@ -147,8 +172,14 @@ DENSE_BIAS = {
 
 
 @pytest.mark.parametrize("family", sorted(DENSE_BIAS))
-@pytest.mark.parametrize("config", [CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5),
-                                    CompressConfig(method="toast", s_mlp=0.5, s_attn=0.5)], ids=["corp", "toast"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompressConfig(target="all", s_mlp=0.5, s_attn=0.5, s_vo=0.5),
+        CompressConfig(method="toast", s_mlp=0.5, s_attn=0.5),
+    ],
+    ids=["corp", "toast"],
+)
 def test_pruned_attention_keeps_the_relative_position_bias(family, config):
     size = FAMILIES[family].size
     dense = create_dense(family)
@@ -165,8 +196,10 @@ def test_standard_form_computes_what_timm_computes(family):
     give timm's output bit for bit."""
     dense = create_dense(family)
     standard = standard_form(copy.deepcopy(dense))
-    assert all(type(block).__name__ == "ScaledResidualBlock" or isinstance(block.mlp.fc1, GatedLinear)
-               for block in standard.blocks)
+    assert all(
+        type(block).__name__ == "ScaledResidualBlock" or isinstance(block.mlp.fc1, GatedLinear)
+        for block in standard.blocks
+    )
     size = FAMILIES[family].size
     x = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -185,16 +218,22 @@ def test_kept_rows_of_a_gated_linear_are_its_kept_channels():
     assert keep_rows(layer, count=2).out_features == 2
 
 
-@pytest.mark.parametrize("family, target, message", [
-    ("eva02", "all", "--target mlp-vo"),                  # rotary embedding: query/key dims stay dense
-    ("eva02-sub-ln", "mlp-vo", "sub-LN"),                 # normalised hidden channels: the MLP stays dense
-    ("cait", "both", "talking-heads attention"),          # heads mixed around the softmax: attention stays dense
-])
+@pytest.mark.parametrize(
+    "family, target, message",
+    [
+        ("eva02", "all", "--target mlp-vo"),  # rotary embedding: query/key dims stay dense
+        ("eva02-sub-ln", "mlp-vo", "sub-LN"),  # normalised hidden channels: the MLP stays dense
+        ("cait", "both", "talking-heads attention"),  # heads mixed around the softmax: attention stays dense
+    ],
+)
 def test_parts_without_exact_compensation_are_refused_saying_what_works(family, target, message):
     size = FAMILIES[family].size
     with pytest.raises(CorpError, match=message):
-        compress(create_dense(family), [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
-                 CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+        compress(
+            create_dense(family),
+            [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
+            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5),
+        )
 
 
 def test_swin_standard_form_computes_what_timm_computes():
@@ -269,6 +308,7 @@ def test_every_family_module_is_registered_and_its_examples_belong_to_it():
     """A module added to corp_deploy/families/ is in the registry, each supported family has a test
     model, and each test model is matched by the family that names it (and by no earlier one)."""
     import corp_deploy.families as package
+
     helpers = {"record", "shared"}
     modules = {info.name for info in pkgutil.iter_modules(package.__path__)} - helpers
     assert modules == {family.name for family in REGISTRY if family.supported}

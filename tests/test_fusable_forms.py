@@ -1,4 +1,5 @@
 """Exported GELUs rewritten into the form ONNX Runtime fuses (exporters/fusable_forms.py)."""
+
 from collections import Counter
 
 import numpy as np
@@ -11,16 +12,27 @@ from exporters.fusable_forms import rewrite_gelu
 from exporters.onnx_export import export_onnx
 
 
-def _gelu_graph(half: float = 0.5, divisor: float = 2 ** 0.5) -> onnx.ModelProto:
+def _gelu_graph(half: float = 0.5, divisor: float = 2**0.5) -> onnx.ModelProto:
     """``y = x * ((erf(x / divisor) + 1) * half)`` on a ``(N, 8)`` input: the dynamo exporter's GELU
     when ``half`` and ``divisor`` are 0.5 and sqrt 2."""
-    nodes = [helper.make_node("Div", ["x", "divisor"], ["scaled"]), helper.make_node("Erf", ["scaled"], ["erf"]),
-             helper.make_node("Add", ["erf", "one"], ["plus_one"]),
-             helper.make_node("Mul", ["plus_one", "half"], ["halved"]), helper.make_node("Mul", ["x", "halved"], ["y"])]
-    constants = [numpy_helper.from_array(np.array(v, np.float32), name)
-                 for name, v in (("divisor", divisor), ("one", 1.0), ("half", half))]
-    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], constants)
+    nodes = [
+        helper.make_node("Div", ["x", "divisor"], ["scaled"]),
+        helper.make_node("Erf", ["scaled"], ["erf"]),
+        helper.make_node("Add", ["erf", "one"], ["plus_one"]),
+        helper.make_node("Mul", ["plus_one", "half"], ["halved"]),
+        helper.make_node("Mul", ["x", "halved"], ["y"]),
+    ]
+    constants = [
+        numpy_helper.from_array(np.array(v, np.float32), name)
+        for name, v in (("divisor", divisor), ("one", 1.0), ("half", half))
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gelu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
+        constants,
+    )
     imports = [helper.make_opsetid("", 18)]
     return helper.make_model(graph, opset_imports=imports, ir_version=helper.find_min_ir_version_for(imports))
 
@@ -56,7 +68,7 @@ def test_the_rewritten_gelu_is_bitwise_equal_and_fused(tmp_path):
     assert _optimized_ops(rewritten, tmp_path / "rewritten.onnx") == Counter({"Gelu": 1})
 
 
-@pytest.mark.parametrize("half, divisor", [(0.25, 2 ** 0.5), (0.5, 2.0)])
+@pytest.mark.parametrize("half, divisor", [(0.25, 2**0.5), (0.5, 2.0)])
 def test_other_functions_are_left_alone(half, divisor):
     """A different factor or divisor is not a GELU: nothing is rewritten."""
     model = _gelu_graph(half, divisor)

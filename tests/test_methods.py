@@ -1,14 +1,23 @@
 """Every compression method through the same artifact, load and export path, on a tiny random
 ViT: shapes, MAC counts against an independent formula, load round trip, ONNX Runtime
 parity; and the method/option combinations the CLI refuses."""
+
 import json
 import re
 
 import pytest
 import torch
 
-from corp_deploy import (METHODS, CompressConfig, CorpError, compress, count_macs, load_compressed, read_config,
-                         save_artifact)
+from corp_deploy import (
+    METHODS,
+    CompressConfig,
+    CorpError,
+    compress,
+    count_macs,
+    load_compressed,
+    read_config,
+    save_artifact,
+)
 from exporters import ExportOptions, export_artifact
 from tests.helpers import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
 
@@ -55,8 +64,13 @@ def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, c
     assert report["macs"]["compressed"] == count_macs(model, (3, 32, 32)) == expected_macs(dims)
     assert report["macs"]["dense"] == expected_macs([(HIDDEN, HEAD_DIM, HEAD_DIM)] * 2)
 
-    artifact = save_artifact(model, tmp_path / "art", report=report, settings=config.to_dict(),
-                             base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS})
+    artifact = save_artifact(
+        model,
+        tmp_path / "art",
+        report=report,
+        settings=config.to_dict(),
+        base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS},
+    )
     recorded = read_config(artifact)
     assert recorded["settings"]["method"] == config.method and "method" not in recorded  # recorded once
     x = image_batches(1, 3, seed=5)[0]
@@ -76,21 +90,25 @@ def test_zero_sparsity_reproduces_the_dense_model(vit, batches, method, image_ba
         torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--method", "vbp", "--s-attn", "0.3"], "--s-attn has no meaning"),
-    (["--method", "vbp", "--target", "both"], "prunes MLP hidden channels only"),
-    (["--method", "vbp", "--ranker", "energy"], "--ranker applies to --method corp only"),
-    (["--method", "vbp", "--calibration", "sequential"], "--calibration applies to --method corp only"),
-    (["--method", "toast", "--no-compensation"], "toast has no compensation step"),
-    (["--method", "toast", "--ridge", "0.1"], "--ridge applies to --method corp only"),
-    (["--method", "corp", "--layer-floor", "0.2"], "--layer-floor applies to --method vbp only"),
-    (["--method", "vbp", "--token-fraction", "0.05"], "--token-fraction applies to --method toast only"),
-    (["--method", "toast", "--token-fraction", "0"], "--token-fraction must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "vbp", "--s-attn", "0.3"], "--s-attn has no meaning"),
+        (["--method", "vbp", "--target", "both"], "prunes MLP hidden channels only"),
+        (["--method", "vbp", "--ranker", "energy"], "--ranker applies to --method corp only"),
+        (["--method", "vbp", "--calibration", "sequential"], "--calibration applies to --method corp only"),
+        (["--method", "toast", "--no-compensation"], "toast has no compensation step"),
+        (["--method", "toast", "--ridge", "0.1"], "--ridge applies to --method corp only"),
+        (["--method", "corp", "--layer-floor", "0.2"], "--layer-floor applies to --method vbp only"),
+        (["--method", "vbp", "--token-fraction", "0.05"], "--token-fraction applies to --method toast only"),
+        (["--method", "toast", "--token-fraction", "0"], "--token-fraction must be in (0, 1]"),
+    ],
+)
 def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, message, run_cli):
     out = tmp_path / "out"
-    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", out],
-                           tmp_path / "state")
+    result, text = run_cli(
+        ["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", out], tmp_path / "state"
+    )
     assert result.exit_code == 1 and message in text and "Traceback" not in text, text
     assert not out.exists()
 
@@ -102,8 +120,21 @@ def test_unknown_method_is_a_usage_error(tmp_path, run_cli):
 
 def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
-    result, text = run_cli(["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--method", "vbp",
-                            "--s", "0.3", "--calib-samples", 6], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--method",
+            "vbp",
+            "--s",
+            "0.3",
+            "--calib-samples",
+            6,
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     artifact = tmp_path / "corp-deploy" / "deit_tiny-vbp-mlp-s0.3"
     settings = read_config(artifact)["settings"]
@@ -113,14 +144,17 @@ def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch,
     assert json.loads((artifact / "export-fp32" / "export.json").read_text())["artifact"]["method"] == "vbp"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(method="vbp", ranker="energy"), "ranker applies to method corp only, not vbp"),
-    (dict(method="vbp", calibration="sequential"), "calibration applies to method corp only"),
-    (dict(method="toast", layer_floor=0.3), "layer_floor applies to method vbp only"),
-    (dict(method="corp", token_fraction=0.2), "token_fraction applies to method toast only"),
-    (dict(method="toast", compensation=False), "toast has no compensation step"),
-    (dict(method="vbp", target="attn"), "vbp prunes MLP hidden channels only"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="vbp", ranker="energy"), "ranker applies to method corp only, not vbp"),
+        (dict(method="vbp", calibration="sequential"), "calibration applies to method corp only"),
+        (dict(method="toast", layer_floor=0.3), "layer_floor applies to method vbp only"),
+        (dict(method="corp", token_fraction=0.2), "token_fraction applies to method toast only"),
+        (dict(method="toast", compensation=False), "toast has no compensation step"),
+        (dict(method="vbp", target="attn"), "vbp prunes MLP hidden channels only"),
+    ],
+)
 def test_the_library_refuses_settings_the_method_would_not_read(kwargs, message):
     with pytest.raises(CorpError, match=re.escape(message)):
         CompressConfig.from_settings(**kwargs)
@@ -138,10 +172,17 @@ def test_config_cli_and_sweep_read_the_method_registry():
     assert list(choices) == list(METHODS) and SWEEP_METHODS == (*METHODS, "uncompensated")
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(macs=0.6, equal_head_dims=True), dict(speedup=2.0, ranker="energy"),
-                                      dict(s_mlp=0.3, calibration="sequential", ridge=0.1, round_to=4),
-                                      dict(method="vbp", s_mlp=0.2, layer_floor=0.3),
-                                      dict(method="toast", s_attn=0.25, token_fraction=0.5)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(macs=0.6, equal_head_dims=True),
+        dict(speedup=2.0, ranker="energy"),
+        dict(s_mlp=0.3, calibration="sequential", ridge=0.1, round_to=4),
+        dict(method="vbp", s_mlp=0.2, layer_floor=0.3),
+        dict(method="toast", s_attn=0.25, token_fraction=0.5),
+    ],
+)
 def test_flat_settings_round_trip_through_the_method_options(settings):
     """``to_dict`` writes every method's options (the others at their defaults) and
     ``from_settings`` reads them back into the same config, with the method's own options class."""
@@ -154,6 +195,7 @@ def test_flat_settings_round_trip_through_the_method_options(settings):
 
 def test_options_of_another_method_are_refused():
     from corp_deploy import CorpOptions, VbpOptions
+
     with pytest.raises(CorpError, match="method vbp takes VbpOptions, not CorpOptions"):
         CompressConfig(method="vbp", options=CorpOptions())
     assert CompressConfig(method="vbp", options=VbpOptions(layer_floor=0.5)).options.layer_floor == 0.5
@@ -163,6 +205,7 @@ def test_compress_options_are_the_method_options_fields():
     """Every ``option(...)`` field of every method is a ``compress`` option with the field's
     default; plain fields are library-only."""
     from corp_deploy.cli.compress import compress as compress_command
+
     params = {p.name: p for p in compress_command.params}
     for method in METHODS.values():
         for field in method.options_class.fields():

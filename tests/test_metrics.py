@@ -1,4 +1,5 @@
 """The output metrics (:mod:`exporters.metrics`) against independent computations."""
+
 import math
 
 import numpy as np
@@ -39,8 +40,11 @@ def test_top1_matches_on_arrays_and_tensors():
     assert top1_matches(torch.from_numpy(a), torch.from_numpy(b)).tolist() == [True, False, True]
     a[0, 0] = b[2, 1] = np.nan  # a NaN is nobody's top-1 (argmax would pick it on both sides)
     assert top1_matches(a, a).tolist() == [False, True, True]
-    assert top1_matches(a, b).tolist() == top1_matches(torch.from_numpy(a), torch.from_numpy(b)).tolist() == [
-        False, False, False]
+    assert (
+        top1_matches(a, b).tolist()
+        == top1_matches(torch.from_numpy(a), torch.from_numpy(b)).tolist()
+        == [False, False, False]
+    )
 
 
 def test_kl_divergence_sum_matches_its_definition():

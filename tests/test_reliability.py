@@ -5,6 +5,7 @@ had was changed (every file under the case's folder is compared byte for byte be
 and that nothing was left behind: no staging or old-output folders beside an output, no files in
 the temporary directory. docs/reliability.md lists every case; a test keeps the two in step.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -44,6 +46,7 @@ BENCH = ["--batch", "1", "--min-time", "0.01", "--warmup", "0", "--data-samples"
 
 # ---------------------------------------------------------------- helpers
 
+
 def invoke(args, state: Path):
     """``corp-deploy ARGS`` in-process: (exit status, everything it printed, the exception if any)."""
     result = CliRunner().invoke(cli, [str(a) for a in args], env={"CORP_DEPLOY_STATE_DIR": str(state)})
@@ -66,8 +69,11 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def debris(root: Path) -> list[str]:
     """Staging or old-output folders and temporary files anywhere under ``root``."""
-    return [p.relative_to(root).as_posix() for p in root.rglob("*")
-            if re.match(r"\..*\.(tmp|old)-", p.name) or p.name.startswith(".corp-deploy-probe-")]
+    return [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if re.match(r"\..*\.(tmp|old)-", p.name) or p.name.startswith(".corp-deploy-probe-")
+    ]
 
 
 def assert_one_message(code: int, text: str, exception, expected_code: int, message: str) -> None:
@@ -148,6 +154,7 @@ def work(tmp_path, built, monkeypatch):
 # Each case: the command line (built in the case's folder ``w``), the exit status, a part of the
 # one message. Every file under ``w`` must be unchanged afterwards and nothing may be added.
 
+
 class Refusal(NamedTuple):
     args: Callable[[Path], list]
     code: int
@@ -157,6 +164,7 @@ class Refusal(NamedTuple):
 
 def _checkpoint(w: Path, change: Callable[[dict], dict], suffix=".safetensors") -> Path:
     from safetensors.torch import save_file
+
     state = build_small_vit().state_dict()
     path = w / f"weights{suffix}"
     state = change(state)
@@ -169,8 +177,10 @@ def _checkpoint(w: Path, change: Callable[[dict], dict], suffix=".safetensors") 
 
 def _other_size(state):
     import timm
-    return timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=96, depth=2,
-                             num_heads=3).state_dict()
+
+    return timm.create_model(
+        "deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=96, depth=2, num_heads=3
+    ).state_dict()
 
 
 def _nan_weight(state):
@@ -223,8 +233,12 @@ def _record_naming_outside_files(w: Path) -> Path:
     """An artifact whose record also lists files outside it (a crafted record): replacing it must not
     delete them."""
     (w / "victim.txt").write_text("precious")
-    rewrite(w / "art" / RECORD_FILE, lambda r: r["files"].update({
-        "../victim.txt": {"bytes": 8, "sha256": "0" * 64}, str(w / "victim.txt"): {"bytes": 8, "sha256": "0" * 64}}))
+    rewrite(
+        w / "art" / RECORD_FILE,
+        lambda r: r["files"].update(
+            {"../victim.txt": {"bytes": 8, "sha256": "0" * 64}, str(w / "victim.txt"): {"bytes": 8, "sha256": "0" * 64}}
+        ),
+    )
     return w / "art"
 
 
@@ -253,9 +267,11 @@ def _moved_export(w: Path) -> Path:
 
 def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str | None = None) -> Path:
     path = w / "baseline.json"
-    report = {"format": "corp-deploy-bench", "latency": [
-        {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.2}}],
-        "fidelity": {"top1_agreement": 0.9, "feature_cosine": 0.95, "accuracy": None}}
+    report = {
+        "format": "corp-deploy-bench",
+        "latency": [{"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.2}}],
+        "fidelity": {"top1_agreement": 0.9, "feature_cosine": 0.95, "accuracy": None},
+    }
     if change:
         change(report)
     path.write_text(text if text is not None else json.dumps(report))
@@ -263,8 +279,10 @@ def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str |
 
 
 def _with_int8(report: dict) -> None:
-    report["int8"] = {"latency": [{"batch": 1, "speedup_over_dense_fp32": {"compressed-int8": {"median": 2.0}}}],
-                      "fidelity": {"compressed-int8": {"cosine_mean": 0.99}}}
+    report["int8"] = {
+        "latency": [{"batch": 1, "speedup_over_dense_fp32": {"compressed-int8": {"median": 2.0}}}],
+        "fidelity": {"compressed-int8": {"cosine_mean": 0.99}},
+    }
 
 
 def _backbone(w: Path) -> Path:
@@ -304,246 +322,453 @@ def _recorded_calib_gone(w: Path) -> Path:
 
 REFUSALS: dict[str, Refusal] = {
     # compress: settings
-    "compress-cuda-without-gpu": Refusal(lambda w: [*BASE, "--device", "cuda", "-o", w / "o"], 1,
-                                         "no CUDA GPU is available", hide_cuda=True),
+    "compress-cuda-without-gpu": Refusal(
+        lambda w: [*BASE, "--device", "cuda", "-o", w / "o"], 1, "no CUDA GPU is available", hide_cuda=True
+    ),
     "compress-unknown-model": Refusal(lambda w: ["compress", "no_such_vit", "-o", w / "o"], 1, "unknown model"),
-    "compress-sparsity-out-of-range": Refusal(lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1,
-                                              "--s-mlp must be in [0, 1), got 1.5"),
+    "compress-sparsity-out-of-range": Refusal(
+        lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1, "--s-mlp must be in [0, 1), got 1.5"
+    ),
     "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 1, "--s-mlp must be in [0, 1)"),
-    "compress-macs-inf": Refusal(lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 1,
-                                 "--macs must be a fraction of the dense MACs"),
-    "compress-speedup-nan": Refusal(lambda w: [*BASE, "--speedup", "nan", "-o", w / "o"], 1,
-                                    "--speedup must be a finite number >= 1"),
-    "compress-ridge-nan": Refusal(lambda w: [*BASE, "--ridge", "nan", "-o", w / "o"], 1,
-                                  "--ridge must be a finite number >= 0"),
-    "compress-unit-floor-nan": Refusal(lambda w: [*BASE, "--macs", 0.5, "--unit-floor", "nan", "-o", w / "o"], 1,
-                                       "--unit-floor must be in [0, 1]"),
-    "compress-round-to-larger-than-a-layer": Refusal(lambda w: [*BASE, "--round-to", 64, "-o", w / "o"], 1,
-                                                     "--round-to 64 is larger than the 16 query/key dims per head"),
-    "compress-round-to-prunes-nothing": Refusal(lambda w: [*BASE, "--s", 0.1, "--round-to", 8, "-o", w / "o"], 1,
-                                                "--s-attn 0.1 keeps all 16 query/key dims per head of block 0"),
-    "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2 ** 70, "-o", w / "o"], 2, "--seed"),
-    "compress-zero-calibration-samples": Refusal(lambda w: [*BASE, "--calib-samples", 0, "-o", w / "o"], 2,
-                                                 "--calib-samples"),
+    "compress-macs-inf": Refusal(
+        lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 1, "--macs must be a fraction of the dense MACs"
+    ),
+    "compress-speedup-nan": Refusal(
+        lambda w: [*BASE, "--speedup", "nan", "-o", w / "o"], 1, "--speedup must be a finite number >= 1"
+    ),
+    "compress-ridge-nan": Refusal(
+        lambda w: [*BASE, "--ridge", "nan", "-o", w / "o"], 1, "--ridge must be a finite number >= 0"
+    ),
+    "compress-unit-floor-nan": Refusal(
+        lambda w: [*BASE, "--macs", 0.5, "--unit-floor", "nan", "-o", w / "o"], 1, "--unit-floor must be in [0, 1]"
+    ),
+    "compress-round-to-larger-than-a-layer": Refusal(
+        lambda w: [*BASE, "--round-to", 64, "-o", w / "o"],
+        1,
+        "--round-to 64 is larger than the 16 query/key dims per head",
+    ),
+    "compress-round-to-prunes-nothing": Refusal(
+        lambda w: [*BASE, "--s", 0.1, "--round-to", 8, "-o", w / "o"],
+        1,
+        "--s-attn 0.1 keeps all 16 query/key dims per head of block 0",
+    ),
+    "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2**70, "-o", w / "o"], 2, "--seed"),
+    "compress-zero-calibration-samples": Refusal(
+        lambda w: [*BASE, "--calib-samples", 0, "-o", w / "o"], 2, "--calib-samples"
+    ),
     "compress-zero-batch-size": Refusal(lambda w: [*BASE, "--batch-size", 0, "-o", w / "o"], 2, "--batch-size"),
-    "compress-budget-and-sparsity": Refusal(lambda w: [*BASE, "--macs", 0.6, "--s", 0.5, "-o", w / "o"], 2,
-                                            "exclude each other"),
-    "compress-option-of-another-method": Refusal(lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"],
-                                                 1, "--s-attn has no meaning"),
+    "compress-budget-and-sparsity": Refusal(
+        lambda w: [*BASE, "--macs", 0.6, "--s", 0.5, "-o", w / "o"], 2, "exclude each other"
+    ),
+    "compress-option-of-another-method": Refusal(
+        lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"], 1, "--s-attn has no meaning"
+    ),
     # compress: calibration images
     "compress-calib-missing": Refusal(lambda w: [*BASE, "--calib", w / "nope", "-o", w / "o"], 1, "nope: not found"),
-    "compress-calib-is-a-file": Refusal(lambda w: [*BASE, "--calib", png(w / "a.png"), "-o", w / "o"], 1,
-                                        "a.png: not a directory"),
-    "compress-calib-empty": Refusal(lambda w: [*BASE, "--calib", (w / "empty").mkdir() or w / "empty", "-o", w / "o"],
-                                    1, "no images"),
-    "compress-calib-all-unreadable": Refusal(lambda w: [*BASE, "--calib", _broken_images(w), "-o", w / "o"], 1,
-                                             "none of the 2 image files could be read"),
-    "compress-calib-only-a-decompression-bomb": Refusal(lambda w: [*BASE, "--calib", bomb(w / "b" / "big.png").parent,
-                                                                   "-o", w / "o"], 1, "decompression-bomb limit"),
+    "compress-calib-is-a-file": Refusal(
+        lambda w: [*BASE, "--calib", png(w / "a.png"), "-o", w / "o"], 1, "a.png: not a directory"
+    ),
+    "compress-calib-empty": Refusal(
+        lambda w: [*BASE, "--calib", (w / "empty").mkdir() or w / "empty", "-o", w / "o"], 1, "no images"
+    ),
+    "compress-calib-all-unreadable": Refusal(
+        lambda w: [*BASE, "--calib", _broken_images(w), "-o", w / "o"], 1, "none of the 2 image files could be read"
+    ),
+    "compress-calib-only-a-decompression-bomb": Refusal(
+        lambda w: [*BASE, "--calib", bomb(w / "b" / "big.png").parent, "-o", w / "o"], 1, "decompression-bomb limit"
+    ),
     # compress: weights and models
-    "compress-checkpoint-missing": Refusal(lambda w: [*BASE[:2], *TINY, "--checkpoint", w / "w.pth", "-o", w / "o"], 1,
-                                           "w.pth: not found"),
+    "compress-checkpoint-missing": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", w / "w.pth", "-o", w / "o"], 1, "w.pth: not found"
+    ),
     "compress-checkpoint-of-another-size": Refusal(
-        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _other_size), "-o", w / "o"], 1,
-        "tensors of other shapes (e.g. cls_token: [1, 1, 96] in the checkpoint, [1, 1, 48] in the model)"),
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _other_size), "-o", w / "o"],
+        1,
+        "tensors of other shapes (e.g. cls_token: [1, 1, 96] in the checkpoint, [1, 1, 48] in the model)",
+    ),
     "compress-checkpoint-with-nan": Refusal(
-        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _nan_weight), "-o", w / "o"], 1,
-        "blocks.0.mlp.fc1.weight holds NaN or infinite values"),
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _checkpoint(w, _nan_weight), "-o", w / "o"],
+        1,
+        "blocks.0.mlp.fc1.weight holds NaN or infinite values",
+    ),
     "compress-checkpoint-garbage": Refusal(
-        lambda w: [*BASE[:2], *TINY, "--checkpoint", (w / "g.safetensors").write_bytes(b"xx") and w / "g.safetensors",
-                   "-o", w / "o"], 1, "cannot read checkpoint"),
+        lambda w: [
+            *BASE[:2],
+            *TINY,
+            "--checkpoint",
+            (w / "g.safetensors").write_bytes(b"xx") and w / "g.safetensors",
+            "-o",
+            w / "o",
+        ],
+        1,
+        "cannot read checkpoint",
+    ),
     "compress-checkpoint-pickle-exploit": Refusal(
-        lambda w: [*BASE[:2], *TINY, "--checkpoint", _malicious(w), "-o", w / "o"], 1, "cannot read checkpoint"),
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _malicious(w), "-o", w / "o"], 1, "cannot read checkpoint"
+    ),
     "compress-checkpoint-and-random-weights": Refusal(
-        lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 1, "exclude each other"),
-    "compress-model-arg-depth-0": Refusal(lambda w: [*BASE, "--model-arg", "depth=0", "-o", w / "o"], 1,
-                                          "no transformer blocks"),
-    "compress-model-arg-patch-larger-than-image": Refusal(lambda w: [*BASE, "--model-arg", "patch_size=1000",
-                                                                     "-o", w / "o"], 1, "patch grid is (0, 0)"),
-    "compress-model-arg-timm-refuses": Refusal(lambda w: [*BASE, "--model-arg", "embed_dim=50", "-o", w / "o"], 1,
-                                               "timm cannot build deit_tiny_patch16_224 with"),
+        lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 1, "exclude each other"
+    ),
+    "compress-model-arg-depth-0": Refusal(
+        lambda w: [*BASE, "--model-arg", "depth=0", "-o", w / "o"], 1, "no transformer blocks"
+    ),
+    "compress-model-arg-patch-larger-than-image": Refusal(
+        lambda w: [*BASE, "--model-arg", "patch_size=1000", "-o", w / "o"], 1, "patch grid is (0, 0)"
+    ),
+    "compress-model-arg-timm-refuses": Refusal(
+        lambda w: [*BASE, "--model-arg", "embed_dim=50", "-o", w / "o"],
+        1,
+        "timm cannot build deit_tiny_patch16_224 with",
+    ),
     "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 1, "KEY=VALUE"),
     # compress: outputs
-    "compress-o-foreign-folder-with-config-json": Refusal(lambda w: [*BASE, "-o", _foreign(w, "config.json")], 1,
-                                                          "holds no corp-deploy-record.json that corp-deploy can read"),
+    "compress-o-foreign-folder-with-config-json": Refusal(
+        lambda w: [*BASE, "-o", _foreign(w, "config.json")],
+        1,
+        "holds no corp-deploy-record.json that corp-deploy can read",
+    ),
     "compress-o-is-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png")], 1, "exists and is not a directory"),
-    "compress-o-below-a-file": Refusal(lambda w: [*BASE, "-o", png(w / "a.png") / "out"], 1,
-                                       "a.png is a file, not a directory"),
+    "compress-o-below-a-file": Refusal(
+        lambda w: [*BASE, "-o", png(w / "a.png") / "out"], 1, "a.png is a file, not a directory"
+    ),
     "compress-o-current-directory": Refusal(lambda w: [*BASE, "-o", "."], 1, "is the current directory"),
     "compress-o-name-too-long": Refusal(lambda w: [*BASE, "-o", w / ("x" * 300)], 1, "the name is 300 bytes long"),
     "compress-o-not-writable": Refusal(lambda w: [*BASE, "-o", "/proc/corp-deploy-test"], 1, "cannot create"),
-    "compress-o-own-artifact-with-a-user-file": Refusal(lambda w: [*BASE, "-o", _with_user_file(w / "art")], 1,
-                                                        "notes.txt was not written by corp-deploy"),
+    "compress-o-own-artifact-with-a-user-file": Refusal(
+        lambda w: [*BASE, "-o", _with_user_file(w / "art")], 1, "notes.txt was not written by corp-deploy"
+    ),
     "compress-o-own-artifact-changed": Refusal(
-        lambda w: [*BASE, "-o", (w / "art" / "report.json").write_text("{}") and w / "art"], 1,
-        "report.json has changed since corp-deploy wrote it"),
-    "compress-o-own-export": Refusal(lambda w: [*BASE, "-o", w / "art" / "export-fp32"], 1,
-                                     "it holds an export, not an artifact"),
-    "compress-o-record-naming-files-outside-it": Refusal(lambda w: [*BASE, "-o", _record_naming_outside_files(w)], 1,
-                                                         "holds no corp-deploy-record.json that corp-deploy can read"),
+        lambda w: [*BASE, "-o", (w / "art" / "report.json").write_text("{}") and w / "art"],
+        1,
+        "report.json has changed since corp-deploy wrote it",
+    ),
+    "compress-o-own-export": Refusal(
+        lambda w: [*BASE, "-o", w / "art" / "export-fp32"], 1, "it holds an export, not an artifact"
+    ),
+    "compress-o-record-naming-files-outside-it": Refusal(
+        lambda w: [*BASE, "-o", _record_naming_outside_files(w)],
+        1,
+        "holds no corp-deploy-record.json that corp-deploy can read",
+    ),
     "compress-o-symlink-loop": Refusal(lambda w: [*BASE, "-o", _symlink_loop(w)], 1, "loop1 cannot be resolved"),
-    "compress-o-inside-calib": Refusal(lambda w: [*BASE, "--calib", image_folder(w / "calib"), "-o", w / "calib" / "o"],
-                                       1, "lies inside --calib"),
+    "compress-o-inside-calib": Refusal(
+        lambda w: [*BASE, "--calib", image_folder(w / "calib"), "-o", w / "calib" / "o"], 1, "lies inside --calib"
+    ),
     "compress-o-the-state-folder": Refusal(lambda w: [*BASE, "-o", w.parent / "state"], 1, "state lies inside"),
-    "compress-model-arg-the-model-cannot-run": Refusal(lambda w: [*BASE, "--model-arg", "drop_rate=NaN", "-o", w / "o"],
-                                                       1, "cannot run on an image: dropout probability"),
+    "compress-model-arg-the-model-cannot-run": Refusal(
+        lambda w: [*BASE, "--model-arg", "drop_rate=NaN", "-o", w / "o"],
+        1,
+        "cannot run on an image: dropout probability",
+    ),
     "compress-checkpoint-of-sparse-tensors": Refusal(
-        lambda w: [*BASE[:2], *TINY, "--checkpoint", _sparse_checkpoint(w), "-o", w / "o"], 1,
-        "does not hold a state dict of dense tensors"),
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", _sparse_checkpoint(w), "-o", w / "o"],
+        1,
+        "does not hold a state dict of dense tensors",
+    ),
     "compress-o-export-with-a-user-file-inside": Refusal(
-        lambda w: [*BASE, "-o", _with_user_file(w / "art" / "export-fp32").parent], 1,
-        "notes.txt was not written by corp-deploy"),
+        lambda w: [*BASE, "-o", _with_user_file(w / "art" / "export-fp32").parent],
+        1,
+        "notes.txt was not written by corp-deploy",
+    ),
     # export: the artifact read
-    "export-flipped-weight-byte": Refusal(lambda w: flip_byte(w / "art" / "model.safetensors") or
-                                          ["export", w / "art", "-o", w / "o"], 1,
-                                          "model.safetensors does not match the SHA-256"),
-    "export-edited-config": Refusal(lambda w: rewrite(w / "art" / "config.json",
-                                                      lambda c: c["blocks"][0].update(scale=0.5)) or
-                                    ["export", w / "art", "-o", w / "o"], 1, "config.json does not match the SHA-256"),
+    "export-flipped-weight-byte": Refusal(
+        lambda w: flip_byte(w / "art" / "model.safetensors") or ["export", w / "art", "-o", w / "o"],
+        1,
+        "model.safetensors does not match the SHA-256",
+    ),
+    "export-edited-config": Refusal(
+        lambda w: (
+            rewrite(w / "art" / "config.json", lambda c: c["blocks"][0].update(scale=0.5))
+            or ["export", w / "art", "-o", w / "o"]
+        ),
+        1,
+        "config.json does not match the SHA-256",
+    ),
     "export-weights-of-another-artifact": Refusal(
-        lambda w: shutil.copy(w / "other" / "model.safetensors", w / "art" / "model.safetensors") and
-        ["export", w / "art", "-o", w / "o"], 1, "model.safetensors does not match the SHA-256"),
-    "export-record-removed": Refusal(lambda w: (w / "art" / RECORD_FILE).unlink() or
-                                     ["export", w / "art", "-o", w / "o"], 1, "has no readable corp-deploy-record.json"),
-    "export-record-not-an-object": Refusal(lambda w: (w / "art" / RECORD_FILE).write_text("[]") and
-                                           ["export", w / "art", "-o", w / "o"], 1, "has no readable corp-deploy-record"),
+        lambda w: (
+            shutil.copy(w / "other" / "model.safetensors", w / "art" / "model.safetensors")
+            and ["export", w / "art", "-o", w / "o"]
+        ),
+        1,
+        "model.safetensors does not match the SHA-256",
+    ),
+    "export-record-removed": Refusal(
+        lambda w: (w / "art" / RECORD_FILE).unlink() or ["export", w / "art", "-o", w / "o"],
+        1,
+        "has no readable corp-deploy-record.json",
+    ),
+    "export-record-not-an-object": Refusal(
+        lambda w: (w / "art" / RECORD_FILE).write_text("[]") and ["export", w / "art", "-o", w / "o"],
+        1,
+        "has no readable corp-deploy-record",
+    ),
     "export-config-edited-with-its-record": Refusal(
-        lambda w: ["export", _edited_with_record(w / "art", "config.json", "artifact", lambda c: c.update(blocks="x")),
-                   "-o", w / "o"], 1, "config.json is malformed: blocks needs one object per block"),
+        lambda w: [
+            "export",
+            _edited_with_record(w / "art", "config.json", "artifact", lambda c: c.update(blocks="x")),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: blocks needs one object per block",
+    ),
     "export-config-unbuildable-with-its-record": Refusal(
-        lambda w: ["export", _edited_with_record(w / "art", "config.json", "artifact",
-                                                 lambda c: c["blocks"][0].update(mlp_hidden=10 ** 30)),
-                   "-o", w / "o"], 1, "config.json does not describe a model this corp-deploy can rebuild"),
-    "export-workspace-too-large": Refusal(lambda w: ["export", w / "art", "--trt", "--workspace", "1e308",
-                                                     "-o", w / "o"], 1, "--workspace must be a number of GB from"),
-    "export-calib-samples-absurd": Refusal(lambda w: ["export", w / "art", "--precision", "int8", "--calib-samples",
-                                                      10 ** 20, "-o", w / "o"], 2, "--calib-samples"),
-    "export-artifact-of-format-1": Refusal(lambda w: ["export", _old_format(w), "-o", w / "o"], 1,
-                                           "artifact format version 1 is not supported"),
-    "export-artifact-is-a-file": Refusal(lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1,
-                                         "is not a corp-deploy artifact (not a directory)"),
-    "export-latest-record-malformed": Refusal(lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"], 1,
-                                              "latest.json is not a corp-deploy state record"),
-    "export-latest-record-points-nowhere": Refusal(lambda w: _latest(w, json.dumps({"artifact": str(w / "gone")})) or
-                                                   ["export", "-o", w / "o"], 1, "gone is not a corp-deploy artifact"),
+        lambda w: [
+            "export",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["blocks"][0].update(mlp_hidden=10**30)
+            ),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json does not describe a model this corp-deploy can rebuild",
+    ),
+    "export-workspace-too-large": Refusal(
+        lambda w: ["export", w / "art", "--trt", "--workspace", "1e308", "-o", w / "o"],
+        1,
+        "--workspace must be a number of GB from",
+    ),
+    "export-calib-samples-absurd": Refusal(
+        lambda w: ["export", w / "art", "--precision", "int8", "--calib-samples", 10**20, "-o", w / "o"],
+        2,
+        "--calib-samples",
+    ),
+    "export-artifact-of-format-1": Refusal(
+        lambda w: ["export", _old_format(w), "-o", w / "o"], 1, "artifact format version 1 is not supported"
+    ),
+    "export-artifact-is-a-file": Refusal(
+        lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1, "is not a corp-deploy artifact (not a directory)"
+    ),
+    "export-latest-record-malformed": Refusal(
+        lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"], 1, "latest.json is not a corp-deploy state record"
+    ),
+    "export-latest-record-points-nowhere": Refusal(
+        lambda w: _latest(w, json.dumps({"artifact": str(w / "gone")})) or ["export", "-o", w / "o"],
+        1,
+        "gone is not a corp-deploy artifact",
+    ),
     # export: settings and outputs
-    "export-o-foreign-folder-with-export-json": Refusal(lambda w: ["export", w / "art", "-o", _foreign(w, "export.json")],
-                                                        1, "holds no corp-deploy-record.json that corp-deploy can read"),
+    "export-o-foreign-folder-with-export-json": Refusal(
+        lambda w: ["export", w / "art", "-o", _foreign(w, "export.json")],
+        1,
+        "holds no corp-deploy-record.json that corp-deploy can read",
+    ),
     "export-default-folder-with-a-user-file": Refusal(
-        lambda w: _with_user_file(w / "art" / "export-fp32") and ["export", w / "art"], 1,
-        "notes.txt was not written by corp-deploy"),
-    "export-o-own-artifact": Refusal(lambda w: ["export", w / "art", "-o", w / "other"], 1,
-                                     "it holds an artifact, not an export"),
-    "export-opset-too-high": Refusal(lambda w: ["export", w / "art", "--opset", 99, "-o", w / "o"], 1,
-                                     "--opset must be between 17 and"),
-    "export-opset-beyond-torchscript": Refusal(lambda w: ["export", w / "art", "--exporter", "torchscript", "--opset",
-                                                          24, "-o", w / "o"], 1, "with the torchscript exporter"),
-    "export-int8-calib-missing": Refusal(lambda w: ["export", w / "art", "--precision", "int8", "--calib", w / "nope",
-                                                    "-o", w / "o"], 1, "--calib " + "{w}/nope: not found"),
-    "export-o-inside-calib": Refusal(lambda w: ["export", w / "art", "--precision", "int8", "--calib",
-                                                image_folder(w / "calib"), "-o", w / "calib" / "o"], 1,
-                                     "lies inside --calib"),
-    "export-int8-option-without-int8": Refusal(lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 1,
-                                               "apply only with --precision int8"),
+        lambda w: _with_user_file(w / "art" / "export-fp32") and ["export", w / "art"],
+        1,
+        "notes.txt was not written by corp-deploy",
+    ),
+    "export-o-own-artifact": Refusal(
+        lambda w: ["export", w / "art", "-o", w / "other"], 1, "it holds an artifact, not an export"
+    ),
+    "export-opset-too-high": Refusal(
+        lambda w: ["export", w / "art", "--opset", 99, "-o", w / "o"], 1, "--opset must be between 17 and"
+    ),
+    "export-opset-beyond-torchscript": Refusal(
+        lambda w: ["export", w / "art", "--exporter", "torchscript", "--opset", 24, "-o", w / "o"],
+        1,
+        "with the torchscript exporter",
+    ),
+    "export-int8-calib-missing": Refusal(
+        lambda w: ["export", w / "art", "--precision", "int8", "--calib", w / "nope", "-o", w / "o"],
+        1,
+        "--calib " + "{w}/nope: not found",
+    ),
+    "export-o-inside-calib": Refusal(
+        lambda w: [
+            "export",
+            w / "art",
+            "--precision",
+            "int8",
+            "--calib",
+            image_folder(w / "calib"),
+            "-o",
+            w / "calib" / "o",
+        ],
+        1,
+        "lies inside --calib",
+    ),
+    "export-int8-option-without-int8": Refusal(
+        lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 1, "apply only with --precision int8"
+    ),
     "export-int8-recorded-calibration-gone": Refusal(
-        lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"], 1,
-        "which is not there any more"),
-    "export-workspace-nan": Refusal(lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"], 1,
-                                    "--workspace must be a number of GB from"),
-    "export-atol-nan": Refusal(lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 1,
-                               "--atol must be a finite number >= 0"),
-    "export-min-cosine-out-of-range": Refusal(lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 1,
-                                              "--min-cosine must be in [-1, 1]"),
-    "export-timing-cache-is-a-directory": Refusal(lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "art",
-                                                             "-o", w / "o"], 1, "a directory, not a file"),
-    "export-batch-profile-backwards": Refusal(lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 1,
-                                              "1 <= MIN <= OPT <= MAX"),
+        lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"],
+        1,
+        "which is not there any more",
+    ),
+    "export-workspace-nan": Refusal(
+        lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"],
+        1,
+        "--workspace must be a number of GB from",
+    ),
+    "export-atol-nan": Refusal(
+        lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 1, "--atol must be a finite number >= 0"
+    ),
+    "export-min-cosine-out-of-range": Refusal(
+        lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 1, "--min-cosine must be in [-1, 1]"
+    ),
+    "export-timing-cache-is-a-directory": Refusal(
+        lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "art", "-o", w / "o"],
+        1,
+        "a directory, not a file",
+    ),
+    "export-batch-profile-backwards": Refusal(
+        lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 1, "1 <= MIN <= OPT <= MAX"
+    ),
     # bench
-    "bench-corrupted-onnx": Refusal(lambda w: flip_byte(w / "art" / "export-fp32" / "model.onnx") or
-                                    ["bench", w / "art", *BENCH, "--json", w / "r.json"], 1,
-                                    "model.onnx does not match the SHA-256"),
-    "bench-manifest-path-outside-the-export": Refusal(lambda w: ["bench", _escaping_manifest(w), *BENCH], 1,
-                                                      "../../model.onnx is not listed"),
-    "bench-export-manifest-corrupted": Refusal(lambda w: (w / "art" / "export-fp32" / "export.json").write_text("{oops")
-                                               and ["bench", w / "art", *BENCH], 1,
-                                               "export.json does not match the SHA-256"),
+    "bench-corrupted-onnx": Refusal(
+        lambda w: (
+            flip_byte(w / "art" / "export-fp32" / "model.onnx") or ["bench", w / "art", *BENCH, "--json", w / "r.json"]
+        ),
+        1,
+        "model.onnx does not match the SHA-256",
+    ),
+    "bench-manifest-path-outside-the-export": Refusal(
+        lambda w: ["bench", _escaping_manifest(w), *BENCH], 1, "../../model.onnx is not listed"
+    ),
+    "bench-export-manifest-corrupted": Refusal(
+        lambda w: (w / "art" / "export-fp32" / "export.json").write_text("{oops") and ["bench", w / "art", *BENCH],
+        1,
+        "export.json does not match the SHA-256",
+    ),
     "bench-manifest-edited-with-its-record": Refusal(
-        lambda w: _edited_with_record(w / "art" / "export-fp32", "export.json", "export", lambda m: m.update(models={}))
-        and ["bench", w / "art", *BENCH], 1, "export.json is malformed: models needs the compressed model"),
-    "bench-export-of-another-artifact": Refusal(lambda w: ["bench", _moved_export(w), *BENCH], 1,
-                                                "was exported from a different version"),
-    "bench-baseline-malformed-json": Refusal(lambda w: ["bench", w / "art", *BENCH, "--baseline",
-                                                        _baseline(w, text="{not json")], 1, "cannot read baseline"),
+        lambda w: (
+            _edited_with_record(w / "art" / "export-fp32", "export.json", "export", lambda m: m.update(models={}))
+            and ["bench", w / "art", *BENCH]
+        ),
+        1,
+        "export.json is malformed: models needs the compressed model",
+    ),
+    "bench-export-of-another-artifact": Refusal(
+        lambda w: ["bench", _moved_export(w), *BENCH], 1, "was exported from a different version"
+    ),
+    "bench-baseline-malformed-json": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, text="{not json")], 1, "cannot read baseline"
+    ),
     "bench-baseline-zero-latency": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--baseline",
-                   _baseline(w, lambda r: r["latency"][0]["compressed"].update(p50_s=0))], 1,
-        "latency row 0 needs a backend name, a batch size and positive finite times"),
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(w, lambda r: r["latency"][0]["compressed"].update(p50_s=0)),
+        ],
+        1,
+        "latency row 0 needs a backend name, a batch size and positive finite times",
+    ),
     "bench-baseline-missing-keys": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, lambda r: r["latency"][0].pop("speedup"))], 1,
-        "latency row 0 lacks"),
-    "bench-baseline-is-a-directory": Refusal(lambda w: ["bench", w / "art", *BENCH, "--baseline", w / "art"], 1,
-                                             "is a directory, not a bench JSON report"),
-    "bench-baseline-nothing-measured": Refusal(lambda w: ["bench", w / "art", *BENCH, "--backends", "trt",
-                                                          "--baseline", _baseline(w)], 4,
-                                               "latency: ort-cpu, batch 1 is in the baseline but was not measured"),
-    "bench-limit-nothing-measured": Refusal(lambda w: ["bench", w / "art", *BENCH, "--backends", "torch",
-                                                       "--min-parity-cosine", 0.99], 4,
-                                            "--min-parity-cosine was given but no backend other than torch-cpu ran",
-                                            hide_cuda=True),
-    "bench-min-agreement-nan": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-agreement", "nan"], 1,
-                                       "--min-agreement must be a finite number in [0, 1]"),
-    "bench-max-kl-negative": Refusal(lambda w: ["bench", w / "art", *BENCH, "--max-kl", -1], 1,
-                                     "--max-kl must be a finite number >= 0"),
-    "bench-min-cosine-inf": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-cosine", "inf"], 1,
-                                    "--min-cosine must be a finite number in [-1, 1]"),
-    "bench-json-over-a-user-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--json",
-                                                      (w / "notes.json").write_text("{}") and w / "notes.json"], 1,
-                                           "notes.json: it is not a bench json file that corp-deploy wrote"),
-    "bench-json-inside-the-o-folder": Refusal(lambda w: ["bench", w / "art", *BENCH, "-o", w / "b", "--json",
-                                                         w / "b" / "r.json"], 1, "r.json lies inside -o"),
-    "bench-json-inside-an-output": Refusal(lambda w: ["bench", w / "art", *BENCH, "--json",
-                                                      w / "art" / "export-fp32" / "r.json"], 1,
-                                           "an output of corp-deploy, which holds only the files its record lists"),
-    "bench-o-inside-data": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", image_folder(w / "val"),
-                                              "-o", w / "val" / "b"], 1, "lies inside --data"),
-    "bench-threads-too-many": Refusal(lambda w: ["bench", w / "art", *BENCH, "--threads", 10 ** 20], 2, "--threads"),
-    "bench-min-time-nan": Refusal(lambda w: ["bench", w / "art", *BENCH, "--min-time", "nan"], 2,
-                                  "nan is not a finite number"),
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, lambda r: r["latency"][0].pop("speedup"))],
+        1,
+        "latency row 0 lacks",
+    ),
+    "bench-baseline-is-a-directory": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", w / "art"], 1, "is a directory, not a bench JSON report"
+    ),
+    "bench-baseline-nothing-measured": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "trt", "--baseline", _baseline(w)],
+        4,
+        "latency: ort-cpu, batch 1 is in the baseline but was not measured",
+    ),
+    "bench-limit-nothing-measured": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch", "--min-parity-cosine", 0.99],
+        4,
+        "--min-parity-cosine was given but no backend other than torch-cpu ran",
+        hide_cuda=True,
+    ),
+    "bench-min-agreement-nan": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--min-agreement", "nan"],
+        1,
+        "--min-agreement must be a finite number in [0, 1]",
+    ),
+    "bench-max-kl-negative": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--max-kl", -1], 1, "--max-kl must be a finite number >= 0"
+    ),
+    "bench-min-cosine-inf": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--min-cosine", "inf"],
+        1,
+        "--min-cosine must be a finite number in [-1, 1]",
+    ),
+    "bench-json-over-a-user-file": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--json", (w / "notes.json").write_text("{}") and w / "notes.json"],
+        1,
+        "notes.json: it is not a bench json file that corp-deploy wrote",
+    ),
+    "bench-json-inside-the-o-folder": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "-o", w / "b", "--json", w / "b" / "r.json"], 1, "r.json lies inside -o"
+    ),
+    "bench-json-inside-an-output": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--json", w / "art" / "export-fp32" / "r.json"],
+        1,
+        "an output of corp-deploy, which holds only the files its record lists",
+    ),
+    "bench-o-inside-data": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--data", image_folder(w / "val"), "-o", w / "val" / "b"],
+        1,
+        "lies inside --data",
+    ),
+    "bench-threads-too-many": Refusal(lambda w: ["bench", w / "art", *BENCH, "--threads", 10**20], 2, "--threads"),
+    "bench-min-time-nan": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--min-time", "nan"], 2, "nan is not a finite number"
+    ),
     "bench-baseline-int8-not-measured": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,ort", "--baseline", _baseline(w, _with_int8)], 4,
-        "int8: in the baseline but not measured"),
-    "bench-plot-not-png": Refusal(lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 1,
-                                  "does not end in .png"),
-    "bench-o-foreign-folder": Refusal(lambda w: ["bench", w / "art", *BENCH, "-o", _foreign(w, "bench.json")], 1,
-                                      "holds no corp-deploy-record.json that corp-deploy can read"),
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,ort", "--baseline", _baseline(w, _with_int8)],
+        4,
+        "int8: in the baseline but not measured",
+    ),
+    "bench-plot-not-png": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 1, "does not end in .png"
+    ),
+    "bench-o-foreign-folder": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "-o", _foreign(w, "bench.json")],
+        1,
+        "holds no corp-deploy-record.json that corp-deploy can read",
+    ),
     "bench-data-missing": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", w / "nope"], 1, "nope: not found"),
-    "bench-data-is-a-file": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", png(w / "a.png")], 1,
-                                    "a.png: not a directory"),
+    "bench-data-is-a-file": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--data", png(w / "a.png")], 1, "a.png: not a directory"
+    ),
     "bench-class-index-names-a-missing-folder": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 1, "dogs": 2})], 1,
-        "names classes that have no folder"),
+        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 1, "dogs": 2})],
+        1,
+        "names classes that have no folder",
+    ),
     "bench-class-index-beyond-the-outputs": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 5000})], 1,
-        "maps a class to output 5000, but the model has 1000 outputs"),
-    "bench-labels-for-a-backbone": Refusal(lambda w: ["bench", _backbone(w), *BENCH, "--backends", "torch", "--data",
-                                                      _labelled(w, {"cats": 1})], 1,
-                                           "the model has no classifier to score them against"),
-    "bench-class-index-malformed": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, "{oops")], 1,
-                                           "cannot read"),
-    "bench-batch-that-cannot-fit": Refusal(lambda w: ["bench", w / "art", *BENCH, "--batch", 10 ** 9], 1,
-                                           "timing at batch 1000000000 needs at least"),
+        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, {"cats": 5000})],
+        1,
+        "maps a class to output 5000, but the model has 1000 outputs",
+    ),
+    "bench-labels-for-a-backbone": Refusal(
+        lambda w: ["bench", _backbone(w), *BENCH, "--backends", "torch", "--data", _labelled(w, {"cats": 1})],
+        1,
+        "the model has no classifier to score them against",
+    ),
+    "bench-class-index-malformed": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, "{oops")], 1, "cannot read"
+    ),
+    "bench-batch-that-cannot-fit": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--batch", 10**9], 1, "timing at batch 1000000000 needs at least"
+    ),
     # sweep
-    "sweep-o-foreign-folder-with-sweep-json": Refusal(lambda w: ["sweep", *BASE[1:], "--s", 0.5,
-                                                                 "-o", _foreign(w, "sweep.json")], 1,
-                                                      "holds no corp-deploy-record.json that corp-deploy can read"),
-    "sweep-sparsity-out-of-range": Refusal(lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 1,
-                                           "--s must be in [0, 1), got 1.5"),
-    "sweep-unknown-method": Refusal(lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 1,
-                                    "--methods must be distinct names"),
-    "sweep-repeated-point": Refusal(lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.30000001", "-o", w / "o"], 1,
-                                    "--s gives the same run twice (corp-s0.3)"),
-    "sweep-budget-with-vbp": Refusal(lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 1,
-                                     "--macs applies to"),
+    "sweep-o-foreign-folder-with-sweep-json": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", 0.5, "-o", _foreign(w, "sweep.json")],
+        1,
+        "holds no corp-deploy-record.json that corp-deploy can read",
+    ),
+    "sweep-sparsity-out-of-range": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 1, "--s must be in [0, 1), got 1.5"
+    ),
+    "sweep-unknown-method": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 1, "--methods must be distinct names"
+    ),
+    "sweep-repeated-point": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.30000001", "-o", w / "o"],
+        1,
+        "--s gives the same run twice (corp-s0.3)",
+    ),
+    "sweep-budget-with-vbp": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 1, "--macs applies to"
+    ),
 }
 
 
@@ -561,6 +786,7 @@ def test_refused_with_one_message_and_nothing_changed(name, work, monkeypatch):
 
 
 # ---------------------------------------------------------------- accepted with a warning, or replaced
+
 
 def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
     """Also a dangling link and a FIFO named as images: counted, not left out unsaid (and the FIFO
@@ -586,8 +812,10 @@ def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work)
 def test_a_decompression_bomb_in_bench_data_is_skipped_and_counted(work):
     data = image_folder(work / "val", 2)
     bomb(data / "big.png")
-    code, text, _ = invoke(["bench", work / "art", *BENCH, "--backends", "torch", "--data", data,
-                            "--json", work / "r.json"], work.parent / "state")
+    code, text, _ = invoke(
+        ["bench", work / "art", *BENCH, "--backends", "torch", "--data", data, "--json", work / "r.json"],
+        work.parent / "state",
+    )
     assert code == 0 and "skipped 1 unreadable evaluation files" in text, text
     report = json.loads((work / "r.json").read_text())
     assert report["fidelity"]["images"] == 2 and report["fidelity"]["data"]["files_skipped"] == 1
@@ -607,8 +835,10 @@ def test_a_relative_calib_is_recorded_so_it_resolves_from_anywhere(work, monkeyp
     assert code == 0, text
     assert json.loads((work / "rel" / "config.json").read_text())["calibration"]["path"] == str(work / "calib")
     monkeypatch.chdir(work.parent)  # another directory: int8 export reads the recorded images
-    code, text, _ = invoke(["export", work / "rel", "--precision", "int8", "--int8-keep-float", 0, "--min-cosine", 0.5],
-                           work.parent / "state")  # (4 random images: a loose gate; this is about paths)
+    code, text, _ = invoke(
+        ["export", work / "rel", "--precision", "int8", "--int8-keep-float", 0, "--min-cosine", 0.5],
+        work.parent / "state",
+    )  # (4 random images: a loose gate; this is about paths)
     assert code == 0, text
     int8 = json.loads((work / "rel" / "export-int8" / "export.json").read_text())["models"]["model"]["int8"]
     assert int8["source"]["path"] == str(work / "calib") and int8["calibration_images"] == 4
@@ -618,8 +848,12 @@ def test_the_tools_own_output_is_replaced_with_the_exports_inside_it(work):
     assert (work / "art" / "export-fp32").is_dir()
     code, text, _ = invoke([*BASE, "--seed", 3, "-o", work / "art"], work.parent / "state")
     assert code == 0, text
-    assert sorted(p.name for p in (work / "art").iterdir()) == ["config.json", RECORD_FILE, "model.safetensors",
-                                                                "report.json"]
+    assert sorted(p.name for p in (work / "art").iterdir()) == [
+        "config.json",
+        RECORD_FILE,
+        "model.safetensors",
+        "report.json",
+    ]
     assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 3
     assert not debris(work)
 
@@ -636,8 +870,9 @@ def test_a_symlinked_output_is_written_through_the_link(work):
 def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
     blocker = work.parent / "state-file"
     blocker.write_text("not a directory")
-    result = CliRunner().invoke(cli, [str(a) for a in [*BASE, "-o", work / "o"]],
-                                env={"CORP_DEPLOY_STATE_DIR": str(blocker / "state")})
+    result = CliRunner().invoke(
+        cli, [str(a) for a in [*BASE, "-o", work / "o"]], env={"CORP_DEPLOY_STATE_DIR": str(blocker / "state")}
+    )
     assert result.exit_code == 0, result.output
     assert "warning: could not record" in result.output and load_compressed(work / "o") is not None
 
@@ -645,15 +880,18 @@ def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
 def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):
     code, text, _ = invoke([*BASE, "--model-arg", "num_classes=0", "-o", work / "backbone"], work.parent / "state")
     assert code == 0, text
-    code, text, _ = invoke(["bench", work / "backbone", *BENCH, "--backends", "torch", "--min-agreement", 0.9],
-                           work.parent / "state")
+    code, text, _ = invoke(
+        ["bench", work / "backbone", *BENCH, "--backends", "torch", "--min-agreement", 0.9], work.parent / "state"
+    )
     assert code == 4 and "--min-agreement was given but top-1 agreement was not measured" in text, text
 
 
 def test_bench_replaces_its_own_report_folder_and_json(work):
     for _ in range(2):
-        code, text, _ = invoke(["bench", work / "art", *BENCH, "--backends", "torch", "-o", work / "b",
-                                "--json", work / "r.json"], work.parent / "state")
+        code, text, _ = invoke(
+            ["bench", work / "art", *BENCH, "--backends", "torch", "-o", work / "b", "--json", work / "r.json"],
+            work.parent / "state",
+        )
         assert code == 0, text
     assert sorted(p.name for p in (work / "b").iterdir()) == ["bench.md", "bench.png", RECORD_FILE]
     verify_files(work / "b", "bench")
@@ -669,6 +907,7 @@ def test_an_old_output_that_cannot_be_removed_completely_is_left_with_a_warning(
         if self.name == "dense.onnx" and ".art.old-" in str(self):
             raise PermissionError(1, "Operation not permitted")
         return original(self, *args, **kwargs)
+
     monkeypatch.setattr(Path, "unlink", refuse)
     with pytest.warns(UserWarning, match="the old one could not be removed completely") as warned:
         code, text, _ = invoke([*BASE, "--seed", 3, "-o", work / "art"], work.parent / "state")
@@ -683,11 +922,13 @@ def test_a_file_of_the_old_output_changed_after_the_check_is_kept(work, monkeypa
     """Removing the old output deletes a file only if it still has its recorded content: one another
     program rewrote between the check and the removal stays, named in the warning."""
     import corp_deploy.outputs as outputs
+
     original = outputs._remove_output
 
     def rewrite_then_remove(folder):
         (folder / "config.json").write_text("edited by someone else")
         return original(folder)
+
     monkeypatch.setattr(outputs, "_remove_output", rewrite_then_remove)
     with pytest.warns(UserWarning, match="config.json: changed since it was checked"):
         code, text, _ = invoke([*BASE, "--seed", 5, "-o", work / "art"], work.parent / "state")
@@ -701,6 +942,7 @@ def test_the_old_record_rewritten_after_it_was_read_is_kept(work, monkeypatch):
     """The old output's record is deleted only while it is still the one read at the start of the
     removal: one another program rewrote meanwhile stays, named in the warning."""
     import corp_deploy.outputs as outputs
+
     original = outputs.read_record
 
     def read_then_rewrite(folder):
@@ -709,6 +951,7 @@ def test_the_old_record_rewritten_after_it_was_read_is_kept(work, monkeypatch):
         if ".art.old-" in str(folder) and record is not None and "rewritten" not in record:
             path.write_text(json.dumps({**record, "rewritten": True}))
         return record
+
     monkeypatch.setattr(outputs, "read_record", read_then_rewrite)
     with pytest.warns(UserWarning, match="corp-deploy-record.json: changed since it was checked"):
         code, text, _ = invoke([*BASE, "--seed", 5, "-o", work / "art"], work.parent / "state")
@@ -728,6 +971,7 @@ def test_a_failure_after_the_swap_keeps_the_new_output(tmp_path):
         if self.name == "a.txt" and ".out.old-" in str(self):
             raise PermissionError(1, "Operation not permitted")
         return original(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         patch.setattr(Path, "unlink", refuse)
         warnings.simplefilter("error")
@@ -741,12 +985,14 @@ def test_a_failure_after_the_swap_keeps_the_new_output(tmp_path):
 def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monkeypatch):
     """The manifest would otherwise name the new artifact while holding the old model's graph."""
     import exporters.pipeline as pipeline
+
     original = pipeline.export_onnx
 
     def replace_artifact_then_export(*args, **kwargs):
         code, text, _ = invoke([*BASE, "--seed", 4, "-o", work / "art"], work.parent / "state")
         assert code == 0, text
         return original(*args, **kwargs)
+
     monkeypatch.setattr(pipeline, "export_onnx", replace_artifact_then_export)
     code, text, exception = invoke(["export", work / "art", "-o", work / "exp"], work.parent / "state")
     assert_one_message(code, text, exception, 1, "was replaced while it was exported; nothing was written")
@@ -755,9 +1001,11 @@ def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monk
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
     monkeypatch.setattr("corp_deploy.resources.available_bytes", lambda: 1024)  # a machine with 1 KiB free
-    for args, what in (([*BASE, "-o", work / "o"], "compressing deit_tiny_patch16_224 on 4 images"),
-                       (["export", work / "art", "-o", work / "o"], "the export"),
-                       (["bench", work / "art", *BENCH], "timing at batch 1")):
+    for args, what in (
+        ([*BASE, "-o", work / "o"], "compressing deit_tiny_patch16_224 on 4 images"),
+        (["export", work / "art", "-o", work / "o"], "the export"),
+        (["bench", work / "art", *BENCH], "timing at batch 1"),
+    ):
         before = snapshot(work)
         code, text, exception = invoke(args, work.parent / "state")
         assert_one_message(code, text, exception, 1, f"{what} needs at least")
@@ -768,12 +1016,19 @@ def test_running_out_of_memory_or_disk_is_one_message_not_a_bug_report(work, mon
     import errno
 
     import safetensors.torch
-    failures = {"memory": RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
-                                       "memory: you tried to allocate 123 bytes"),
-                "disk": OSError(errno.ENOSPC, "No space left on device", "model.safetensors")}
+
+    failures = {
+        "memory": RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 123 bytes"
+        ),
+        "disk": OSError(errno.ENOSPC, "No space left on device", "model.safetensors"),
+    }
     for kind, failure in failures.items():
+
         def fail(*args, **kwargs):
             raise failure
+
         monkeypatch.setattr(safetensors.torch, "save_file", fail)
         before = snapshot(work)
         code, text, exception = invoke([*BASE, "-o", work / "o"], work.parent / "state")
@@ -795,14 +1050,17 @@ def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_b
 def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work):
     data = _labelled(work, {"cats": 1})
     image_folder(data / ".ipynb_checkpoints", 1)
-    code, text, _ = invoke(["bench", work / "art", *BENCH, "--backends", "torch", "--data", data,
-                            "--json", work / "r.json"], work.parent / "state")
+    code, text, _ = invoke(
+        ["bench", work / "art", *BENCH, "--backends", "torch", "--data", data, "--json", work / "r.json"],
+        work.parent / "state",
+    )
     assert code == 0, text
     assert json.loads((work / "r.json").read_text())["fidelity"]["data"]["classes"] == 1
 
 
 def test_a_baseline_int8_regression_fails_the_gate():
     from benchmarks.gate import GateLimits, regressions
+
     row = {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.5}}
     report = {"latency": [row], "backends": {"ort-cpu": {"status": "ran"}}, "parity": {}, "fidelity": {}}
     baseline = {"latency": [row], "fidelity": {}}
@@ -813,31 +1071,44 @@ def test_a_baseline_int8_regression_fails_the_gate():
     report["int8"]["fidelity"]["compressed-int8"]["cosine_mean"] = 0.9
     assert regressions(report, GateLimits(max_regression=0.05), baseline) == [
         "int8: batch 1: compressed-int8 1.500x over dense fp32 vs baseline 2.000x",
-        "int8: compressed-int8 cosine to dense fp32 0.9000 vs baseline 0.9900"]
+        "int8: compressed-int8 cosine to dense fp32 0.9000 vs baseline 0.9900",
+    ]
     report["int8"] = {"skipped": "no export-int8/"}
     assert regressions(report, GateLimits(), baseline) == ["int8: in the baseline but not measured (no export-int8/)"]
 
 
 def test_reports_write_null_for_nan_never_bare_nan(tmp_path):
     from benchmarks.report import write_outputs
-    report = {"format": "corp-deploy-bench", "fidelity": {"kl_mean": float("nan"), "feature_cosine": math.inf},
-              "latency": [{"speedup": {"median": -math.inf, "p10": 1.5}}]}
+
+    report = {
+        "format": "corp-deploy-bench",
+        "fidelity": {"kl_mean": float("nan"), "feature_cosine": math.inf},
+        "latency": [{"speedup": {"median": -math.inf, "p10": 1.5}}],
+    }
     write_outputs(report, {"json": tmp_path / "r.json"})  # what bench --json writes
     write_json(tmp_path / "state.json", {"a": float("nan")})  # every other JSON the tool writes
     text = (tmp_path / "r.json").read_text() + (tmp_path / "state.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads((tmp_path / "r.json").read_text()) == {
-        "format": "corp-deploy-bench", "fidelity": {"kl_mean": None, "feature_cosine": None},
-        "latency": [{"speedup": {"median": None, "p10": 1.5}}]}
+        "format": "corp-deploy-bench",
+        "fidelity": {"kl_mean": None, "feature_cosine": None},
+        "latency": [{"speedup": {"median": None, "p10": 1.5}}],
+    }
 
 
 def test_the_build_script_quotes_a_timing_cache_path_with_a_newline(work):
     cache = work / "cache\ntouch INJECTED\n#"
-    code, text, _ = invoke(["export", work / "art", "--trt", "--timing-cache", cache, "-o", work / "trt"],
-                           work.parent / "state")
+    code, text, _ = invoke(
+        ["export", work / "art", "--trt", "--timing-cache", cache, "-o", work / "trt"], work.parent / "state"
+    )
     assert code in (0, 3), text
-    done = subprocess.run(["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True,
-                          cwd=work, env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        ["bash", str(work / "trt" / "build_engine.sh")],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 127 and "trtexec not found" in done.stderr  # it ran up to the missing trtexec
     assert not list(work.rglob("INJECTED")) and not list((work / "trt").glob("INJECTED"))
 
@@ -846,12 +1117,14 @@ def test_the_build_script_refuses_a_changed_graph(work):
     code, text, _ = invoke(["export", work / "art", "--trt", "-o", work / "trt"], work.parent / "state")
     assert code in (0, 3), text
     flip_byte(work / "trt" / "model.onnx")
-    done = subprocess.run(["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        ["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
     assert done.returncode == 1 and "model.onnx does not match the SHA-256" in done.stderr
 
 
 # ---------------------------------------------------------------- concurrency
+
 
 def _write_state(args) -> int:
     path, writer = args
@@ -907,6 +1180,7 @@ main()
 
 class Fault(NamedTuple):
     """Send ``signal`` to the run when ``module.function`` is called the ``call``-th time."""
+
     module: str
     function: str
     call: int
@@ -916,31 +1190,86 @@ class Fault(NamedTuple):
 
 
 FAULTS = {
-    "compress-sigterm-while-calibrating": Fault("corp_deploy.engine", "embed_tokens", 2, "SIGTERM",
-                                                lambda w: [*BASE, "-o", w / "art"], "art"),
-    "compress-sigint-while-saving-the-weights": Fault("safetensors.torch", "save_file", 1, "SIGINT",
-                                                      lambda w: [*BASE, "-o", w / "art"], "art"),
-    "compress-sigint-while-saving-into-new-folders": Fault("safetensors.torch", "save_file", 1, "SIGINT",
-                                                           lambda w: [*BASE, "-o", w / "new" / "deeper" / "art"],
-                                                           "new"),
-    "compress-sigterm-while-the-output-is-swapped": Fault("os", "rename", 1, "SIGTERM",
-                                                          lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"),
-    "export-sigterm-while-exporting-onnx": Fault("exporters.pipeline", "export_onnx", 2, "SIGTERM",
-                                                 lambda w: ["export", w / "art", "--dense"], "art/export-fp32"),
+    "compress-sigterm-while-calibrating": Fault(
+        "corp_deploy.engine", "embed_tokens", 2, "SIGTERM", lambda w: [*BASE, "-o", w / "art"], "art"
+    ),
+    "compress-sigint-while-saving-the-weights": Fault(
+        "safetensors.torch", "save_file", 1, "SIGINT", lambda w: [*BASE, "-o", w / "art"], "art"
+    ),
+    "compress-sigint-while-saving-into-new-folders": Fault(
+        "safetensors.torch", "save_file", 1, "SIGINT", lambda w: [*BASE, "-o", w / "new" / "deeper" / "art"], "new"
+    ),
+    "compress-sigterm-while-the-output-is-swapped": Fault(
+        "os", "rename", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
+    ),
+    "export-sigterm-while-exporting-onnx": Fault(
+        "exporters.pipeline", "export_onnx", 2, "SIGTERM", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
     "export-int8-sigterm-while-calibrating-ranges": Fault(
-        "onnxruntime.quantization.calibrate", "save_tensors_data", 1, "SIGTERM",
-        lambda w: ["export", w / "art", "--precision", "int8", "--int8-keep-float", 0, "--calib-samples", 4,
-                   "-o", w / "art" / "export-fp32"], "art/export-fp32"),
-    "bench-sigterm-while-timing": Fault("benchmarks.harness", "interleaved", 1, "SIGTERM",
-                                        lambda w: ["bench", w / "art", *BENCH, "-o", w / "b"], "b"),
-    "bench-sigterm-while-writing-the-reports": Fault("benchmarks.report", "plot", 1, "SIGTERM",
-                                                     lambda w: ["bench", w / "art", *BENCH, "--backends", "torch",
-                                                                "--json", w / "r.json", "--markdown", w / "r.md",
-                                                                "--plot", w / "r.png"], "r.json"),
-    "sweep-sigint-after-the-first-run": Fault("benchmarks.sweep", "export_artifact", 2, "SIGINT",
-                                              lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.5", "--backends", "torch",
-                                                         "--batch", 1, "--min-time", 0.01, "--data-samples", 2,
-                                                         "-o", w / "sweep"], "sweep"),
+        "onnxruntime.quantization.calibrate",
+        "save_tensors_data",
+        1,
+        "SIGTERM",
+        lambda w: [
+            "export",
+            w / "art",
+            "--precision",
+            "int8",
+            "--int8-keep-float",
+            0,
+            "--calib-samples",
+            4,
+            "-o",
+            w / "art" / "export-fp32",
+        ],
+        "art/export-fp32",
+    ),
+    "bench-sigterm-while-timing": Fault(
+        "benchmarks.harness", "interleaved", 1, "SIGTERM", lambda w: ["bench", w / "art", *BENCH, "-o", w / "b"], "b"
+    ),
+    "bench-sigterm-while-writing-the-reports": Fault(
+        "benchmarks.report",
+        "plot",
+        1,
+        "SIGTERM",
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "torch",
+            "--json",
+            w / "r.json",
+            "--markdown",
+            w / "r.md",
+            "--plot",
+            w / "r.png",
+        ],
+        "r.json",
+    ),
+    "sweep-sigint-after-the-first-run": Fault(
+        "benchmarks.sweep",
+        "export_artifact",
+        2,
+        "SIGINT",
+        lambda w: [
+            "sweep",
+            *BASE[1:],
+            "--s",
+            "0.3,0.5",
+            "--backends",
+            "torch",
+            "--batch",
+            1,
+            "--min-time",
+            0.01,
+            "--data-samples",
+            2,
+            "-o",
+            w / "sweep",
+        ],
+        "sweep",
+    ),
 }
 
 
@@ -949,8 +1278,15 @@ def import_leftovers(tmp_path_factory) -> set[str]:
     """What importing the libraries leaves in the temporary directory by itself (ONNX Runtime's
     ``.ses``, torch's inductor cache folder): not the run's debris."""
     temp = tmp_path_factory.mktemp("imports")
-    subprocess.run([sys.executable, "-c", "import corp_deploy.cli, exporters.pipeline, benchmarks.sweep, "
-                    "onnxruntime.quantization"], check=True, env={**os.environ, "TMPDIR": str(temp)})
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import corp_deploy.cli, exporters.pipeline, benchmarks.sweep, onnxruntime.quantization",
+        ],
+        check=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
     return {p.name for p in temp.iterdir()}
 
 
@@ -968,9 +1304,23 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         assert code == 0, text
     before = snapshot(work)
     env = {**os.environ, "TMPDIR": str(temp), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")}
-    done = subprocess.run([sys.executable, "-c", FAULT_RUNNER, fault.module, fault.function, str(fault.call),
-                           fault.signal, *map(str, fault.args(work))], capture_output=True, text=True, cwd=work,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FAULT_RUNNER,
+            fault.module,
+            fault.function,
+            str(fault.call),
+            fault.signal,
+            *map(str, fault.args(work)),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        timeout=600,
+    )
     code = 128 + getattr(signal, fault.signal)
     assert done.returncode == code, done.stderr
     assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -988,39 +1338,70 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
 def test_library_warnings_stay_off_the_terminal(tmp_path, built):
     """The exporters, timm and ONNX Runtime warn a lot; through the command only corp-deploy speaks."""
     shutil.copytree(built / "art", tmp_path / "art")
-    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", "export", str(tmp_path / "art"),
-                           "--dense", "--exporter", "torchscript", "-o", str(tmp_path / "out")], capture_output=True,
-                          text=True, env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corp_deploy.launch",
+            "export",
+            str(tmp_path / "art"),
+            "--dense",
+            "--exporter",
+            "torchscript",
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
     assert done.returncode == 0, done.stderr
     assert not re.search(r"warn|deprecat", done.stderr, flags=re.I), done.stderr
 
 
 def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path):
     """SIGINT while the command imports torch and timm (the first seconds of every run)."""
-    script = ("import os, signal, sys\n"
-              "class Hook:\n"
-              "    def find_spec(self, name, path, target=None):\n"
-              "        if name == 'timm':\n"
-              "            os.kill(os.getpid(), signal.SIGINT)\n"
-              "sys.meta_path.insert(0, Hook())\n"
-              "sys.argv = ['corp-deploy', 'compress', 'deit_tiny', '-o', 'out']\n"
-              "from corp_deploy.launch import main\n"
-              "main()\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")})
+    script = (
+        "import os, signal, sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'timm':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "sys.argv = ['corp-deploy', 'compress', 'deit_tiny', '-o', 'out']\n"
+        "from corp_deploy.launch import main\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
     assert done.returncode == 130 and "stopped by SIGINT" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- the documented table
 
+
 def test_docs_list_every_case():
     text = DOC.read_text()
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", text, flags=re.M))
-    cases = set(REFUSALS) | set(FAULTS) | {name[len("test_"):].replace("_", "-") for name in globals()
-                                           if name.startswith("test_") and name not in (
-                                               "test_refused_with_one_message_and_nothing_changed",
-                                               "test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris",
-                                               "test_docs_list_every_case")}
+    cases = (
+        set(REFUSALS)
+        | set(FAULTS)
+        | {
+            name[len("test_") :].replace("_", "-")
+            for name in globals()
+            if name.startswith("test_")
+            and name
+            not in (
+                "test_refused_with_one_message_and_nothing_changed",
+                "test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris",
+                "test_docs_list_every_case",
+            )
+        }
+    )
     assert documented == cases, (sorted(cases - documented), sorted(documented - cases))
-

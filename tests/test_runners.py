@@ -1,5 +1,6 @@
 """The runner protocol (:mod:`exporters.runners`): every CPU runner opens on construction, infers,
 works as a context manager and refuses to infer once closed."""
+
 import numpy as np
 import pytest
 import torch
@@ -42,12 +43,15 @@ def test_a_backend_that_cannot_run_one_model_names_it(model_and_graph):
     from contextlib import ExitStack
 
     from benchmarks.backends import ModelFiles, open_runners
+
     model, path = model_and_graph
     with ExitStack() as stack:
-        runners, skipped = open_runners(("torch", "ort"), {"compressed": ModelFiles(model, onnx=path),
-                                                           "dense": ModelFiles(model)}, stack)
+        runners, skipped = open_runners(
+            ("torch", "ort"), {"compressed": ModelFiles(model, onnx=path), "dense": ModelFiles(model)}, stack
+        )
         assert set(runners["torch-cpu"]) == {"compressed", "dense"} and "ort-cpu" not in runners
         assert skipped["ort-cpu"].startswith("the dense model: no ONNX file")
-        _, skipped = open_runners(("ort",), {"dense": ModelFiles(model), "compressed": ModelFiles(model, onnx=path)},
-                                  stack)
+        _, skipped = open_runners(
+            ("ort",), {"dense": ModelFiles(model), "compressed": ModelFiles(model, onnx=path)}, stack
+        )
         assert skipped["ort-cpu"].startswith("no ONNX file")

@@ -1,5 +1,6 @@
 """Outlier migration before int8 (exporters/smoothing.py) and the calibration methods reaching
 ONNX Runtime's quantizer (exporters/quantize.py)."""
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -43,15 +44,15 @@ def test_input_peaks_and_scales_match_an_independent_computation(small_vit, imag
     torch.testing.assert_close(scales["head"].double(), expected, rtol=1e-6, atol=0)
     assert set(peaks) == {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     silent = smoothing_scale(torch.tensor([0.0, 2.0]), torch.ones(3, 2), alpha=0.5)
-    assert silent.tolist() == [1.0, pytest.approx(2 ** 0.5)]
+    assert silent.tolist() == [1.0, pytest.approx(2**0.5)]
 
 
 def test_smoothed_graph_computes_what_the_float_graph_did(small_vit, image_batches, tmp_path):
     """Arbitrary positive scales on every Linear layer: the smoothed float graph's outputs equal the
     original's to float32 rounding; qkv and fc1 fold 1/s into their LayerNorm (no new op, also where
     the exporter shares one initializer between several ops), proj, fc2 (after a GELU in the form
-    ONNX Runtime fuses, which a changed constant would break) and the head get a Mul; each changed weight is the PyTorch weight times s, each
-    norm's scale and bias divided by s."""
+    ONNX Runtime fuses, which a changed constant would break) and the head get a Mul; each changed
+    weight is the PyTorch weight times s, each norm's scale and bias divided by s."""
     model = small_vit()
     with torch.no_grad():
         model.blocks[1].norm1.weight.uniform_(0.5, 1.5)  # its own initializer; block 0 shares all-ones
@@ -108,8 +109,16 @@ def test_smoothing_lets_int8_hold_an_outlier_channel(small_vit, image_batches, t
         reference = torch.cat([model(b) for b in held_out]).numpy()
     cosines = {}
     for alpha in (None, 0.5):
-        int8 = quantize_keeping_float(model, tmp_path / "fp32.onnx", tmp_path / f"{alpha}.onnx", calibration, 0,
-                                      "minmax", tolerance, smoothing=alpha)
+        int8 = quantize_keeping_float(
+            model,
+            tmp_path / "fp32.onnx",
+            tmp_path / f"{alpha}.onnx",
+            calibration,
+            0,
+            "minmax",
+            tolerance,
+            smoothing=alpha,
+        )
         assert int8["kept_float"] == [] and int8["smoothing_alpha"] == alpha
         assert int8.get("smoothing") == (None if alpha is None else {"folded": 4, "inserted": 5})
         outputs = np.concatenate([_run(tmp_path / f"{alpha}.onnx", b.numpy()) for b in held_out])
@@ -122,8 +131,11 @@ def _activation_scales(path) -> dict[str, float]:
     graph = onnx.load(str(path)).graph
     arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     dequantized = {n.output[0]: n for n in graph.node if n.op_type == "DequantizeLinear"}
-    return {module_path(n): float(arrays[dequantized[n.input[0]].input[1]]) for n in graph.node
-            if n.op_type in QUANTIZED_OPS and n.input[0] in dequantized and n.input[1] in dequantized}
+    return {
+        module_path(n): float(arrays[dequantized[n.input[0]].input[1]])
+        for n in graph.node
+        if n.op_type in QUANTIZED_OPS and n.input[0] in dequantized and n.input[1] in dequantized
+    }
 
 
 def test_each_calibration_method_reaches_the_quantizer(small_vit, image_batches, tmp_path):
@@ -141,8 +153,10 @@ def test_each_calibration_method_reaches_the_quantizer(small_vit, image_batches,
         scales[method] = _activation_scales(tmp_path / f"{method}.onnx")
     peaks = linear_input_peaks(model, calibration)
     assert set(scales["minmax"]) == set(peaks)
-    ratios = {method: np.array([scales[method][name] / scales["minmax"][name] for name in peaks])
-              for method in ("entropy", "percentile")}
+    ratios = {
+        method: np.array([scales[method][name] / scales["minmax"][name] for name in peaks])
+        for method in ("entropy", "percentile")
+    }
     for name, peak in peaks.items():
         assert scales["minmax"][name] == pytest.approx(float(peak.max()) / 127, rel=1e-5)
     assert ratios["entropy"].max() < 0.999 and np.median(ratios["entropy"]) < 0.99, ratios["entropy"]
@@ -165,8 +179,11 @@ class _ScaledInputs(torch.nn.Module):
     def forward(self, images):  # (B, 1, C, C)
         x = images.flatten(1, 2)
         pooled = x.mean(1)
-        return (self.rows(x * self.per_token).mean(1) + self.pooled(pooled * self.per_channel)[0]
-                + self.halved(pooled.square() * 0.5))
+        return (
+            self.rows(x * self.per_token).mean(1)
+            + self.pooled(pooled * self.per_channel)[0]
+            + self.halved(pooled.square() * 0.5)
+        )
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
@@ -180,7 +197,9 @@ def test_only_constants_of_one_value_per_channel_take_the_division(exporter, tmp
     scales = {name: torch.exp(2 * torch.randn(16, generator=generator)) for name in ("rows", "pooled", "halved")}
     scalar_folded = exporter == "dynamo"  # the TorchScript exporter writes the 0.5 as a Constant node: a Mul
     assert smooth_graph(tmp_path / "fp32.onnx", tmp_path / "smoothed.onnx", scales) == {
-        "folded": 1 + scalar_folded, "inserted": 2 - scalar_folded}
+        "folded": 1 + scalar_folded,
+        "inserted": 2 - scalar_folded,
+    }
     images = torch.randn(3, 1, 16, 16, generator=generator).numpy()
     before, after = _run(tmp_path / "fp32.onnx", images), _run(tmp_path / "smoothed.onnx", images)
     assert after.shape == before.shape
@@ -196,8 +215,9 @@ def test_a_scalar_rewritten_in_place_keeps_the_graph_quantizable(tmp_path):
     generator = torch.Generator().manual_seed(6)
     calibration = [torch.randn(4, 1, 16, 16, generator=generator) for _ in range(2)]
     scales = {name: torch.exp(torch.randn(16, generator=generator)) for name in ("rows", "pooled", "halved")}
-    int8 = quantize_int8(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", (b.numpy() for b in calibration),
-                         input_scales=scales)
+    int8 = quantize_int8(
+        tmp_path / "fp32.onnx", tmp_path / "int8.onnx", (b.numpy() for b in calibration), input_scales=scales
+    )
     assert int8["smoothing"] == {"folded": 2, "inserted": 1}
     onnx.checker.check_model(str(tmp_path / "int8.onnx"))
     assert _run(tmp_path / "int8.onnx", calibration[0].numpy()).shape == (4, 8)

@@ -29,7 +29,7 @@ def test_moments_match_direct_computation_over_uneven_batches():
     # the data are float32 and centred in float32: compare at float32's resolution
     torch.testing.assert_close(acc.mean, d.mean(0), **FLOAT32)
     torch.testing.assert_close(acc.covariance, torch.cov(d.T, correction=0), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(acc.second_moment_diag, (d ** 2).mean(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(acc.second_moment_diag, (d**2).mean(0), rtol=1e-6, atol=0)
     torch.testing.assert_close(acc.positive_rate, (d > 0).double().mean(0))
 
 
@@ -74,7 +74,7 @@ def test_head_grams_switch_to_fixed_size_sums_past_the_images_worth_them():
     q, k = torch.randn(30, 2, 5, 4, generator=gen), torch.randn(30, 2, 5, 4, generator=gen)
     grams = HeadGrams()
     for start in range(0, 30, 3):
-        grams.add(q[start:start + 3], k[start:start + 3])
+        grams.add(q[start : start + 3], k[start : start + 3])
         assert (grams.kronecker is None) == (start + 3 <= 6) and (grams.query == []) == (start + 3 > 6)
     assert grams.n == 30 and grams.kronecker.shape == (2, 10, 10) and grams.kronecker.dtype == torch.float64
     iu = torch.triu_indices(4, 4)

@@ -1,5 +1,6 @@
 """`corp-deploy sweep` on a tiny random model: one artifact and export per method and sparsity,
 the tables at matched sparsity and matched MACs, the plot, and bad requests."""
+
 import json
 from pathlib import Path
 
@@ -14,15 +15,40 @@ from tests.helpers import SMALL_VIT_CLI_ARGS
 @pytest.mark.slow
 def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
     out = tmp_path / "sweep"
-    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.25,0.5",
-                            "--methods", "corp,vbp,toast,uncompensated", "--calib-samples", 8, "--data-samples", 6,
-                            "--backends", "ort", "--batch", "1,2", "--min-time", 0.02, "-o", out], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "sweep",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--s",
+            "0.25,0.5",
+            "--methods",
+            "corp,vbp,toast,uncompensated",
+            "--calib-samples",
+            8,
+            "--data-samples",
+            6,
+            "--backends",
+            "ort",
+            "--batch",
+            "1,2",
+            "--min-time",
+            0.02,
+            "-o",
+            out,
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     runs = [f"{m}-s{s}" for m in ("corp", "vbp", "toast", "uncompensated") for s in ("0.25", "0.5")]
-    assert sorted(p.name for p in out.iterdir()) == sorted(runs + ["corp-deploy-record.json", "sweep.json", "sweep.md", "sweep.png"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        runs + ["corp-deploy-record.json", "sweep.json", "sweep.md", "sweep.png"]
+    )
     sweep = json.loads((out / "sweep.json").read_text())
     assert [(row["method"], row["sparsity"]) for row in sweep["rows"]] == [
-        (m, s) for m in ("corp", "vbp", "toast", "uncompensated") for s in (0.25, 0.5)]
+        (m, s) for m in ("corp", "vbp", "toast", "uncompensated") for s in (0.25, 0.5)
+    ]
     assert sweep["base_model"]["weights"] == {"source": "random", "seed": 0}
     for row in sweep["rows"]:
         config = read_config(out / f"{row['method']}-s{row['sparsity']:g}")
@@ -41,8 +67,11 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
     # same channels, same shapes: CORP and its uncompensated ablation cost the same
     assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]
     # VBP prunes only the MLP, ToaSt also value dims: at equal s, MACs order toast < corp < vbp
-    assert rows["toast", 0.5]["macs"]["compressed"] < rows["corp", 0.5]["macs"]["compressed"] \
+    assert (
+        rows["toast", 0.5]["macs"]["compressed"]
+        < rows["corp", 0.5]["macs"]["compressed"]
         < rows["vbp", 0.5]["macs"]["compressed"]
+    )
     # the dense model is exported once, with the first run, and benchmarked from there
     assert sorted(read_manifest(out / "corp-s0.25" / "export-fp32")["models"]) == ["dense", "model"]
     assert sorted(read_manifest(out / "vbp-s0.5" / "export-fp32")["models"]) == ["model"]
@@ -59,18 +88,23 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
     assert at_macs(rows, 99) is None and at_macs(rows, 201) is None
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--s", "0.3,1.2"], "--s must be in [0, 1)"),
-    (["--s", "a,b"], "--s takes comma-separated"),
-    (["--s", ""], "--s takes comma-separated"),  # an empty CI variable is not the default grid
-    (["--macs", ""], "--macs takes comma-separated"),
-    (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
-    (["--methods", "corp,corp"], "methods must be distinct"),
-    (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--s", "0.3,1.2"], "--s must be in [0, 1)"),
+        (["--s", "a,b"], "--s takes comma-separated"),
+        (["--s", ""], "--s takes comma-separated"),  # an empty CI variable is not the default grid
+        (["--macs", ""], "--macs takes comma-separated"),
+        (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
+        (["--methods", "corp,corp"], "methods must be distinct"),
+        (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
+    ],
+)
 def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message, run_cli):
-    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args,
-                            "-o", tmp_path / "sweep"], tmp_path / "state")
+    result, text = run_cli(
+        ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", tmp_path / "sweep"],
+        tmp_path / "state",
+    )
     assert result.exit_code == 1 and message in text and "Traceback" not in text, text
     assert not (tmp_path / "sweep").exists()
 
@@ -78,13 +112,36 @@ def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message, run_cli
 @pytest.mark.slow
 def test_sweep_over_mac_budgets(tmp_path, run_cli):
     out = tmp_path / "sweep"
-    result, text = run_cli(["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--macs", "0.8,0.5",
-                            "--methods", "corp,uncompensated", "--calib-samples", 8, "--data-samples", 4,
-                            "--backends", "ort", "--batch", "1", "--min-time", 0.02, "-o", out], tmp_path / "state")
+    result, text = run_cli(
+        [
+            "sweep",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--macs",
+            "0.8,0.5",
+            "--methods",
+            "corp,uncompensated",
+            "--calib-samples",
+            8,
+            "--data-samples",
+            4,
+            "--backends",
+            "ort",
+            "--batch",
+            "1",
+            "--min-time",
+            0.02,
+            "-o",
+            out,
+        ],
+        tmp_path / "state",
+    )
     assert result.exit_code == 0, text
     sweep = json.loads((out / "sweep.json").read_text())
     assert [(row["method"], row["budget"]) for row in sweep["rows"]] == [
-        (m, f) for m in ("corp", "uncompensated") for f in (0.8, 0.5)]
+        (m, f) for m in ("corp", "uncompensated") for f in (0.8, 0.5)
+    ]
     for row in sweep["rows"]:
         config = read_config(out / f"{row['method']}-macs{row['budget']:g}")
         assert config["settings"]["macs"] == row["budget"] and config["allocation"]["budget_macs"] > 0

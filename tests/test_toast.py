@@ -1,5 +1,6 @@
 """ToaSt (docs/method.md §5): the geometric median, coupled head-dim pruning, and token channel
 importance, each on constructed examples."""
+
 import numpy as np
 import pytest
 import torch
@@ -7,8 +8,15 @@ from scipy.optimize import minimize
 from timm.layers.attention import Attention
 
 from corp_deploy.blocks import project_qk
-from corp_deploy.methods.toast import (TokenChannelImportance, class_token_attention, geometric_median,
-                                       head_dim_importance, median_distances, prune_heads, top_dims)
+from corp_deploy.methods.toast import (
+    TokenChannelImportance,
+    class_token_attention,
+    geometric_median,
+    head_dim_importance,
+    median_distances,
+    prune_heads,
+    top_dims,
+)
 from tests.helpers import FLOAT32
 
 
@@ -27,8 +35,12 @@ def test_geometric_median_minimises_the_sum_of_distances():
     points = torch.randn(16, 6, generator=torch.Generator().manual_seed(0)).double() ** 3
     total = lambda y: float(np.linalg.norm(points.numpy() - y, axis=1).sum())  # noqa: E731
     ours = geometric_median(points).numpy()
-    reference = minimize(total, points.mean(0).numpy(), method="Nelder-Mead",
-                         options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000, "maxfev": 20000}).x
+    reference = minimize(
+        total,
+        points.mean(0).numpy(),
+        method="Nelder-Mead",
+        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000, "maxfev": 20000},
+    ).x
     assert total(ours) <= total(reference) + 1e-9
     assert total(ours) < total(points.mean(0).numpy()) - 1e-3
 
@@ -83,9 +95,9 @@ def test_query_and_key_dims_leave_together_and_values_with_their_proj_columns():
     with torch.no_grad():
         qkv, out = attn.qkv(x), []
         for h in range(3):
-            qh = qkv[..., h * 8:(h + 1) * 8][..., qk_kept[h]]
-            kh = qkv[..., 24 + h * 8:24 + (h + 1) * 8][..., qk_kept[h]]
-            vh = qkv[..., 48 + h * 8:48 + (h + 1) * 8][..., v_kept[h]]
+            qh = qkv[..., h * 8 : (h + 1) * 8][..., qk_kept[h]]
+            kh = qkv[..., 24 + h * 8 : 24 + (h + 1) * 8][..., qk_kept[h]]
+            vh = qkv[..., 48 + h * 8 : 48 + (h + 1) * 8][..., v_kept[h]]
             probs = (attn.scale * qh @ kh.transpose(-1, -2)).softmax(-1)
             out.append((probs @ vh) @ attn.proj.weight[:, h * 8 + v_kept[h]].T)
         reference = sum(out) + attn.proj.bias
@@ -113,8 +125,9 @@ def test_token_sample_is_the_fraction_of_patch_tokens_only(fraction, count):
     importance.update(torch.eye(197)[None], None)  # token i lights channel i only
     sampled = importance.scores > 0
     assert not sampled[0] and int(sampled.sum()) == count  # never the class token
-    torch.testing.assert_close(importance.scores[sampled], torch.full((count,), 1 / count, dtype=torch.float64),
-                               **FLOAT32)
+    torch.testing.assert_close(
+        importance.scores[sampled], torch.full((count,), 1 / count, dtype=torch.float64), **FLOAT32
+    )
 
 
 def test_class_token_attention_is_the_softmax_row_of_token_zero():

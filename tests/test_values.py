@@ -1,10 +1,10 @@
 """Value/output head-dim pruning (docs/method.md §4) against least squares on the raw inputs of the
 output projection."""
+
 import torch
 from timm.layers.attention import Attention
 
-from corp_deploy import CompressConfig, PrunedAttention, compress
-from corp_deploy import channels, values
+from corp_deploy import CompressConfig, PrunedAttention, channels, compress, values
 from corp_deploy.blocks import attention_forward
 from corp_deploy.stats import MomentAccumulator
 

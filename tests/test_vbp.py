@@ -1,5 +1,6 @@
 """VBP (docs/method.md §5): Welford moments, the global variance allocation with its floor, and the
 mean fold, which is exact for channels whose activation is constant."""
+
 import pytest
 import torch
 
@@ -9,8 +10,7 @@ from corp_deploy.methods.vbp import ChannelMoments, global_kept_counts
 
 def test_channel_moments_match_a_two_pass_computation_on_offset_data():
     g = torch.Generator().manual_seed(0)
-    chunks = [1e3 + torch.randn(n, 3, 5, generator=g) * torch.tensor([1e-2, 1.0, 3.0, 0.0, 1e2])
-              for n in (1, 7, 64)]
+    chunks = [1e3 + torch.randn(n, 3, 5, generator=g) * torch.tensor([1e-2, 1.0, 3.0, 0.0, 1e2]) for n in (1, 7, 64)]
     moments = ChannelMoments(5)
     for chunk in chunks:
         moments.update(chunk)
@@ -43,8 +43,9 @@ def test_mean_fold_is_exact_for_constant_channels(vit, batches, image_batches):
     _make_constant_channels(vit, per_block=48)  # 96 of 384 hidden channels in all: s = 0.25
     x = image_batches(1, 4, seed=7)[0]
     folded, report = compress(vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0))
-    sliced, _ = compress(vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0,
-                                                      compensation=False))
+    sliced, _ = compress(
+        vit, batches, CompressConfig.from_settings(method="vbp", s_mlp=0.25, layer_floor=0.0, compensation=False)
+    )
     assert [layer["mlp"]["hidden"] for layer in report["layers"]] == [144, 144]
     assert all(layer["mlp"]["pruned_variance_fraction"] < 1e-12 for layer in report["layers"])
     with torch.no_grad():
@@ -56,5 +57,6 @@ def test_mean_fold_is_exact_for_constant_channels(vit, batches, image_batches):
 @pytest.mark.parametrize("bad", [dict(target="both"), dict(target="attn"), dict(calibration="sequential")])
 def test_vbp_refuses_what_it_does_not_do(bad):
     from corp_deploy.errors import CorpError
+
     with pytest.raises(CorpError, match="vbp"):
         CompressConfig.from_settings(method="vbp", **bad)

@@ -1,6 +1,7 @@
 """Cost of `compress` relative to one plain forward pass over the same calibration images.
 
-    python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --out benchmarks/results/compress_cost_deit_base.json
+    python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 \
+        --out benchmarks/results/compress_cost_deit_base.json
     python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 2 --modes independent,budget \
         --macs 0.6 --out benchmarks/results/compress_cost_deit_base_budget.json
     python -m benchmarks.studies.compress_cost --model deit_base --images 256 --rounds 1 --modes independent,budget \
@@ -15,6 +16,7 @@ Modes: ``independent`` and ``sequential`` compress at joint sparsity --s (MLP an
 ``budget`` compresses to --macs with the defaults of budget mode; ``independent-refit-none`` and
 ``budget-refit-none`` are the same without the drift refit (docs/method.md §10).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +56,12 @@ def main() -> None:
     parser.add_argument("--macs", type=float, default=0.6, help="the budget of mode 'budget'")
     parser.add_argument("--modes", default="independent,sequential")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where the forward passes and the calibration run (images are moved there once)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the forward passes and the calibration run (images are moved there once)",
+    )
     parser.add_argument("--full-warmup", action="store_true", help="untimed forward pass over all images first")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -63,19 +69,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = create_base_model(args.model, pretrained=False).to(args.device)
     transform, _ = model_transform(model)
-    batches = [b.to(args.device) for b in
-               CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size)]
+    batches = [
+        b.to(args.device)
+        for b in CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch_size)
+    ]
     if args.full_warmup:
         timed_forward(model, batches, args.device)  # the first full pass over new tensors runs slow
     else:
         timed_forward(model, batches[:1], args.device)
 
     modes = args.modes.split(",")
-    settings = {"independent": dict(s_mlp=args.s, s_attn=args.s),
-                "independent-refit-none": dict(s_mlp=args.s, s_attn=args.s, refit="none"),
-                "sequential": dict(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
-                "budget": dict(macs=args.macs),
-                "budget-refit-none": dict(macs=args.macs, refit="none")}
+    settings = {
+        "independent": dict(s_mlp=args.s, s_attn=args.s),
+        "independent-refit-none": dict(s_mlp=args.s, s_attn=args.s, refit="none"),
+        "sequential": dict(s_mlp=args.s, s_attn=args.s, calibration="sequential"),
+        "budget": dict(macs=args.macs),
+        "budget-refit-none": dict(macs=args.macs, refit="none"),
+    }
     configs = {mode: CompressConfig.from_settings(**setting, device=args.device) for mode, setting in settings.items()}
     forwards = [timed_forward(model, batches, args.device)]
     runs = []
@@ -86,18 +96,28 @@ def main() -> None:
         total = time.perf_counter() - start
         forwards.append(timed_forward(model, batches, args.device))
         forward = (forwards[-2] + forwards[-1]) / 2
-        runs.append({"mode": mode, "compress_s": round(total, 2), "forward_s": round(forward, 2),
-                     "ratio": round(total / forward, 3), "phases_s": report["time_s"],
-                     "peak_memory_mb": report["peak_memory_mb"]})
+        runs.append(
+            {
+                "mode": mode,
+                "compress_s": round(total, 2),
+                "forward_s": round(forward, 2),
+                "ratio": round(total / forward, 3),
+                "phases_s": report["time_s"],
+                "peak_memory_mb": report["peak_memory_mb"],
+            }
+        )
         print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"python -m benchmarks.studies.compress_cost --model {args.model} --images {args.images} "
-                   f"--batch-size {args.batch_size} --s {args.s} --macs {args.macs} --modes {args.modes} "
-                   f"--rounds {args.rounds} --device {args.device}{' --full-warmup' if args.full_warmup else ''} "
-                   f"--out {args.out}",
+        f"--batch-size {args.batch_size} --s {args.s} --macs {args.macs} --modes {args.modes} "
+        f"--rounds {args.rounds} --device {args.device}{' --full-warmup' if args.full_warmup else ''} "
+        f"--out {args.out}",
         "median_ratio": {mode: statistics.median(r["ratio"] for r in runs if r["mode"] == mode) for mode in modes},
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        },
         "versions": library_versions(),
         "forward_passes_s": [round(f, 2) for f in forwards],
         "runs": runs,

@@ -1,6 +1,7 @@
 """Calibration on a CUDA GPU against the same calibration on the CPU.
 
-    python -m benchmarks.studies.cuda_calibration --model deit_small --images 64 --out benchmarks/results/cuda_calibration_deit_small.json
+    python -m benchmarks.studies.cuda_calibration --model deit_small --images 64 \
+        --out benchmarks/results/cuda_calibration_deit_small.json
 
 Compresses one model (seeded random weights; the comparison does not depend on them) from the
 same built-in calibration photos with ``device="cpu"`` and ``device="cuda"``, uniform (joint
@@ -14,6 +15,7 @@ convolution), since that sets how far the two devices can agree. One untimed com
 first takes CUDA's start-up out of the times; ``cuda_peak_memory_mb`` is the GPU run's report
 (its ``process_rss_peak`` is the whole process's, the CPU runs included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +52,22 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(cpu_model, cuda_model, dense_out, images) -> dict:
     cpu_params, cuda_params = dict(cpu_model.named_parameters()), dict(cuda_model.named_parameters())
     same_shapes = cpu_params.keys() == cuda_params.keys() and all(
-        cpu_params[k].shape == cuda_params[k].shape for k in cpu_params)
+        cpu_params[k].shape == cuda_params[k].shape for k in cpu_params
+    )
     out = {"same_dims": same_shapes}
     if same_shapes:
-        diffs = {k: ((cpu_params[k] - cuda_params[k]).abs().max() / cpu_params[k].abs().max().clamp_min(1e-30)).item()
-                 for k in cpu_params}
+        diffs = {
+            k: ((cpu_params[k] - cuda_params[k]).abs().max() / cpu_params[k].abs().max().clamp_min(1e-30)).item()
+            for k in cpu_params
+        }
         worst = max(diffs, key=diffs.get)
         out.update(max_weight_diff_rel=diffs[worst], max_weight_diff_tensor=worst)
     cpu_out, cuda_out = outputs(cpu_model, images), outputs(cuda_model, images)
-    out.update(cosine_cpu_vs_cuda=cosine(cpu_out, cuda_out), cosine_cpu_to_dense=cosine(cpu_out, dense_out),
-               cosine_cuda_to_dense=cosine(cuda_out, dense_out))
+    out.update(
+        cosine_cpu_vs_cuda=cosine(cpu_out, cuda_out),
+        cosine_cpu_to_dense=cosine(cpu_out, dense_out),
+        cosine_cuda_to_dense=cosine(cuda_out, dense_out),
+    )
     return out
 
 
@@ -86,20 +94,30 @@ def main() -> None:
     rows = {}
     for name, setting in settings.items():
         cpu_model, cpu_report, cpu_s = timed_compress(model, batches, CompressConfig.from_settings(**setting))
-        cuda_model, cuda_report, cuda_s = timed_compress(model, batches,
-                                                         CompressConfig.from_settings(**setting, device="cuda"))
-        rows[name] = {"setting": setting, "compress_s": {"cpu": cpu_s, "cuda": cuda_s},
-                      "phases_s": {"cpu": cpu_report["time_s"], "cuda": cuda_report["time_s"]},
-                      "macs": {"cpu": cpu_report["macs"]["compressed"], "cuda": cuda_report["macs"]["compressed"],
-                               "dense": cpu_report["macs"]["dense"]},
-                      "cuda_peak_memory_mb": cuda_report["peak_memory_mb"],
-                      **compare(cpu_model, cuda_model, dense_out, held_out)}
+        cuda_model, cuda_report, cuda_s = timed_compress(
+            model, batches, CompressConfig.from_settings(**setting, device="cuda")
+        )
+        rows[name] = {
+            "setting": setting,
+            "compress_s": {"cpu": cpu_s, "cuda": cuda_s},
+            "phases_s": {"cpu": cpu_report["time_s"], "cuda": cuda_report["time_s"]},
+            "macs": {
+                "cpu": cpu_report["macs"]["compressed"],
+                "cuda": cuda_report["macs"]["compressed"],
+                "dense": cpu_report["macs"]["dense"],
+            },
+            "cuda_peak_memory_mb": cuda_report["peak_memory_mb"],
+            **compare(cpu_model, cuda_model, dense_out, held_out),
+        }
         print(json.dumps({name: rows[name]}), flush=True)
     result = {
         "command": f"python -m benchmarks.studies.cuda_calibration --model {args.model} --images {args.images} "
-                   f"--s {args.s} --macs {args.macs} --out {args.out}",
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name()},
+        f"--s {args.s} --macs {args.macs} --out {args.out}",
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(),
+        },
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
         "versions": library_versions(),
         "rows": rows,

@@ -7,6 +7,7 @@
 Prints the time of one plain forward pass over the same images, the curves pass's total and the
 cumulative profile of the library's functions and the linear-algebra kernels they call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import timm
 import torch
 
 from corp_deploy import CalibrationImages, CompressConfig, model_transform
-from corp_deploy.methods.corp.curves import measure_curves
 from corp_deploy.engine import _embed_all
+from corp_deploy.methods.corp.curves import measure_curves
 
 
 def main() -> None:

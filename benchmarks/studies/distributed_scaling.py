@@ -10,6 +10,7 @@ threads each), random weights, built-in calibration images, uniform s = 0.5 and 
 The outputs are compared on 16 held-out images (max |difference| and cosine of the logits), and
 the kept dims block by block (how many blocks differ).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,30 @@ from corp_deploy.stats import images_worth_the_sums
 
 def compress_command(model: str, images: int, settings: list[str], out: Path, processes: int) -> list[str]:
     corp_deploy = str(Path(sys.executable).parent / "corp-deploy")
-    command = [corp_deploy, "compress", model, "--no-pretrained", "--calib-samples", str(images), *settings,
-               "-o", str(out)]
+    command = [
+        corp_deploy,
+        "compress",
+        model,
+        "--no-pretrained",
+        "--calib-samples",
+        str(images),
+        *settings,
+        "-o",
+        str(out),
+    ]
     if processes == 1:
         return command
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-            "--no-python", "--", *command]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        "--no-python",
+        "--",
+        *command,
+    ]
 
 
 def message_bytes(model: torch.nn.Module, images: int, kept_hidden: int) -> dict[str, int]:
@@ -54,10 +73,18 @@ def message_bytes(model: torch.nn.Module, images: int, kept_hidden: int) -> dict
 
     def moments(dim: int, signs: bool = False) -> int:
         return 8 * (dim * dim + dim * (2 if signs else 1) + dim + 1)  # Gram, sum, [signs], shift and count
-    return {"mlp_moments": moments(hidden, signs=True), "value_moments": moments(width),
-            **({"query_key_grams_gathered": 4 * 2 * images * heads * d * d} if images <= images_worth_the_sums(d)
-               else {"query_key_sums": 8 * heads * (d * (d + 1) // 2) ** 2}),
-            "refit_proj_moments": moments(2 * width), "refit_fc2_moments": moments(kept_hidden + width)}
+
+    return {
+        "mlp_moments": moments(hidden, signs=True),
+        "value_moments": moments(width),
+        **(
+            {"query_key_grams_gathered": 4 * 2 * images * heads * d * d}
+            if images <= images_worth_the_sums(d)
+            else {"query_key_sums": 8 * heads * (d * (d + 1) // 2) ** 2}
+        ),
+        "refit_proj_moments": moments(2 * width),
+        "refit_fc2_moments": moments(kept_hidden + width),
+    }
 
 
 def main() -> None:
@@ -75,17 +102,31 @@ def main() -> None:
             artifacts = {}
             for processes in (1, args.processes):
                 out = Path(folder) / f"{label.split()[0]}-{processes}"
-                env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // processes)),
-                       "CORP_DEPLOY_STATE_DIR": str(Path(folder) / "state")}
+                env = {
+                    **os.environ,
+                    "OMP_NUM_THREADS": str(max(1, cores // processes)),
+                    "CORP_DEPLOY_STATE_DIR": str(Path(folder) / "state"),
+                }
                 start = time.perf_counter()
-                subprocess.run(compress_command(args.model, args.images, settings, out, processes), env=env,
-                               check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    compress_command(args.model, args.images, settings, out, processes),
+                    env=env,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 seconds = time.perf_counter() - start
                 report = json.loads((out / "report.json").read_text())
                 artifacts[processes] = out
-                rows.append({"setting": label, "processes": processes, "threads_each": max(1, cores // processes),
-                             "wall_s": round(seconds, 1), "compress_s": report["time_s"]["total"],
-                             "distributed": report.get("distributed")})
+                rows.append(
+                    {
+                        "setting": label,
+                        "processes": processes,
+                        "threads_each": max(1, cores // processes),
+                        "wall_s": round(seconds, 1),
+                        "compress_s": report["time_s"]["total"],
+                        "distributed": report.get("distributed"),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
             reports = [json.loads((artifacts[p] / "report.json").read_text()) for p in (1, args.processes)]
             dims = [[layer["dims"] for layer in r["layers"]] for r in reports]
@@ -101,12 +142,21 @@ def main() -> None:
     dense = create_base_model(args.model, pretrained=False)
     kept_hidden = blocks_of(dense)[0].mlp.fc1.out_features // 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.distributed_scaling --model {args.model} --images {args.images} "
-                   f"--processes {args.processes} --out {args.out}",
-        "machine": {"cores": cores}, "versions": library_versions(), "rows": rows,
-        "bytes_per_block": message_bytes(dense, args.images, kept_hidden),
-        "blocks": len(blocks_of(dense))}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python -m benchmarks.studies.distributed_scaling "
+                f"--model {args.model} --images {args.images} --processes {args.processes} --out {args.out}",
+                "machine": {"cores": cores},
+                "versions": library_versions(),
+                "rows": rows,
+                "bytes_per_block": message_bytes(dense, args.images, kept_hidden),
+                "blocks": len(blocks_of(dense)),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

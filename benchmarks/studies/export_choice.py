@@ -9,6 +9,7 @@ same process (round-robin, median of the rounds) so that ratios survive a noisy 
     python -m benchmarks.studies.export_choice --models deit_small deit_base --batch 8 --rounds 7 \
         --json benchmarks/results/export_choice.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,13 +52,20 @@ def measure_model(name: str, model: torch.nn.Module, batch: int, rounds: int, th
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        errors = [compare_outputs(refs[b], session.run(None, {"images": x.numpy()})[0]).max_abs
-                  for b, x in inputs.items()]
+        errors = [
+            compare_outputs(refs[b], session.run(None, {"images": x.numpy()})[0]).max_abs for b, x in inputs.items()
+        ]
         sessions[key] = session
-        rows[key] = {"exporter": exporter, "opset": opset, "export_s": round(export_s, 2),
-                     "file_mb": round(path.stat().st_size / 2 ** 20, 1), "nodes": len(graph.node),
-                     "op_types": dict(Counter(n.op_type for n in graph.node).most_common()),
-                     "max_abs_error": max(errors), "latency_s": []}
+        rows[key] = {
+            "exporter": exporter,
+            "opset": opset,
+            "export_s": round(export_s, 2),
+            "file_mb": round(path.stat().st_size / 2**20, 1),
+            "nodes": len(graph.node),
+            "op_types": dict(Counter(n.op_type for n in graph.node).most_common()),
+            "max_abs_error": max(errors),
+            "latency_s": [],
+        }
     feed = {"images": inputs[batch].numpy()}
     for session in sessions.values():  # warm-up
         session.run(None, feed)
@@ -84,13 +92,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    results = {"command": "python -m benchmarks.studies.export_choice " + " ".join(
-                   f"--models {' '.join(args.models)} --s {args.s} --batch {args.batch} "
-                   f"--rounds {args.rounds} --threads {args.threads}".split()),
-               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "threads": args.threads},
-               "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
-               "models": {}}
+    results = {
+        "command": "python -m benchmarks.studies.export_choice "
+        + " ".join(
+            f"--models {' '.join(args.models)} --s {args.s} --batch {args.batch} "
+            f"--rounds {args.rounds} --threads {args.threads}".split()
+        ),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__},
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as work:
         for name in args.models:
             dense = create_base_model(name, pretrained=False, seed=0)
@@ -99,10 +110,13 @@ def main() -> None:
                 rows = measure_model(f"{name}-{label}", model, args.batch, args.rounds, args.threads, Path(work))
                 results["models"][f"{name} {label}"] = rows
                 for key, row in rows.items():
-                    print(f"{name:12s} {label:10s} {key:20s} export {row['export_s']:6.2f}s  "
-                          f"nodes {row['nodes']:5d}  err {row['max_abs_error']:.1e}  "
-                          f"ORT b{args.batch} {row['latency_median_s']:.3f}s "
-                          f"(x{row['latency_vs_torchscript17']:.3f})", flush=True)
+                    print(
+                        f"{name:12s} {label:10s} {key:20s} export {row['export_s']:6.2f}s  "
+                        f"nodes {row['nodes']:5d}  err {row['max_abs_error']:.1e}  "
+                        f"ORT b{args.batch} {row['latency_median_s']:.3f}s "
+                        f"(x{row['latency_vs_torchscript17']:.3f})",
+                        flush=True,
+                    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

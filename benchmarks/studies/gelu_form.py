@@ -8,6 +8,7 @@ the fp32 PyTorch model on held-out photos, and whether the two fp32 forms' outpu
     python -m benchmarks.studies.gelu_form ARTIFACT --graph model --calib 32 \
       --out benchmarks/results/gelu_form_deit_base_s0.5.json
 """
+
 from __future__ import annotations
 
 import json
@@ -59,31 +60,53 @@ def main() -> None:
         rewritten = exporter_form(fused, graphs["fp32, exporter's form"])
         for form in ("fused form", "exporter's form"):
             graphs[f"int8, {form}"] = Path(scratch) / f"int8 {form}.onnx"
-            rows[f"int8, {form}"] = {"smoothing": quantize_int8(
-                graphs[f"fp32, {form}"], graphs[f"int8, {form}"], (b.numpy() for b in calibration),
-                input_scales=scales)["smoothing"]}
+            rows[f"int8, {form}"] = {
+                "smoothing": quantize_int8(
+                    graphs[f"fp32, {form}"],
+                    graphs[f"int8, {form}"],
+                    (b.numpy() for b in calibration),
+                    input_scales=scales,
+                )["smoothing"]
+            }
         runners = {name: OnnxRuntimeRunner(path, "cpu", args.threads) for name, path in graphs.items()}
         outputs = {name: runner.infer(images) for name, runner in runners.items()}
         for name in graphs:
             cosine = cosines(reference, outputs[name])
             rows.setdefault(name, {}).update(cosine_mean=float(cosine.mean()), cosine_min=float(cosine.min()))
         x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)
-        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
-                              min_time=args.min_time)
+        samples = interleaved(
+            {name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()}, min_time=args.min_time
+        )
     for precision in ("fp32", "int8"):
         ratio = speedup(samples[f"{precision}, exporter's form"], samples[f"{precision}, fused form"])
         rows[f"{precision}, fused form"]["speedup_over_exporters_form"] = ratio
-        print(f"{precision}: fused form over exporter's form {ratio['median']:.3f} "
-              f"({ratio['p10']:.3f}-{ratio['p90']:.3f})", flush=True)
+        print(
+            f"{precision}: fused form over exporter's form {ratio['median']:.3f} "
+            f"({ratio['p10']:.3f}-{ratio['p90']:.3f})",
+            flush=True,
+        )
     for name, row in rows.items():
         row["p50_s"] = float(np.median(samples[name]))
         print(f"{name}: {row}", flush=True)
     fp32_difference = float(np.abs(outputs["fp32, fused form"] - outputs["fp32, exporter's form"]).max())
-    args.out.write_text(json.dumps({
-        "artifact": str(args.artifact), "graph": args.graph, "gelus": rewritten, "smoothing_alpha": DEFAULT_ALPHA,
-        "calibration_images": args.calib, "held_out_images": args.images, "batch": args.batch,
-        "threads": args.threads, "machine": machine(),
-        "fp32_forms_max_abs_difference_optimized": fp32_difference, "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "artifact": str(args.artifact),
+                "graph": args.graph,
+                "gelus": rewritten,
+                "smoothing_alpha": DEFAULT_ALPHA,
+                "calibration_images": args.calib,
+                "held_out_images": args.images,
+                "batch": args.batch,
+                "threads": args.threads,
+                "machine": machine(),
+                "fp32_forms_max_abs_difference_optimized": fp32_difference,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ An int8 study reads an artifact's ``export-fp32/`` (made with ``--dense`` for ``
 calibrates on seeded crops of the built-in calibration photos and evaluates on crops of the
 held-out photos, against the float32 PyTorch model of the same graph.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -10,6 +10,7 @@ every graph (fp32 first) timed interleaved on ONNX Runtime's CPU provider.
 ``ARTIFACT`` needs an ``export-fp32/`` made with ``--dense`` (for ``--graph dense``). Calibration:
 the built-in calibration photos (``--calib`` seeded crops); evaluation: crops of the held-out photos.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,22 +45,45 @@ def main() -> None:
             quantize_int8(fp32, path, (b.numpy() for b in calibration), float_modules=kept)
             runners[f"keep {keep}"] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)
             cosine = cosines(reference, runner.infer(images))
-            rows.append({"keep_float": keep, "kept": sorted(kept), "cosine_mean": float(cosine.mean()),
-                         "cosine_min": float(cosine.min())})
+            rows.append(
+                {
+                    "keep_float": keep,
+                    "kept": sorted(kept),
+                    "cosine_mean": float(cosine.mean()),
+                    "cosine_min": float(cosine.min()),
+                }
+            )
             print(f"keep {keep:3d}: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
         x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)
-        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
-                              min_time=args.min_time)
+        samples = interleaved(
+            {name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()}, min_time=args.min_time
+        )
     for row in rows:
         name = f"keep {row['keep_float']}"
         row["p50_s"] = float(np.median(samples[name]))
         row["speedup_over_fp32"] = speedup(samples["fp32"], samples[name])
-        print(f"{name}: speedup over fp32 {row['speedup_over_fp32']['median']:.2f} "
-              f"({row['speedup_over_fp32']['p10']:.2f}-{row['speedup_over_fp32']['p90']:.2f})", flush=True)
-    args.out.write_text(json.dumps({"artifact": str(args.artifact), "graph": args.graph, "linear_layers": len(ranking),
-                                    "calibration_images": args.calib, "held_out_images": args.images,
-                                    "batch": args.batch, "threads": args.threads, "machine": machine(),
-                                    "fp32_p50_s": float(np.median(samples["fp32"])), "rows": rows}, indent=2))
+        print(
+            f"{name}: speedup over fp32 {row['speedup_over_fp32']['median']:.2f} "
+            f"({row['speedup_over_fp32']['p10']:.2f}-{row['speedup_over_fp32']['p90']:.2f})",
+            flush=True,
+        )
+    args.out.write_text(
+        json.dumps(
+            {
+                "artifact": str(args.artifact),
+                "graph": args.graph,
+                "linear_layers": len(ranking),
+                "calibration_images": args.calib,
+                "held_out_images": args.images,
+                "batch": args.batch,
+                "threads": args.threads,
+                "machine": machine(),
+                "fp32_p50_s": float(np.median(samples["fp32"])),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ first) timed interleaved on ONNX Runtime's CPU provider.
 
 ``ARTIFACT`` needs an ``export-fp32/`` made with ``--dense`` (for ``--graph dense``).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,15 +44,28 @@ def main() -> None:
             rows[name] = {"cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())}
             print(f"{name} in int8: cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
         x = np.random.default_rng(0).standard_normal((args.batch, *images.shape[1:]), dtype=np.float32)
-        samples = interleaved({name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()},
-                              min_time=args.min_time)
+        samples = interleaved(
+            {name: (lambda r=runner: r.infer(x)) for name, runner in runners.items()}, min_time=args.min_time
+        )
     for name, row in rows.items():
         row["speedup_over_fp32"] = ratio = speedup(samples["fp32"], samples[name])
         print(f"{name}: speedup over fp32 {ratio['median']:.2f} ({ratio['p10']:.2f}-{ratio['p90']:.2f})", flush=True)
-    args.out.write_text(json.dumps({"artifact": str(args.artifact), "graph": args.graph, "smoothing_alpha": DEFAULT_ALPHA,
-                                    "calibration_images": args.calib, "held_out_images": args.images,
-                                    "batch": args.batch, "threads": args.threads, "machine": machine(),
-                                    "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "artifact": str(args.artifact),
+                "graph": args.graph,
+                "smoothing_alpha": DEFAULT_ALPHA,
+                "calibration_images": args.calib,
+                "held_out_images": args.images,
+                "batch": args.batch,
+                "threads": args.threads,
+                "machine": machine(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

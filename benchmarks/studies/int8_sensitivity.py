@@ -7,6 +7,7 @@ fc1, fc2; then by block), and each int8 graph's output cosine to the fp32 graph 
 ``ARTIFACT`` needs an ``export-fp32/`` made with ``--dense`` (for ``--graph dense``). Calibration:
 the built-in calibration photos (64 seeded crops); evaluation: crops of the held-out photos.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,11 @@ def main() -> None:
     reference = OnnxRuntimeRunner(fp32, "cpu").infer(images)
     blocks = len(model.blocks)
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    groups = {"none (every Linear int8)": set(),
-              **{f"{kind} float": {p for p in linears if p.endswith(kind)} for kind in KINDS},
-              **{f"block {b} float": {p for p in linears if p.startswith(f"blocks.{b}.")} for b in range(blocks)}}
+    groups = {
+        "none (every Linear int8)": set(),
+        **{f"{kind} float": {p for p in linears if p.endswith(kind)} for kind in KINDS},
+        **{f"block {b} float": {p for p in linears if p.startswith(f"blocks.{b}.")} for b in range(blocks)},
+    }
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, float_modules in groups.items():
@@ -56,8 +59,18 @@ def main() -> None:
             cosine = (reference * out).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(out, axis=1))
             rows.append({"kept_float": label, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())})
             print(f"{label:28s} cosine mean {cosine.mean():.4f} min {cosine.min():.4f}", flush=True)
-    args.out.write_text(json.dumps({"artifact": str(args.artifact), "graph": args.graph, "calibration_images":
-                                    args.calib, "held_out_images": args.images, "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "artifact": str(args.artifact),
+                "graph": args.graph,
+                "calibration_images": args.calib,
+                "held_out_images": args.images,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

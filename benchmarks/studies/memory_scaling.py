@@ -8,6 +8,7 @@ Each (model, images) point runs in a fresh process, so its peak RSS is its own: 
 resident memory, the dense model's size (float32 parameters), one forward pass over the same
 images and the compress wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,14 +53,24 @@ def main() -> None:
     rows = []
     for model in args.models.split(","):
         for images in args.images.split(","):
-            done = subprocess.run([sys.executable, "-c", POINT, model, images], check=True, capture_output=True,
-                                  text=True)
+            done = subprocess.run(
+                [sys.executable, "-c", POINT, model, images], check=True, capture_output=True, text=True
+            )
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.memory_scaling --models {args.models} --images {args.images} "
-                   f"--out {args.out}", "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": f"python -m benchmarks.studies.memory_scaling --models {args.models} --images {args.images} "
+                f"--out {args.out}",
+                "versions": library_versions(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ wrapping the engine's phase timer; ``outside phases`` is the time between them).
 the model itself, as the CLI does; without it the library keeps the caller's model and compresses a copy.
 Run it in a fresh process per point: the peak is the process's own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, model_transform
-from corp_deploy import engine
+from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, engine, model_transform
 from corp_deploy.artifact import library_versions
 
 
@@ -62,6 +62,7 @@ class PhaseSampler:
                     yield
             finally:
                 self.phases.pop()
+
         engine._PhaseTimer.__call__ = call
         self._thread.start()
         try:
@@ -84,16 +85,20 @@ def main() -> None:
     model = create_base_model(args.model, {}, pretrained=False, seed=0)
     transform, _ = model_transform(model)
     images = CalibrationImages.from_builtin(transform, count=args.images, batch_size=32)
-    config = CompressConfig.from_settings(macs=args.macs) if args.macs is not None else \
-        CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s)
+    config = (
+        CompressConfig.from_settings(macs=args.macs)
+        if args.macs is not None
+        else CompressConfig.from_settings(s_mlp=args.s, s_attn=args.s)
+    )
     before = resident_mib()
     start = time.perf_counter()
     with PhaseSampler().tracking() as sampler:
         _, report = compress(model, images, config, in_place=args.in_place)
     result = {
         "command": f"python -m benchmarks.studies.phase_memory --model {args.model} --images {args.images} "
-                   + (f"--macs {args.macs}" if args.macs is not None else f"--s {args.s}")
-                   + (" --in-place" if args.in_place else "") + f" --out {args.out}",
+        + (f"--macs {args.macs}" if args.macs is not None else f"--s {args.s}")
+        + (" --in-place" if args.in_place else "")
+        + f" --out {args.out}",
         "versions": library_versions(),
         "resident_before_compress_mib": round(before),
         "peak_resident_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -11,6 +11,7 @@
 
 One thread; times are indicative only (the machine is shared).
 """
+
 from __future__ import annotations
 
 import time
@@ -50,13 +51,14 @@ def float32_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tenso
     curve = torch.zeros(d + 1, dtype=torch.float64)
     curve[0] = products.sum()
     for k in range(1, d):
-        v = (y[:k * k] - lt_e[k - 1, :k * k] + lam * inv_e[:k * k, k - 1]).double()
+        v = (y[: k * k] - lt_e[k - 1, : k * k] + lam * inv_e[: k * k, k - 1]).double()
         curve[k] = sliced[k] - v.square().sum()
     return curve.clamp_min(0.0) / a_full.shape[0]
 
 
-def preconditioned_cg(a: torch.Tensor, g: torch.Tensor, rhs: torch.Tensor, lam: float, tol: float = 1e-10,
-                      max_iter: int = 1000) -> tuple[torch.Tensor, int]:
+def preconditioned_cg(
+    a: torch.Tensor, g: torch.Tensor, rhs: torch.Tensor, lam: float, tol: float = 1e-10, max_iter: int = 1000
+) -> tuple[torch.Tensor, int]:
     """``M`` with ``sum_i a_i M g_i + lam M = rhs`` (``a``, ``g``: ``(N, k, k)``) and the iterations taken."""
     da, ua = torch.linalg.eigh(a.mean(0))
     dg, ug = torch.linalg.eigh(g.mean(0))
@@ -93,15 +95,19 @@ def main() -> None:
         hidden = [embed_tokens(dense, batch) for batch in calib]
         for index, block in enumerate(blocks_of(dense)):
             if index in (0, 5, 11):
-                heads = HeadGrams(summed_after=10 ** 9)  # kept per image
+                heads = HeadGrams(summed_after=10**9)  # kept per image
                 for x in hidden:
                     probe_query_keys(block, x, heads.add)
-                grams[index] = (torch.cat(heads.query).double().transpose(0, 1).contiguous(),
-                                torch.cat(heads.key).double().transpose(0, 1).contiguous())
+                grams[index] = (
+                    torch.cat(heads.query).double().transpose(0, 1).contiguous(),
+                    torch.cat(heads.key).double().transpose(0, 1).contiguous(),
+                )
             hidden = [block(x) for x in hidden]
     torch.set_num_threads(1)
-    print("block head | float32 curve: max |error| / J(0) | CG per k=8,24,40,56: iterations, "
-          "relative distance to the direct solve, direct s / CG s")
+    print(
+        "block head | float32 curve: max |error| / J(0) | CG per k=8,24,40,56: iterations, "
+        "relative distance to the direct solve, direct s / CG s"
+    )
     for index, (a_full, g_full) in grams.items():
         sums = [ImageGrams(a, g) for a, g in zip(a_full, g_full)]
         orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
@@ -119,8 +125,9 @@ def main() -> None:
                 a = a_full[h][:, order][:, :, order]
                 g = g_full[h][:, order][:, :, order]
                 start = time.perf_counter()
-                m, iterations = preconditioned_cg(a[:, :k, :k].contiguous(), g[:, :k, :k].contiguous(),
-                                                  (a[:, :k, k:] @ g[:, k:, :k]).sum(0), lam)
+                m, iterations = preconditioned_cg(
+                    a[:, :k, :k].contiguous(), g[:, :k, :k].contiguous(), (a[:, :k, k:] @ g[:, k:, :k]).sum(0), lam
+                )
                 cg_s = time.perf_counter() - start
                 distance = float((m - direct.M).norm() / direct.M.norm())
                 cells.append(f"{iterations} {distance:.1e} {direct_s:.2f}/{cg_s:.2f}")

@@ -12,6 +12,7 @@ change the cost). Each point runs in a fresh process, so its peak RSS (``ru_maxr
 collecting the statistics in batches of 32 images, then what uniform compression does with them
 (the heads' sums, ranking, one solve per head at 32 kept dims), then one head's budget curve.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,25 +66,39 @@ print(json.dumps({"images": images, "form": form, "kept": kept, "statistics_mb":
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", default="256,1024,2048,4096")
-    parser.add_argument("--per-image-up-to", type=int, default=2048,
-                        help="past the images worth the sums, also keep the Grams per image (forced) up to "
-                             "this many images")
+    parser.add_argument(
+        "--per-image-up-to",
+        type=int,
+        default=2048,
+        help="past the images worth the sums, also keep the Grams per image (forced) up to this many images",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rows = []
     for images in (int(n) for n in args.images.split(",")):
-        forms = ["default", "summed"] + (["per-image"] if images_worth_the_sums(64) < images <= args.per_image_up_to
-                                         else [])
+        forms = ["default", "summed"] + (
+            ["per-image"] if images_worth_the_sums(64) < images <= args.per_image_up_to else []
+        )
         for form in forms:
-            result = subprocess.run([sys.executable, "-c", POINT, str(images), form], check=True,
-                                    capture_output=True, text=True)
+            result = subprocess.run(
+                [sys.executable, "-c", POINT, str(images), form], check=True, capture_output=True, text=True
+            )
             rows.append(json.loads(result.stdout))
             print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": f"python -m benchmarks.studies.qk_statistics_memory --images {args.images} "
-                   f"--per-image-up-to {args.per_image_up_to} --out {args.out}",
-        "machine": {"cores": os.cpu_count()}, "versions": library_versions(), "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": f"python -m benchmarks.studies.qk_statistics_memory --images {args.images} "
+                f"--per-image-up-to {args.per_image_up_to} --out {args.out}",
+                "machine": {"cores": os.cpu_count()},
+                "versions": library_versions(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ ViT-S/14 (FFN pruned only, attention dense):
 Reported: held-out feature cosine to the dense model for both at several sparsities, and
 ONNX Runtime CPU latency of dense, static and per-input at one sparsity, timed interleaved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,9 @@ class PerInputFFNBlock(nn.Module):
         x = x + b.ls1(b.attn(xn))
         y = b.norm2(x)
         probe = mlp.act(mlp.fc1(y[:, self.probe_tokens]))  # class token + sample
-        importance = (TokenChannelImportance.CLASS_WEIGHT * probe[:, 0].abs()
-                      + TokenChannelImportance.SAMPLE_WEIGHT * (weights[..., None] * probe[:, 1:].abs()).mean(1))
+        importance = TokenChannelImportance.CLASS_WEIGHT * probe[:, 0].abs() + TokenChannelImportance.SAMPLE_WEIGHT * (
+            weights[..., None] * probe[:, 1:].abs()
+        ).mean(1)
         top = importance.topk(self.kept, dim=1).indices  # (B, k)
         w1, b1 = mlp.fc1.weight[top], mlp.fc1.bias[top]  # (B, k, C), (B, k)
         w2 = mlp.fc2.weight.T[top]  # (B, k, C_out)
@@ -73,10 +75,11 @@ def per_input_model(dense: nn.Module, sparsity: float, fraction: float, seed: in
     model = copy.deepcopy(dense)
     patches = model.patch_embed.num_patches
     g = torch.Generator().manual_seed(seed)
-    sample = torch.randperm(patches, generator=g)[:max(1, round(fraction * patches))].sort().values
+    sample = torch.randperm(patches, generator=g)[: max(1, round(fraction * patches))].sort().values
     sample = sample + model.num_prefix_tokens
-    model.blocks = nn.Sequential(*[PerInputFFNBlock(block, kept_count(block.mlp.fc1.out_features, sparsity), sample)
-                                   for block in model.blocks])
+    model.blocks = nn.Sequential(
+        *[PerInputFFNBlock(block, kept_count(block.mlp.fc1.out_features, sparsity), sample) for block in model.blocks]
+    )
     return model.eval()
 
 
@@ -97,11 +100,17 @@ def main() -> None:
     dense, transform, calib, held = dinov2_study_setup(args.calib, args.held_out)
     rows, models = [], {"dense": dense}
     for s in (float(v) for v in args.sparsities.split(",")):
-        static, _ = compress(dense, calib, CompressConfig.from_settings(method="toast", target="mlp", s_mlp=s,
-                                                          token_fraction=args.fraction))
+        static, _ = compress(
+            dense,
+            calib,
+            CompressConfig.from_settings(method="toast", target="mlp", s_mlp=s, token_fraction=args.fraction),
+        )
         dynamic = per_input_model(dense, s, args.fraction)
-        row = {"sparsity": s, "static": feature_cosine(dense, static, held),
-               "per_input": feature_cosine(dense, dynamic, held)}
+        row = {
+            "sparsity": s,
+            "static": feature_cosine(dense, static, held),
+            "per_input": feature_cosine(dense, dynamic, held),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
         if s == args.time_sparsity:
@@ -113,21 +122,30 @@ def main() -> None:
             export_onnx(model, Path(work) / f"{name}.onnx", (3, 224, 224))
             runners[name] = OnnxRuntimeRunner(Path(work) / f"{name}.onnx", "cpu", threads=args.threads)
         x = np.random.default_rng(0).standard_normal((args.batch, 3, 224, 224), dtype=np.float32)
-        parity = float(np.abs(runners["per_input"].infer(x) - models["per_input"](torch.from_numpy(x))
-                              .detach().numpy()).max())
-        samples = interleaved({name: (lambda r=r: r.infer(x)) for name, r in runners.items()},
-                              min_time=args.min_time)
-    timing = {"batch": args.batch, "sparsity": args.time_sparsity, "onnx_per_input_max_abs_vs_torch": parity,
-              **{name: summarize(t, args.batch) for name, t in samples.items()},
-              "speedup_static": speedup(samples["dense"], samples["static"]),
-              "speedup_per_input": speedup(samples["dense"], samples["per_input"]),
-              "per_input_over_static": speedup(samples["per_input"], samples["static"])}
+        parity = float(
+            np.abs(runners["per_input"].infer(x) - models["per_input"](torch.from_numpy(x)).detach().numpy()).max()
+        )
+        samples = interleaved({name: (lambda r=r: r.infer(x)) for name, r in runners.items()}, min_time=args.min_time)
+    timing = {
+        "batch": args.batch,
+        "sparsity": args.time_sparsity,
+        "onnx_per_input_max_abs_vs_torch": parity,
+        **{name: summarize(t, args.batch) for name, t in samples.items()},
+        "speedup_static": speedup(samples["dense"], samples["static"]),
+        "speedup_per_input": speedup(samples["dense"], samples["per_input"]),
+        "per_input_over_static": speedup(samples["per_input"], samples["static"]),
+    }
     print(json.dumps(timing), flush=True)
-    write_dinov2_study(args.out, f"python -m benchmarks.studies.toast_selection --calib {args.calib} --held-out "
-                                 f"{args.held_out} --sparsities {args.sparsities} --fraction {args.fraction} "
-                                 f"--time-sparsity {args.time_sparsity} --batch {args.batch} --threads {args.threads} "
-                                 f"--min-time {args.min_time} --out {args.out}", "; FFN pruned only",
-                       fidelity=rows, onnxruntime_cpu=timing)
+    write_dinov2_study(
+        args.out,
+        f"python -m benchmarks.studies.toast_selection --calib {args.calib} --held-out "
+        f"{args.held_out} --sparsities {args.sparsities} --fraction {args.fraction} "
+        f"--time-sparsity {args.time_sparsity} --batch {args.batch} --threads {args.threads} "
+        f"--min-time {args.min_time} --out {args.out}",
+        "; FFN pruned only",
+        fidelity=rows,
+        onnxruntime_cpu=timing,
+    )
 
 
 if __name__ == "__main__":

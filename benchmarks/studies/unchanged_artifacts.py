@@ -15,6 +15,7 @@ library versions, and ``--check`` refuses a record from elsewhere. Not a test fo
 The case list is written out here, not imported from tests, so that it cannot move with the
 code it checks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,30 +39,80 @@ SMALL = dict(depth=2, embed_dim=192, num_heads=3, num_classes=10)
 #: name: (timm model, creation arguments, image size, target that prunes every part the family
 #: allows (None: the method's default), methods that apply)
 FAMILIES = {
-    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None,
-            ("corp", "vbp", "toast")),
-    "hybrid-cnn-stem": ("vit_tiny_r_s16_p8_224", dict(img_size=64, depth=2, num_classes=10), 64, None,
-                        ("corp", "vbp", "toast")),
-    "vit-swiglu": ("vit_giant_patch14_dinov2", dict(img_size=28, patch_size=7, **SMALL), 28, None,
-                   ("corp", "vbp", "toast")),
-    "relpos": ("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, None,
-               ("corp", "vbp", "toast")),
+    "vit": (
+        "vit_tiny_patch16_224",
+        dict(img_size=32, patch_size=8, depth=2, num_classes=10),
+        32,
+        None,
+        ("corp", "vbp", "toast"),
+    ),
+    "hybrid-cnn-stem": (
+        "vit_tiny_r_s16_p8_224",
+        dict(img_size=64, depth=2, num_classes=10),
+        64,
+        None,
+        ("corp", "vbp", "toast"),
+    ),
+    "vit-swiglu": (
+        "vit_giant_patch14_dinov2",
+        dict(img_size=28, patch_size=7, **SMALL),
+        28,
+        None,
+        ("corp", "vbp", "toast"),
+    ),
+    "relpos": (
+        "vit_relpos_small_patch16_224",
+        dict(img_size=32, patch_size=8, depth=2, num_classes=10),
+        32,
+        None,
+        ("corp", "vbp", "toast"),
+    ),
     "beit": ("beit_base_patch16_224", dict(img_size=32, patch_size=8, **SMALL), 32, None, ("corp", "vbp", "toast")),
-    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, depth=2, num_classes=10), 28, "mlp-vo",
-              ("corp", "vbp", "toast")),
-    "dinov3": ("vit_small_patch16_dinov3", dict(img_size=32, patch_size=8, dynamic_img_size=False, **SMALL), 32,
-               "mlp-vo", ("corp", "vbp", "toast")),
+    "eva02": (
+        "eva02_tiny_patch14_224",
+        dict(img_size=28, patch_size=7, depth=2, num_classes=10),
+        28,
+        "mlp-vo",
+        ("corp", "vbp", "toast"),
+    ),
+    "dinov3": (
+        "vit_small_patch16_dinov3",
+        dict(img_size=32, patch_size=8, dynamic_img_size=False, **SMALL),
+        32,
+        "mlp-vo",
+        ("corp", "vbp", "toast"),
+    ),
     "eva02-sub-ln": ("eva02_base_patch14_224", dict(img_size=28, patch_size=7, **SMALL), 28, "vo", ("corp",)),
-    "eva-clip": ("eva_giant_patch14_224", dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL), 28, None,
-                 ("corp", "vbp", "toast")),
+    "eva-clip": (
+        "eva_giant_patch14_224",
+        dict(img_size=28, patch_size=7, mlp_ratio=4.0, **SMALL),
+        28,
+        None,
+        ("corp", "vbp", "toast"),
+    ),
     "cait": ("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp", ("corp", "vbp")),
-    "swin": ("swin_tiny_patch4_window7_224", dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
-                                                  num_classes=10), 56, None, ("corp", "vbp")),
+    "swin": (
+        "swin_tiny_patch4_window7_224",
+        dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10),
+        56,
+        None,
+        ("corp", "vbp"),
+    ),
 }
 
 #: ``corp-deploy compress`` runs on one small ViT (random weights, built-in photos).
-CLI_MODEL = ["vit_tiny_patch16_224", "--no-pretrained", "--model-arg", "img_size=64", "--model-arg", "depth=2",
-             "--calib-samples", "16", "--batch-size", "8"]
+CLI_MODEL = [
+    "vit_tiny_patch16_224",
+    "--no-pretrained",
+    "--model-arg",
+    "img_size=64",
+    "--model-arg",
+    "depth=2",
+    "--calib-samples",
+    "16",
+    "--batch-size",
+    "8",
+]
 CLI_CASES = {
     "corp-s0.5": [],
     "corp-all-s0.3-round8": ["--target", "all", "--s", "0.3", "--round-to", "8"],
@@ -99,8 +150,9 @@ def api_configs(family: str) -> dict[str, CompressConfig]:
     if "vbp" in methods:
         configs["vbp-s0.5"] = CompressConfig(method="vbp", s_mlp=0.5)
     if "toast" in methods:
-        configs["toast-s0.5"] = CompressConfig(method="toast", s_mlp=0.5, s_attn=0.5,
-                                               target="mlp" if target is not None else None)
+        configs["toast-s0.5"] = CompressConfig(
+            method="toast", s_mlp=0.5, s_attn=0.5, target="mlp" if target is not None else None
+        )
     return configs
 
 
@@ -109,8 +161,10 @@ def artifact_hashes(folder: Path) -> dict[str, str]:
     config = json.loads((folder / "config.json").read_text())
     config.pop("created", None)
     config.pop("versions", None)
-    return {"model.safetensors": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
-            "config.json": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()}
+    return {
+        "model.safetensors": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
+        "config.json": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+    }
 
 
 def all_hashes(work: Path) -> dict[str, dict[str, str]]:
@@ -121,16 +175,25 @@ def all_hashes(work: Path) -> dict[str, dict[str, str]]:
             generator = torch.Generator().manual_seed(1)
             images = [torch.randn(8, 3, size, size, generator=generator) for _ in range(2)]
             model, report = compress(dense_model(family), images, config)
-            folder = save_artifact(model, work / f"{family}-{case}", plots=False, report=report,
-                                   base_model={"name": name, "model_kwargs": kwargs, "weights": {"source": "random"}},
-                                   settings=config.to_dict())
+            folder = save_artifact(
+                model,
+                work / f"{family}-{case}",
+                plots=False,
+                report=report,
+                base_model={"name": name, "model_kwargs": kwargs, "weights": {"source": "random"}},
+                settings=config.to_dict(),
+            )
             hashes[f"api/{family}/{case}"] = artifact_hashes(folder)
             print(f"api/{family}/{case}", flush=True)
     for case, args in CLI_CASES.items():
         out = work / f"cli-{case}"
-        subprocess.run([sys.executable, "-m", "corp_deploy.launch", "compress", *CLI_MODEL, *args, "-o", str(out)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(work / "state"), "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [sys.executable, "-m", "corp_deploy.launch", "compress", *CLI_MODEL, *args, "-o", str(out)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(work / "state"), "OMP_NUM_THREADS": "1"},
+        )
         hashes[f"cli/{case}"] = artifact_hashes(out)
         print(f"cli/{case}", flush=True)
     return hashes
@@ -138,10 +201,16 @@ def all_hashes(work: Path) -> dict[str, dict[str, str]]:
 
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.exists() else []
-    return {"cpu": names[0] if names else platform.machine(), "platform": platform.platform(),
-            "versions": library_versions()}
+    names = (
+        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if cpuinfo.exists()
+        else []
+    )
+    return {
+        "cpu": names[0] if names else platform.machine(),
+        "platform": platform.platform(),
+        "versions": library_versions(),
+    }
 
 
 def main() -> None:
@@ -154,8 +223,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         hashes = all_hashes(Path(work))
     if args.record:
-        args.record.write_text(json.dumps({"command": " ".join(["python -m", __spec__.name, *sys.argv[1:]]), "machine": machine(), "hashes": hashes},
-                                          indent=1) + "\n")
+        args.record.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python -m", __spec__.name, *sys.argv[1:]]),
+                    "machine": machine(),
+                    "hashes": hashes,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"recorded {len(hashes)} artifacts in {args.record}")
         return
     recorded = json.loads(args.check.read_text())

@@ -13,6 +13,7 @@ images unlike the calibration set (``error_unlike``); and the cosine of the mode
 to the dense model's with only this unit pruned (``photos_output``, ``unlike_output``). The
 allocation assumes the first column orders the units as the last two do.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ from corp_deploy.methods.corp.curves import ResidualEnergy
 from corp_deploy.stats import MomentAccumulator
 
 
-def hidden_moments(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[list[MomentAccumulator],
-                                                                                 list[ResidualEnergy]]:
+def hidden_moments(
+    model: torch.nn.Module, batches: list[torch.Tensor]
+) -> tuple[list[MomentAccumulator], list[ResidualEnergy]]:
     """Per block: the moments of the MLP's hidden activations over ``batches`` and the energy of the
     residual stream where the MLP writes (after the attention)."""
     moments = [MomentAccumulator(b.mlp.fc1.out_features, track_positive=False) for b in model.blocks]
@@ -82,18 +84,28 @@ def main() -> None:
             solution = channels.solve_channels(calib_stats[index], weight, kept_set, pruned, args.ridge)
             model = copy.deepcopy(dense)
             channels.fold_mlp(model.blocks[index].mlp, solution.kept, solution.pruned, solution.B, solution.c)
-            errors = {name: unit_error(solution, weight, stats[index])
-                      for name, stats in (("calib", calib_stats), ("photos", held_stats), ("unlike", unlike_stats))}
-            row = {"block": index, "kept": kept, "fraction": fraction,
-                   "distortion": errors["calib"] / energies[index].value,
-                   **{f"error_{name}": value for name, value in errors.items()},
-                   "photos_output": feature_cosine(dense, model, held)["output_cosine"],
-                   "unlike_output": feature_cosine(dense, model, unlike)["output_cosine"]}
+            errors = {
+                name: unit_error(solution, weight, stats[index])
+                for name, stats in (("calib", calib_stats), ("photos", held_stats), ("unlike", unlike_stats))
+            }
+            row = {
+                "block": index,
+                "kept": kept,
+                "fraction": fraction,
+                "distortion": errors["calib"] / energies[index].value,
+                **{f"error_{name}": value for name, value in errors.items()},
+                "photos_output": feature_cosine(dense, model, held)["output_cosine"],
+                "unlike_output": feature_cosine(dense, model, unlike)["output_cosine"],
+            }
             print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
             rows.append(row)
-            write_dinov2_study(args.out, f"python -m benchmarks.studies.unit_generalization --calib {args.calib} "
-                                         f"--held-out {args.held_out} --unlike {args.unlike} --fractions "
-                                         f"{args.fractions} --ridge {args.ridge} --out {args.out}", rows=rows)
+            write_dinov2_study(
+                args.out,
+                f"python -m benchmarks.studies.unit_generalization --calib {args.calib} "
+                f"--held-out {args.held_out} --unlike {args.unlike} --fractions "
+                f"{args.fractions} --ridge {args.ridge} --out {args.out}",
+                rows=rows,
+            )
 
 
 if __name__ == "__main__":

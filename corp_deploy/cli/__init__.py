@@ -5,6 +5,7 @@
 besides (warnings, input folders, the dense model). Commands: :mod:`.compress`, :mod:`.export`,
 :mod:`.bench`, :mod:`.sweep`; each registers itself on the group when imported here.
 """
+
 from . import bench, compress, export, sweep  # noqa: F401  (registers the commands)
 from .group import EXIT_CODES, cli
 

@@ -1,4 +1,5 @@
 """``corp-deploy bench``: latency, parity and fidelity against the dense model, and the gate."""
+
 from __future__ import annotations
 
 import sys
@@ -14,25 +15,63 @@ from .options import evaluation_options, parse_sizes, timing_options
 @cli.command()
 @click.argument("target", required=False, type=click.Path(path_type=Path))
 @timing_options
-@click.option("--warmup", type=click.IntRange(0, 10_000), default=3, show_default=True,
-              help="Untimed rounds before timing.")
+@click.option(
+    "--warmup", type=click.IntRange(0, 10_000), default=3, show_default=True, help="Untimed rounds before timing."
+)
 @evaluation_options
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the full report.")
 @click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write tables.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG plot.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Write bench.json, bench.md and bench.png into this directory.")
-@click.option("--baseline", type=click.Path(path_type=Path), default=None,
-              help="A previous --json report: fail when latency, speedup or fidelity regress.")
-@click.option("--max-regression", type=float, default=0.05, show_default=True,
-              help="Allowed relative regression against --baseline.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write bench.json, bench.md and bench.png into this directory.",
+)
+@click.option(
+    "--baseline",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A previous --json report: fail when latency, speedup or fidelity regress.",
+)
+@click.option(
+    "--max-regression",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Allowed relative regression against --baseline.",
+)
 @click.option("--min-agreement", type=float, default=None, help="Fail below this top-1 agreement with dense.")
 @click.option("--max-kl", type=float, default=None, help="Fail above this mean KL divergence from dense.")
 @click.option("--min-cosine", type=float, default=None, help="Fail below this mean feature cosine to dense.")
-@click.option("--min-parity-cosine", type=float, default=0.999, show_default=True,
-              help="Fail when any backend's output cosine to PyTorch (CPU) is below this.")
-def bench(target, backends, batches, threads, warmup, min_time, data, data_samples, json_path, markdown_path,
-          plot_path, output, baseline, max_regression, min_agreement, max_kl, min_cosine, min_parity_cosine):
+@click.option(
+    "--min-parity-cosine",
+    type=float,
+    default=0.999,
+    show_default=True,
+    help="Fail when any backend's output cosine to PyTorch (CPU) is below this.",
+)
+def bench(
+    target,
+    backends,
+    batches,
+    threads,
+    warmup,
+    min_time,
+    data,
+    data_samples,
+    json_path,
+    markdown_path,
+    plot_path,
+    output,
+    baseline,
+    max_regression,
+    min_agreement,
+    max_kl,
+    min_cosine,
+    min_parity_cosine,
+):
     """Latency, parity and fidelity of a compressed model against its dense base.
 
     TARGET is an artifact (its export-fp32/ export is used when present) or an export
@@ -57,17 +96,36 @@ def bench(target, backends, batches, threads, warmup, min_time, data, data_sampl
     from benchmarks.pipeline import bench_target
     from benchmarks.report import check_report_outputs, print_terminal, write_outputs
 
-    settings = BenchSettings(backends=parse_families(backends), batches=parse_sizes(batches, "--batch"),
-                             threads=threads, warmup=warmup, min_time=min_time)
-    limits = GateLimits(max_regression=max_regression, min_agreement=min_agreement, max_kl=max_kl,
-                        min_cosine=min_cosine, min_parity_cosine=min_parity_cosine,
-                        parity_requested=given_on_command_line("min_parity_cosine"))
-    files, folder = check_report_outputs({"json": json_path, "markdown": markdown_path, "plot": plot_path}, output,
-                                         baseline)
+    settings = BenchSettings(
+        backends=parse_families(backends),
+        batches=parse_sizes(batches, "--batch"),
+        threads=threads,
+        warmup=warmup,
+        min_time=min_time,
+    )
+    limits = GateLimits(
+        max_regression=max_regression,
+        min_agreement=min_agreement,
+        max_kl=max_kl,
+        min_cosine=min_cosine,
+        min_parity_cosine=min_parity_cosine,
+        parity_requested=given_on_command_line("min_parity_cosine"),
+    )
+    files, folder = check_report_outputs(
+        {"json": json_path, "markdown": markdown_path, "plot": plot_path}, output, baseline
+    )
     data = input_dir(data, "--data")
     check_apart([*files.values(), *([folder] if folder else [])], {"--data": data})
-    report = bench_target(target, settings, limits, data=data, data_samples=data_samples, baseline=baseline,
-                          log=lambda message: click.echo(message, err=True), warn=warn)
+    report = bench_target(
+        target,
+        settings,
+        limits,
+        data=data,
+        data_samples=data_samples,
+        baseline=baseline,
+        log=lambda message: click.echo(message, err=True),
+        warn=warn,
+    )
     written = write_outputs(report, files, folder)
     print_terminal(report)
     for path in written:

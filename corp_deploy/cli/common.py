@@ -1,5 +1,6 @@
 """What several commands share: warnings, input folders kept apart from outputs, and the dense
 model built from the model-source options."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,13 +25,16 @@ def given_on_command_line(parameter: str) -> bool:
 
 
 def warn_builtin_calibration() -> None:
-    warn("no --calib given; calibrating on built-in photos. Images from your deployment distribution give "
-          "better accuracy.")
+    warn(
+        "no --calib given; calibrating on built-in photos. Images from your deployment distribution give "
+        "better accuracy."
+    )
 
 
 def input_dir(path: Path | None, option: str) -> Path | None:
     """An input directory option, absolute (:func:`corp_deploy.files.existing_dir`); None if not given."""
     from ..files import existing_dir
+
     return None if path is None else existing_dir(path, option)
 
 
@@ -39,18 +43,20 @@ def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_
     own files as images) or, for a command that ``records_state`` (compress), the state folder lies
     inside its output (it would become a file the output's record does not list)."""
     from ..artifact import state_dir
+
     state = state_dir().resolve()
     for output in outputs:
         for option, folder in inputs.items():
             if folder is not None and (output == folder or folder in output.parents):
                 raise CorpError(f"{output} lies inside {option} {folder}; write outputs outside the image folders")
         if records_state and (state == output or output in state.parents):
-            raise CorpError(f"the state folder {state} lies inside {output}; choose another -o (or set "
-                            "CORP_DEPLOY_STATE_DIR elsewhere)")
+            raise CorpError(
+                f"the state folder {state} lies inside {output}; choose another -o (or set "
+                "CORP_DEPLOY_STATE_DIR elsewhere)"
+            )
 
 
-def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool,
-                 seed: int):
+def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool, seed: int):
     """Check the model-source options and build the dense model; returns it and its artifact record."""
     from ..artifact import base_model_spec, weights_record
     from ..models import create_base_model, resolve_model_name
@@ -63,6 +69,8 @@ def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None
     full_name = resolve_model_name(model, kwargs)
     click.echo(f"building {full_name} ...", err=True)
     base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint, seed=seed)
-    record = {**base_model_spec(base, full_name, kwargs),
-              "weights": weights_record(checkpoint, not no_pretrained, seed)}
+    record = {
+        **base_model_spec(base, full_name, kwargs),
+        "weights": weights_record(checkpoint, not no_pretrained, seed),
+    }
     return base, record

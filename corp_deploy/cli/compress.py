@@ -1,4 +1,5 @@
 """``corp-deploy compress``: calibrate, rank, compensate, write an artifact."""
+
 from __future__ import annotations
 
 import sys
@@ -9,8 +10,15 @@ import click
 from ..config import DEFAULT_SPARSITY, CompressConfig
 from ..errors import CorpError
 from ..methods import METHODS, option_owners
-from .common import (DEFAULT_OUTPUT_ROOT, check_apart, dense_model, given_on_command_line, input_dir, warn,
-                     warn_builtin_calibration)
+from .common import (
+    DEFAULT_OUTPUT_ROOT,
+    check_apart,
+    dense_model,
+    given_on_command_line,
+    input_dir,
+    warn,
+    warn_builtin_calibration,
+)
 from .group import cli
 from .options import method_options, model_source_options
 
@@ -30,7 +38,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
         if len(set(values)) == 1:
             tag = f"s{values[0]:g}" if config.target == "both" else f"{config.target}-s{values[0]:g}"
         else:
-            tag = "-".join(f"{ {'qk': 'attn'}.get(part, part)}{sparsity[part]:g}" for part in config.parts)
+            tag = "-".join(f"{ {'qk': 'attn'}.get(part, part) }{sparsity[part]:g}" for part in config.parts)
     method = "" if config.method == "corp" else f"-{config.method}"
     suffix = "" if config.compensation else "-nocomp"
     return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
@@ -38,30 +46,78 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
 
 @cli.command()
 @model_source_options
-@click.option("--method", type=click.Choice(tuple(METHODS)), default=CompressConfig.method, show_default=True,
-              help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.")
-@click.option("--s", "sparsity", type=float, default=None,
-              help=f"Sparsity in [0, 1) of every pruned part in every block (vbp: global MLP rate). "
-                   f"[default: {DEFAULT_SPARSITY} without a budget]")
+@click.option(
+    "--method",
+    type=click.Choice(tuple(METHODS)),
+    default=CompressConfig.method,
+    show_default=True,
+    help=" ".join(f"{m.name}: {m.summary}" for m in METHODS.values()) + " All one-shot.",
+)
+@click.option(
+    "--s",
+    "sparsity",
+    type=float,
+    default=None,
+    help=f"Sparsity in [0, 1) of every pruned part in every block (vbp: global MLP rate). "
+    f"[default: {DEFAULT_SPARSITY} without a budget]",
+)
 @click.option("--s-mlp", type=float, default=None, help="MLP hidden-channel sparsity (overrides --s).")
-@click.option("--s-attn", type=float, default=None,
-              help="Attention sparsity (overrides --s): query/key dims (corp), query/key and value dims "
-                   "(toast); vbp has none.")
-@click.option("--s-vo", type=float, default=None,
-              help="corp: value/output dim sparsity (overrides --s; needs --target vo, mlp-vo or all).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Calibration batch size.")
-@click.option("--round-to", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).")
-@click.option("--no-compensation", is_flag=True,
-              help="Keep the same channels but only slice (ablation): no closed-form step and no refit "
-                   "(corp), no mean fold (vbp).")
+@click.option(
+    "--s-attn",
+    type=float,
+    default=None,
+    help="Attention sparsity (overrides --s): query/key dims (corp), query/key and value dims (toast); vbp has none.",
+)
+@click.option(
+    "--s-vo",
+    type=float,
+    default=None,
+    help="corp: value/output dim sparsity (overrides --s; needs --target vo, mlp-vo or all).",
+)
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Calibration batch size.")
+@click.option(
+    "--round-to",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Round kept dims to a multiple of this (e.g. 8 for tensor cores).",
+)
+@click.option(
+    "--no-compensation",
+    is_flag=True,
+    help="Keep the same channels but only slice (ablation): no closed-form step and no refit "
+    "(corp), no mean fold (vbp).",
+)
 @method_options
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]")
-def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, method, sparsity,
-             s_mlp, s_attn, s_vo, batch_size, round_to, no_compensation, device, output, **method_options):
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]",
+)
+def compress(
+    model,
+    target,
+    calib,
+    calib_samples,
+    model_args,
+    checkpoint,
+    no_pretrained,
+    seed,
+    method,
+    sparsity,
+    s_mlp,
+    s_attn,
+    s_vo,
+    batch_size,
+    round_to,
+    no_compensation,
+    device,
+    output,
+    **method_options,
+):
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     Under torchrun every process calibrates on its share of the images and the statistics are
@@ -87,12 +143,21 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     _check_method_options(METHODS[method], s_attn, s_vo)
     budget = method_options["macs"] is not None or method_options["speedup"] is not None
     if budget and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
-        raise click.UsageError("a budget (--macs / --speedup) and sparsities (--s, --s-mlp, --s-attn, --s-vo) "
-                               "exclude each other: the budget decides every part's size")
+        raise click.UsageError(
+            "a budget (--macs / --speedup) and sparsities (--s, --s-mlp, --s-attn, --s-vo) "
+            "exclude each other: the budget decides every part's size"
+        )
     config = CompressConfig.from_settings(
-        s_mlp=sparsity if s_mlp is None else s_mlp, s_attn=sparsity if s_attn is None else s_attn,
-        s_vo=sparsity if s_vo is None else s_vo, target=target, round_to=round_to,
-        compensation=not no_compensation, device=device, method=method, **method_options)
+        s_mlp=sparsity if s_mlp is None else s_mlp,
+        s_attn=sparsity if s_attn is None else s_attn,
+        s_vo=sparsity if s_vo is None else s_vo,
+        target=target,
+        round_to=round_to,
+        compensation=not no_compensation,
+        device=device,
+        method=method,
+        **method_options,
+    )
     _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calib = input_dir(calib, "--calib")
@@ -100,14 +165,16 @@ def compress(model, target, calib, calib_samples, model_args, checkpoint, no_pre
     resolve_device(device)
     distributed.init_from_environment(device)
     try:
-        _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size,
-                           config, out_dir)
+        _compress_and_save(
+            model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size, config, out_dir
+        )
     finally:
         distributed.shutdown()
 
 
-def _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size,
-                       config, out_dir) -> None:
+def _compress_and_save(
+    model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size, config, out_dir
+) -> None:
     """The work of ``compress`` once its settings are checked; under torchrun only the first
     process writes and prints."""
     from rich.console import Console
@@ -115,28 +182,32 @@ def _compress_and_save(model, calib, calib_samples, model_args, checkpoint, no_p
     from .. import distributed
     from ..artifact import record_latest, save_artifact
     from ..calibration import CalibrationImages, model_transform
-    from ..engine import compress as run_compress, summary_tables
+    from ..engine import compress as run_compress
+    from ..engine import summary_tables
     from ..resources import check_fits, compress_bytes
 
     first = distributed.rank() == 0
     base, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
     transform, data_config = model_transform(base)
-    check_fits(f"compressing {base_model['name']} on {calib_samples} images",
-               compress_bytes(base, tuple(data_config["input_size"]), calib_samples, batch_size),
-               "use fewer --calib-samples or a smaller --batch-size")
+    check_fits(
+        f"compressing {base_model['name']} on {calib_samples} images",
+        compress_bytes(base, tuple(data_config["input_size"]), calib_samples, batch_size),
+        "use fewer --calib-samples or a smaller --batch-size",
+    )
     if calib is None and first:
         warn_builtin_calibration()
-    images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size,
-                                           seed=seed)
-    compressed, report = run_compress(base, images, config, progress=sys.stderr.isatty() and first,
-                                      in_place=True)  # the CLI needs no dense copy: one copy of the weights less
+    images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size, seed=seed)
+    compressed, report = run_compress(
+        base, images, config, progress=sys.stderr.isatty() and first, in_place=True
+    )  # the CLI needs no dense copy: one copy of the weights less
     if not first:
         return
     summary = images.summary()
     _warn_calibration_shortfall(summary, calib_samples)
     settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
-    path = save_artifact(compressed, out_dir, base_model=base_model, settings=settings, calibration=summary,
-                         report=report)
+    path = save_artifact(
+        compressed, out_dir, base_model=base_model, settings=settings, calibration=summary, report=report
+    )
     warn(record_latest(path))
     console = Console()
     for table in summary_tables(report, path):
@@ -149,8 +220,10 @@ def _warn_calibration_shortfall(summary: dict, requested: int) -> None:
         reasons = "; ".join(summary["skipped_examples"][:3])
         warn(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
     if summary["images_used"] < requested:
-        warn(f"calibrated on {summary['images_used']} images, fewer than the {requested} asked for "
-              "(--calib-samples): the directory has no more readable images")
+        warn(
+            f"calibrated on {summary['images_used']} images, fewer than the {requested} asked for "
+            "(--calib-samples): the directory has no more readable images"
+        )
 
 
 def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:
@@ -160,9 +233,11 @@ def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) 
     for name, value in sparsities.items():
         if value is not None and not pruned[name]:
             option = "--" + name.replace("_", "-")
-            raise click.UsageError(f"{option} has no effect with --target {config.target}, which prunes "
-                                   f"{' and '.join(config.parts)} only: choose a --target that includes it, or "
-                                   f"leave {option} out")
+            raise click.UsageError(
+                f"{option} has no effect with --target {config.target}, which prunes "
+                f"{' and '.join(config.parts)} only: choose a --target that includes it, or "
+                f"leave {option} out"
+            )
 
 
 def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
@@ -174,5 +249,7 @@ def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> N
     for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
         if value is not None and target not in method.targets:
             others = [m.name for m in METHODS.values() if target in m.targets]
-            raise CorpError(f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
-                            f"(use --method {' or '.join(others)})")
+            raise CorpError(
+                f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
+                f"(use --method {' or '.join(others)})"
+            )

@@ -1,4 +1,5 @@
 """``corp-deploy export``: ONNX (fp32, fp16, bf16, int8) and TensorRT, with parity gates."""
+
 from __future__ import annotations
 
 import sys
@@ -19,51 +20,132 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 
 @cli.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
-@click.option("--trt", is_flag=True, help="Also build TensorRT engines (needs TensorRT and a CUDA GPU; "
-                                           "build_engine.sh is written either way).")
+@click.option(
+    "--trt",
+    is_flag=True,
+    help="Also build TensorRT engines (needs TensorRT and a CUDA GPU; build_engine.sh is written either way).",
+)
 @click.option("--dense", is_flag=True, help="Also export the unpruned base model (dense.onnx) the same way.")
 @click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="ONNX opset.")
-@click.option("--exporter", type=click.Choice(EXPORTERS), default=DEFAULT_EXPORTER, show_default=True,
-              help="torch.onnx exporter.")
-@click.option("--batch", "batch", default=str(BatchProfile()), show_default=True, metavar="MIN:OPT:MAX",
-              help="TensorRT optimisation profile of the batch axis (the ONNX batch axis is dynamic).")
-@click.option("--precision", type=click.Choice(EXPORT_PRECISIONS), default="fp32", show_default=True,
-              help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32 "
-                   "(int8: a QDQ graph, Linear layers in int8).")
-@click.option("--int8-calibration", type=click.Choice(tuple(CALIBRATION_METHODS)), default=DEFAULT_CALIBRATION,
-              show_default=True, help="int8: how activation ranges are set from the calibration images.")
-@click.option("--int8-keep-float", default="auto", show_default=True, metavar="auto|N", callback=keep_float_count,
-              help="int8: keep N Linear layers in float, those whose int8 rounding errs most; auto: the fewest "
-                   "(0, 1, 2, 4, ... up to a quarter) that meet the gate's tolerance on the calibration images, a "
-                   "quarter of them held back from the ranges.")
-@click.option("--int8-smoothing", default="0.5", show_default=True, metavar="ALPHA|none",
-              callback=smoothing_strength,
-              help="int8: move outlier channels of each Linear layer's input into its weight before quantizing "
-                   "(exact in float; scale peak^ALPHA / weight peak^(1-ALPHA) per channel); none: off.")
-@click.option("--int8-activations", type=click.Choice(ACTIVATION_TYPES), default=DEFAULT_ACTIVATIONS,
-              show_default=True,
-              help="int8: the Linear layers' inputs as signed int8 with symmetric ranges (every runtime, "
-                   "TensorRT included) or unsigned with asymmetric ranges (ONNX Runtime on x86 CPUs: faster; "
-                   "not with --trt).")
-@click.option("--calib", type=click.Path(path_type=Path), default=None,
-              help="int8: calibration image directory. [default: what compress used, from config.json]")
-@click.option("--calib-samples", type=IMAGE_COUNT, default=None,
-              help="int8: number of calibration images. [default: as many as compress used]")
-@click.option("--workspace", "workspace_gb", type=float, default=None, metavar="GB",
-              help="TensorRT builder workspace limit. [default: TensorRT's]")
-@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
-              help="TensorRT timing cache: read if it exists, updated after the build.")
-@click.option("--atol", type=float, default=None,
-              help="Parity gate: max abs error vs the reference. [default: 1e-4 for fp32, not checked "
-                   "for fp16/bf16]")
-@click.option("--min-cosine", type=float, default=None,
-              help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16, "
-                   "0.98 int8]")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Export directory. [default: ARTIFACT/export-<precision>]")
-def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibration, int8_keep_float,
-           int8_smoothing, int8_activations, calib, calib_samples, workspace_gb, timing_cache, atol, min_cosine,
-           output):
+@click.option(
+    "--exporter", type=click.Choice(EXPORTERS), default=DEFAULT_EXPORTER, show_default=True, help="torch.onnx exporter."
+)
+@click.option(
+    "--batch",
+    "batch",
+    default=str(BatchProfile()),
+    show_default=True,
+    metavar="MIN:OPT:MAX",
+    help="TensorRT optimisation profile of the batch axis (the ONNX batch axis is dynamic).",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(EXPORT_PRECISIONS),
+    default="fp32",
+    show_default=True,
+    help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32 "
+    "(int8: a QDQ graph, Linear layers in int8).",
+)
+@click.option(
+    "--int8-calibration",
+    type=click.Choice(tuple(CALIBRATION_METHODS)),
+    default=DEFAULT_CALIBRATION,
+    show_default=True,
+    help="int8: how activation ranges are set from the calibration images.",
+)
+@click.option(
+    "--int8-keep-float",
+    default="auto",
+    show_default=True,
+    metavar="auto|N",
+    callback=keep_float_count,
+    help="int8: keep N Linear layers in float, those whose int8 rounding errs most; auto: the fewest "
+    "(0, 1, 2, 4, ... up to a quarter) that meet the gate's tolerance on the calibration images, a "
+    "quarter of them held back from the ranges.",
+)
+@click.option(
+    "--int8-smoothing",
+    default="0.5",
+    show_default=True,
+    metavar="ALPHA|none",
+    callback=smoothing_strength,
+    help="int8: move outlier channels of each Linear layer's input into its weight before quantizing "
+    "(exact in float; scale peak^ALPHA / weight peak^(1-ALPHA) per channel); none: off.",
+)
+@click.option(
+    "--int8-activations",
+    type=click.Choice(ACTIVATION_TYPES),
+    default=DEFAULT_ACTIVATIONS,
+    show_default=True,
+    help="int8: the Linear layers' inputs as signed int8 with symmetric ranges (every runtime, "
+    "TensorRT included) or unsigned with asymmetric ranges (ONNX Runtime on x86 CPUs: faster; "
+    "not with --trt).",
+)
+@click.option(
+    "--calib",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="int8: calibration image directory. [default: what compress used, from config.json]",
+)
+@click.option(
+    "--calib-samples",
+    type=IMAGE_COUNT,
+    default=None,
+    help="int8: number of calibration images. [default: as many as compress used]",
+)
+@click.option(
+    "--workspace",
+    "workspace_gb",
+    type=float,
+    default=None,
+    metavar="GB",
+    help="TensorRT builder workspace limit. [default: TensorRT's]",
+)
+@click.option(
+    "--timing-cache",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="TensorRT timing cache: read if it exists, updated after the build.",
+)
+@click.option(
+    "--atol",
+    type=float,
+    default=None,
+    help="Parity gate: max abs error vs the reference. [default: 1e-4 for fp32, not checked for fp16/bf16]",
+)
+@click.option(
+    "--min-cosine",
+    type=float,
+    default=None,
+    help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16, 0.98 int8]",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Export directory. [default: ARTIFACT/export-<precision>]",
+)
+def export(
+    artifact,
+    trt,
+    dense,
+    opset,
+    exporter,
+    batch,
+    precision,
+    int8_calibration,
+    int8_keep_float,
+    int8_smoothing,
+    int8_activations,
+    calib,
+    calib_samples,
+    workspace_gb,
+    timing_cache,
+    atol,
+    min_cosine,
+    output,
+):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
     Every ONNX file is checked against the PyTorch model on calibration-like images at batch
@@ -99,11 +181,22 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
     options = ExportOptions(
-        trt=trt, dense=dense, opset=opset, exporter=exporter,
-        precision=precision, batch=BatchProfile.parse(batch), workspace_gb=workspace_gb,
-        timing_cache=timing_cache, int8_calibration=int8_calibration, int8_keep_float=int8_keep_float,
-        int8_smoothing=int8_smoothing, int8_activations=int8_activations, calib=calib, calib_samples=calib_samples,
-        tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine))
+        trt=trt,
+        dense=dense,
+        opset=opset,
+        exporter=exporter,
+        precision=precision,
+        batch=BatchProfile.parse(batch),
+        workspace_gb=workspace_gb,
+        timing_cache=timing_cache,
+        int8_calibration=int8_calibration,
+        int8_keep_float=int8_keep_float,
+        int8_smoothing=int8_smoothing,
+        int8_activations=int8_activations,
+        calib=calib,
+        calib_samples=calib_samples,
+        tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine),
+    )
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     Console().print(result.summary_table())
@@ -111,8 +204,11 @@ def export(artifact, trt, dense, opset, exporter, batch, precision, int8_calibra
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
         if trt and not result.manifest["tensorrt"]["built"]:
-            click.echo(f"To build the engines on the target GPU machine, either run\n"
-                       f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
-                       f"or, with TensorRT's trtexec there,\n"
-                       f"  bash {result.out_dir / SCRIPT_NAME}", err=True)
+            click.echo(
+                f"To build the engines on the target GPU machine, either run\n"
+                f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
+                f"or, with TensorRT's trtexec there,\n"
+                f"  bash {result.out_dir / SCRIPT_NAME}",
+                err=True,
+            )
         sys.exit(EXIT_INCOMPLETE)

@@ -4,6 +4,7 @@ Every failure reaches the user as one message and an exit status (:data:`EXIT_CO
 traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
 and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,15 @@ from ..errors import CorpError, SettingError, first_line
 from ..launch import OWN_MODULES
 
 #: Exit statuses of every command (README, "Guarantees").
-EXIT_CODES = {0: "done", 1: "error: bad input, a refusal, or a failure; nothing half-written", 2: "bad usage",
-              3: "export: files written, a step needs TensorRT or a GPU to finish",
-              4: "a gate failed (export: nothing written; bench: reports written)",
-              130: "interrupted by SIGINT", 143: "terminated by SIGTERM"}
+EXIT_CODES = {
+    0: "done",
+    1: "error: bad input, a refusal, or a failure; nothing half-written",
+    2: "bad usage",
+    3: "export: files written, a step needs TensorRT or a GPU to finish",
+    4: "a gate failed (export: nothing written; bench: reports written)",
+    130: "interrupted by SIGINT",
+    143: "terminated by SIGTERM",
+}
 #: Settings (CompressConfig fields) whose option is not ``--<field with dashes>``.
 _SETTING_OPTIONS = {"compensation": "--no-compensation"}
 
@@ -46,32 +52,46 @@ class _Commands(click.Group):
             raise
         except Exception as exc:
             if _out_of_memory(exc):
-                raise _click_error(f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches",
-                                   1) from None
+                raise _click_error(
+                    f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
+                ) from None
             if isinstance(exc, OSError) and exc.errno is not None:
                 where = f" ({exc.filename})" if exc.filename else ""
-                raise _click_error(f"the file system refused: {exc.strerror or exc}{where}; nothing partial was "
-                                   "left behind", 1) from None
+                raise _click_error(
+                    f"the file system refused: {exc.strerror or exc}{where}; nothing partial was left behind", 1
+                ) from None
             missing = _missing_dependency(exc)
             if missing:
-                raise _click_error(f"the Python module '{missing}' is not installed, and this command needs it: "
-                                   "install corp-deploy with its dependencies (pip install without --no-deps)",
-                                   1) from None
+                raise _click_error(
+                    f"the Python module '{missing}' is not installed, and this command needs it: "
+                    "install corp-deploy with its dependencies (pip install without --no-deps)",
+                    1,
+                ) from None
             from ..distributed import lost_peer
+
             if lost_peer(exc):
-                raise _click_error("another process of this torchrun job stopped (its message says why); this one "
-                                   "stopped with it, and no artifact was written", 1) from None
+                raise _click_error(
+                    "another process of this torchrun job stopped (its message says why); this one "
+                    "stopped with it, and no artifact was written",
+                    1,
+                ) from None
             if os.environ.get("CORP_DEPLOY_DEBUG"):
                 raise
-            raise _click_error(f"internal error ({type(exc).__name__}: {first_line(exc)}); "
-                               "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
-                               "and report it", 1) from None
+            raise _click_error(
+                f"internal error ({type(exc).__name__}: {first_line(exc)}); "
+                "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
+                "and report it",
+                1,
+            ) from None
 
 
 def _out_of_memory(exc: Exception) -> bool:
     """Python's MemoryError, and torch's out-of-memory errors (raised as RuntimeErrors)."""
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    )
 
 
 def _missing_dependency(exc: Exception) -> str | None:
@@ -88,9 +108,12 @@ def _click_error(message: str, exit_code: int) -> click.ClickException:
     return error
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="\b\nExit status of every command:\n" + "\n".join(f"  {code:>3}  {meaning}"
-                                                                    for code, meaning in EXIT_CODES.items()))
+@click.group(
+    cls=_Commands,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="\b\nExit status of every command:\n"
+    + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items()),
+)
 @click.version_option(version=__version__)
 @click.pass_context
 def cli(ctx):
@@ -104,5 +127,7 @@ def cli(ctx):
     from ..distributed import launched_by_torchrun
 
     if launched_by_torchrun() and ctx.invoked_subcommand not in ("compress", "sweep"):
-        raise CorpError(f"only compress and sweep run under torchrun (their calibration is shared by the "
-                        f"processes); run {ctx.invoked_subcommand} in one process")
+        raise CorpError(
+            f"only compress and sweep run under torchrun (their calibration is shared by the "
+            f"processes); run {ctx.invoked_subcommand} in one process"
+        )

@@ -1,5 +1,6 @@
 """Option groups that several commands share (Polygraphy's argument groups are the model),
 the option types with their ranges, and the parsers of option values."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from ..methods import METHODS
 from .group import option_name
 
 #: The largest seed every random generator used here accepts.
-MAX_SEED = 2 ** 32 - 1
+MAX_SEED = 2**32 - 1
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -38,10 +39,12 @@ SECONDS = FiniteFloatRange(min=0, min_open=True)
 
 def options(*options):
     """Apply click options in the order listed (so they appear in that order in --help)."""
+
     def apply(func):
         for option in reversed(options):
             func = option(func)
         return func
+
     return apply
 
 
@@ -58,30 +61,60 @@ def method_options(func):
                 text += f" [default: {meta['default_help']}]"
             flag = meta["value_type"] is bool
             value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
-            func = click.option(option_name(field.name), is_flag=flag, type=value_type, default=field.default,
-                                show_default=not flag and field.default is not None, metavar=meta["metavar"],
-                                help=text)(func)
+            func = click.option(
+                option_name(field.name),
+                is_flag=flag,
+                type=value_type,
+                default=field.default,
+                show_default=not flag and field.default is not None,
+                metavar=meta["metavar"],
+                help=text,
+            )(func)
     return func
 
 
 #: Which dense model to start from and what to calibrate on (shared by compress and sweep).
 model_source_options = options(
     click.argument("model"),
-    click.option("--target", type=click.Choice(TARGETS), default=None,
-                 help="Which parts to prune. [default: the method's: "
-                      + ", ".join(f"{m.default_target} for {m.name}" for m in METHODS.values()) + "]"),
-    click.option("--calib", type=click.Path(path_type=Path), default=None,
-                 help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
-                      "Default: built-in photos from scikit-image."),
-    click.option("--calib-samples", type=IMAGE_COUNT, default=256, show_default=True,
-                 help="Number of calibration images."),
-    click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
-                 help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0)."),
-    click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-                 help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True)."),
+    click.option(
+        "--target",
+        type=click.Choice(TARGETS),
+        default=None,
+        help="Which parts to prune. [default: the method's: "
+        + ", ".join(f"{m.default_target} for {m.name}" for m in METHODS.values())
+        + "]",
+    ),
+    click.option(
+        "--calib",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
+        "Default: built-in photos from scikit-image.",
+    ),
+    click.option(
+        "--calib-samples", type=IMAGE_COUNT, default=256, show_default=True, help="Number of calibration images."
+    ),
+    click.option(
+        "--model-arg",
+        "model_args",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="timm creation argument, repeatable (e.g. img_size=224, num_classes=0).",
+    ),
+    click.option(
+        "--checkpoint",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True).",
+    ),
     click.option("--no-pretrained", is_flag=True, help="Random weights (for trying the tool)."),
-    click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
-                 help="Seed for calibration sampling/augmentation and random weights."),
+    click.option(
+        "--seed",
+        type=click.IntRange(0, MAX_SEED),
+        default=0,
+        show_default=True,
+        help="Seed for calibration sampling/augmentation and random weights.",
+    ),
 )
 
 
@@ -147,21 +180,36 @@ def parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
 
 #: What is timed, where, and for how long (bench, sweep).
 timing_options = options(
-    click.option("--backends", default="torch,ort,trt", show_default=True,
-                 help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines)."),
+    click.option(
+        "--backends",
+        default="torch,ort,trt",
+        show_default=True,
+        help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines).",
+    ),
     click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time."),
-    click.option("--threads", type=THREADS, default=None,
-                 help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]"),
-    click.option("--min-time", type=SECONDS, default=2.0, show_default=True,
-                 help="Seconds each model is timed per backend and batch size (at least 5 rounds)."),
+    click.option(
+        "--threads", type=THREADS, default=None, help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]"
+    ),
+    click.option(
+        "--min-time",
+        type=SECONDS,
+        default=2.0,
+        show_default=True,
+        help="Seconds each model is timed per backend and batch size (at least 5 rounds).",
+    ),
 )
 
 #: The held-out images fidelity is measured on (bench, sweep).
 evaluation_options = options(
-    click.option("--data", type=click.Path(path_type=Path), default=None,
-                 help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
-                      "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
-                      "calibration]"),
-    click.option("--data-samples", type=IMAGE_COUNT, default=256, show_default=True,
-                 help="At most this many evaluation images."),
+    click.option(
+        "--data",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
+        "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
+        "calibration]",
+    ),
+    click.option(
+        "--data-samples", type=IMAGE_COUNT, default=256, show_default=True, help="At most this many evaluation images."
+    ),
 )

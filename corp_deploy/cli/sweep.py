@@ -1,4 +1,5 @@
 """``corp-deploy sweep``: compress, export and bench over a grid of sparsities or budgets."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -18,21 +19,56 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 
 @cli.command()
 @model_source_options
-@click.option("--s", "sparsities", default=None,
-              help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
-                   "0.1,0.3,0.5,0.7 without --macs]")
-@click.option("--macs", "budgets", default=None,
-              help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
-                   "sparsities; methods corp and uncompensated.")
-@click.option("--methods", default=CompressConfig.method, show_default=True,
-              help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
-                   "first is the reference for the matched-MACs table.")
+@click.option(
+    "--s",
+    "sparsities",
+    default=None,
+    help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
+    "0.1,0.3,0.5,0.7 without --macs]",
+)
+@click.option(
+    "--macs",
+    "budgets",
+    default=None,
+    help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
+    "sparsities; methods corp and uncompensated.",
+)
+@click.option(
+    "--methods",
+    default=CompressConfig.method,
+    show_default=True,
+    help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
+    "first is the reference for the matched-MACs table.",
+)
 @evaluation_options
 @timing_options
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]")
-def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, sparsities, budgets,
-          methods, data, data_samples, backends, batches, threads, min_time, output):
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]",
+)
+def sweep(
+    model,
+    target,
+    calib,
+    calib_samples,
+    model_args,
+    checkpoint,
+    no_pretrained,
+    seed,
+    sparsities,
+    budgets,
+    methods,
+    data,
+    data_samples,
+    backends,
+    batches,
+    threads,
+    min_time,
+    output,
+):
     """Compress with each method at several sparsities (or MAC budgets), export, benchmark, and compare.
 
     Writes one artifact (with its ONNX export) per method and point, sweep.json (every
@@ -62,18 +98,31 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
     try:
         spec = SweepSpec(
-            sparsities=() if budgets is not None else parse_values("0.1,0.3,0.5,0.7" if sparsities is None
-                                                                   else sparsities, "--s", "0.1,0.3,0.5"),
-            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (), target=target,
+            sparsities=()
+            if budgets is not None
+            else parse_values("0.1,0.3,0.5,0.7" if sparsities is None else sparsities, "--s", "0.1,0.3,0.5"),
+            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (),
+            target=target,
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-            calib=input_dir(calib, "--calib"), calib_samples=calib_samples,
-            data=input_dir(data, "--data"), data_samples=data_samples, seed=seed,
-            bench=BenchSettings(backends=parse_families(backends), batches=parse_sizes(batches, "--batch"),
-                                threads=threads, min_time=min_time))
+            calib=input_dir(calib, "--calib"),
+            calib_samples=calib_samples,
+            data=input_dir(data, "--data"),
+            data_samples=data_samples,
+            seed=seed,
+            bench=BenchSettings(
+                backends=parse_families(backends),
+                batches=parse_sizes(batches, "--batch"),
+                threads=threads,
+                min_time=min_time,
+            ),
+        )
     except SettingError as exc:  # a sweep sets every sparsity with --s
-        raise CorpError(exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting)))
-    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}"
-                                         f"{f'-{target}' if target else ''}", "sweep")
+        raise CorpError(
+            exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting))
+        ) from None
+    out_dir = check_output_dir(
+        output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
+    )
     check_apart([out_dir], {"--calib": spec.calib, "--data": spec.data})
     distributed.init_from_environment("cpu", timeout=FIRST_RANK_WAIT)
     try:
@@ -81,8 +130,9 @@ def sweep(model, target, calib, calib_samples, model_args, checkpoint, no_pretra
         dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
         if calib is None and first:
             warn_builtin_calibration()
-        result = run_sweep(dense, base_model, spec, out_dir,
-                           log=lambda message: click.echo(message, err=True) if first else None)
+        result = run_sweep(
+            dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True) if first else None
+        )
     finally:
         distributed.shutdown()
     if result is not None:

@@ -9,10 +9,11 @@ attentions, which parts can be pruned and why the others cannot, its rows of REA
 its small test models. Everything below is driven by :data:`FAMILIES`: adding a family is one
 module and one entry there.
 """
+
 from __future__ import annotations
 
-from torch import nn
 from timm.layers import Mlp
+from torch import nn
 
 from ..errors import CorpError
 from ..layers import GatedLinear, PrunedAttention
@@ -22,14 +23,41 @@ from .shared import ScaledResidualBlock, TableRelativePosition, is_gated, standa
 from .swin import ShiftedWindows, WindowedBlock, block_exit, windows_of
 from .vit import is_plain_attention
 
-__all__ = ["FAMILIES", "Example", "Family", "ScaledResidualBlock", "ShiftedWindows", "TableRelativePosition",
-           "WindowedBlock", "attention_macs", "block_exit", "blocks_of", "check_prunable", "examples", "family_of",
-           "in_standard_form", "is_plain_attention", "is_prunable_attention", "standard_form", "structure_problem",
-           "supported_summary", "supported_table", "windows_of"]
+__all__ = [
+    "FAMILIES",
+    "Example",
+    "Family",
+    "ScaledResidualBlock",
+    "ShiftedWindows",
+    "TableRelativePosition",
+    "WindowedBlock",
+    "attention_macs",
+    "block_exit",
+    "blocks_of",
+    "check_prunable",
+    "examples",
+    "family_of",
+    "in_standard_form",
+    "is_plain_attention",
+    "is_prunable_attention",
+    "standard_form",
+    "structure_problem",
+    "supported_summary",
+    "supported_table",
+    "windows_of",
+]
 
 #: Every family, in the order they are tried (the first that matches a model is its family).
-FAMILIES: tuple[Family, ...] = (vit.FAMILY, hybrid.FAMILY, relpos.FAMILY, beit.FAMILY, eva.FAMILY, cait.FAMILY,
-                                swin.FAMILY, swin.V2)
+FAMILIES: tuple[Family, ...] = (
+    vit.FAMILY,
+    hybrid.FAMILY,
+    relpos.FAMILY,
+    beit.FAMILY,
+    eva.FAMILY,
+    cait.FAMILY,
+    swin.FAMILY,
+    swin.V2,
+)
 
 
 def family_of(model: nn.Module) -> Family | None:
@@ -72,8 +100,10 @@ def structure_problem(model: nn.Module) -> str | None:
     family does not support, or what timm built when no family matches); None when it can."""
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if grid is not None and min(grid) < 1:
-        return (f"its patch grid is {tuple(grid)}: the patches are larger than the image "
-                "(check the img_size and patch_size --model-arg values)")
+        return (
+            f"its patch grid is {tuple(grid)}: the patches are larger than the image "
+            "(check the img_size and patch_size --model-arg values)"
+        )
     family = family_of(model)
     if family is None:
         return describe(model)
@@ -91,24 +121,34 @@ def check_prunable(model: nn.Module, parts: tuple[str, ...]) -> None:
         if "mlp" in parts:
             m = block.mlp
             if type(m) is not Mlp or not isinstance(m.fc1, (nn.Linear, GatedLinear)):
-                raise CorpError(f"block {i}: MLP of type {type(m).__name__} is not supported for MLP pruning "
-                                "(needs timm Mlp: fc1 -> elementwise act -> fc2, or a gated MLP); use --target attn")
+                raise CorpError(
+                    f"block {i}: MLP of type {type(m).__name__} is not supported for MLP pruning "
+                    "(needs timm Mlp: fc1 -> elementwise act -> fc2, or a gated MLP); use --target attn"
+                )
             if not isinstance(m.norm, nn.Identity):
-                raise CorpError(f"block {i}: the MLP normalises its hidden channels before fc2 (sub-LN, timm "
-                                "scale_mlp), so removing channels changes the kept ones and the compensation of "
-                                "docs/method.md §2 does not hold; use --target vo (or attn where the model allows)")
+                raise CorpError(
+                    f"block {i}: the MLP normalises its hidden channels before fc2 (sub-LN, timm "
+                    "scale_mlp), so removing channels changes the kept ones and the compensation of "
+                    "docs/method.md §2 does not hold; use --target vo (or attn where the model allows)"
+                )
         problem = family.part_problem(block, parts) if family is not None else None
         if problem is not None:
             raise CorpError(f"block {i}: {problem}")
         attn = block.attn
         if ("qk" in parts or "vo" in parts) and not is_prunable_attention(attn):
-            raise CorpError(f"block {i}: attention of type {type(attn).__name__} (or with qk-norm, "
-                            "scale-norm or gating) is not supported for query/key or value pruning; "
-                            "use --target mlp")
-        if "qk" in parts and isinstance(attn, PrunedAttention) and (
-                attn.qk_head_dim != attn.v_head_dim or attn.scale != attn.qk_head_dim ** -0.5):
-            raise CorpError(f"block {i}: the attention's query/key dims are already pruned; compress the dense "
-                            "model instead")
+            raise CorpError(
+                f"block {i}: attention of type {type(attn).__name__} (or with qk-norm, "
+                "scale-norm or gating) is not supported for query/key or value pruning; "
+                "use --target mlp"
+            )
+        if (
+            "qk" in parts
+            and isinstance(attn, PrunedAttention)
+            and (attn.qk_head_dim != attn.v_head_dim or attn.scale != attn.qk_head_dim**-0.5)
+        ):
+            raise CorpError(
+                f"block {i}: the attention's query/key dims are already pruned; compress the dense model instead"
+            )
 
 
 def is_prunable_attention(attn: nn.Module) -> bool:

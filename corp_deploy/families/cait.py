@@ -3,10 +3,11 @@ timm ``LayerScale``s as :class:`~corp_deploy.families.shared.ScaledResidualBlock
 talking-heads attention, which mixes the heads' logits before and after the softmax and is kept
 dense, so only the MLPs are pruned; the class-attention blocks (``blocks_token_only``) come after
 ``blocks`` and are left dense."""
+
 from __future__ import annotations
 
-from torch import nn
 from timm.models import cait
+from torch import nn
 
 from ..layers import head_dims
 from .record import Example, Family, SupportRow, class_path, full_attention_macs
@@ -29,14 +30,17 @@ def _problem(model: cait.Cait) -> str | None:
 def _standard_form(model: cait.Cait) -> None:
     for i, block in enumerate(model.blocks):
         if type(block) is cait.LayerScaleBlock:
-            model.blocks[i] = ScaledResidualBlock(block.norm1, block.attn, layer_scale(block.gamma_1), block.norm2,
-                                                  block.mlp, layer_scale(block.gamma_2))
+            model.blocks[i] = ScaledResidualBlock(
+                block.norm1, block.attn, layer_scale(block.gamma_1), block.norm2, block.mlp, layer_scale(block.gamma_2)
+            )
 
 
 def _part_problem(block: nn.Module, parts: tuple[str, ...]) -> str | None:
     if ("qk" in parts or "vo" in parts) and type(block.attn) is cait.TalkingHeadAttn:
-        return ("talking-heads attention mixes the heads' logits before and after the softmax, so the per-head "
-                "query/key and value compensation (docs/method.md §3-4) does not apply; use --target mlp")
+        return (
+            "talking-heads attention mixes the heads' logits before and after the softmax, so the per-head "
+            "query/key and value compensation (docs/method.md §3-4) does not apply; use --target mlp"
+        )
     return None
 
 
@@ -45,13 +49,22 @@ FAMILY = Family(
     summary="Cait (cait_*: MLPs of the self-attention blocks only)",
     matches=lambda model: isinstance(model, cait.Cait),
     problem=_problem,
-    rows=(SupportRow("`Cait` (talking-heads attention, class-attention blocks)", "`cait_xxs24_224`, `cait_s24_224`",
-                     "MLP hidden channels of the self-attention blocks: `--target mlp`; the talking-heads attention "
-                     "(refused with the reason) and the class-attention blocks stay dense", "MLP"),),
+    rows=(
+        SupportRow(
+            "`Cait` (talking-heads attention, class-attention blocks)",
+            "`cait_xxs24_224`, `cait_s24_224`",
+            "MLP hidden channels of the self-attention blocks: `--target mlp`; the talking-heads attention "
+            "(refused with the reason) and the class-attention blocks stay dense",
+            "MLP",
+        ),
+    ),
     # talking-heads attention (kept dense) and class-attention blocks (left dense): MLPs only; ToaSt's
     # token weighting needs a plain attention
-    examples={"cait": Example("cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp",
-                              ("corp", "vbp"))},
+    examples={
+        "cait": Example(
+            "cait_xxs24_224", dict(img_size=32, patch_size=8, depth=2, num_classes=10), 32, "mlp", ("corp", "vbp")
+        )
+    },
     standard_form=_standard_form,
     in_standard_form=lambda model: not any(type(block) is cait.LayerScaleBlock for block in model.blocks),
     attention_macs={cait.TalkingHeadAttn: full_attention_macs, cait.ClassAttn: class_attention_macs},

@@ -1,9 +1,11 @@
 """What a model family tells the rest of corp-deploy: the :class:`Family` record that every module
 of this package fills in once, and the helpers their refusal messages share."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
@@ -14,6 +16,7 @@ class Example(NamedTuple):
     """One small model of a family for the tests: timm ``model`` built with ``kwargs`` (random
     weights), square images of ``size`` pixels, the ``target`` that prunes every part the family
     allows (None: all three) and the ``methods`` that apply to it."""
+
     model: str
     kwargs: dict
     size: int
@@ -23,6 +26,7 @@ class Example(NamedTuple):
 
 class SupportRow(NamedTuple):
     """One row of README's table of supported models (Markdown cells)."""
+
     family: str
     examples: str
     pruned: str
@@ -68,6 +72,7 @@ class Family:
         part_problem: why a block cannot have the given parts (``mlp``, ``qk``, ``vo``) pruned
             beyond the checks every family shares, saying which ``--target`` works; or None.
     """
+
     name: str
     summary: str
     matches: Callable[[nn.Module], bool]
@@ -100,6 +105,9 @@ def describe(model: nn.Module) -> str:
     blocks = getattr(model, "blocks", None)
     if not (isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks) > 0):
         return f"{found}, which has no sequence of transformer blocks"
-    parts = ", ".join(f"{class_path(getattr(blocks[0], part))} {label}"
-                      for part, label in (("attn", "attention"), ("mlp", "MLP")) if hasattr(blocks[0], part))
+    parts = ", ".join(
+        f"{class_path(getattr(blocks[0], part))} {label}"
+        for part, label in (("attn", "attention"), ("mlp", "MLP"))
+        if hasattr(blocks[0], part)
+    )
     return found + f" whose blocks are {class_path(blocks[0])}" + (f" ({parts})" if parts else "")

@@ -2,11 +2,12 @@
 block, a relative position bias read from a table, residual scales as timm ``LayerScale``, a fused
 attention filled from another's weights, and gated MLPs (any family) as a timm ``Mlp`` whose
 ``fc1`` is a :class:`~corp_deploy.layers.GatedLinear`."""
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
+from torch import nn
 
 from ..layers import GatedLinear
 
@@ -42,18 +43,25 @@ class ScaledResidualBlock(nn.Module):
     that have one are refused, so it is None here); Eva passes its rotary embedding ``rope``, which
     the attention already holds (the same tensor), so it is not used. Tokens ``(B, N, C)``."""
 
-    def __init__(self, norm1: nn.Module, attn: nn.Module, ls1: nn.Module, norm2: nn.Module, mlp: nn.Module,
-                 ls2: nn.Module) -> None:
+    def __init__(
+        self, norm1: nn.Module, attn: nn.Module, ls1: nn.Module, norm2: nn.Module, mlp: nn.Module, ls2: nn.Module
+    ) -> None:
         super().__init__()
         self.norm1, self.attn, self.ls1 = norm1, attn, ls1
         self.norm2, self.mlp, self.ls2 = norm2, mlp, ls2
 
-    def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None,
-                rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        shared_rel_pos_bias: torch.Tensor | None = None,
+        rope: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
         if shared_rel_pos_bias is not None or attn_mask is not None or is_causal:
-            raise ValueError("a shared relative position bias or an attention mask is not supported by the "
-                             "rewritten blocks")
+            raise ValueError(
+                "a shared relative position bias or an attention mask is not supported by the rewritten blocks"
+            )
         x = x + self.ls1(self.attn(self.norm1(x)))
         return x + self.ls2(self.mlp(self.norm2(x)))
 
@@ -89,8 +97,16 @@ def standard_mlp(mlp: nn.Module) -> nn.Module:
     (the same function)."""
     if isinstance(mlp, GluMlp):
         hidden = mlp.fc1.out_features // 2
-        gate, up = (nn.Linear(mlp.fc1.in_features, hidden, bias=mlp.fc1.bias is not None,
-                              device=mlp.fc1.weight.device, dtype=mlp.fc1.weight.dtype) for _ in range(2))
+        gate, up = (
+            nn.Linear(
+                mlp.fc1.in_features,
+                hidden,
+                bias=mlp.fc1.bias is not None,
+                device=mlp.fc1.weight.device,
+                dtype=mlp.fc1.weight.dtype,
+            )
+            for _ in range(2)
+        )
         with torch.no_grad():
             for part, rows in ((gate, slice(0, hidden)), (up, slice(hidden, None))):
                 part.weight.copy_(mlp.fc1.weight[rows])

@@ -9,17 +9,18 @@ of the block (``transition``) so that the blocks, walked in order, are the whole
 patch embedding and the final norm. Query/key statistics are summed per group of tokens the shift
 mask lets attend to each other (docs/method.md §9). Swin V2 is refused as a whole.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from timm.models import swin_transformer as swin
 from timm.models.swin_transformer_v2 import SwinTransformerV2
 from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
+from torch import nn
 
 from ..layers import PrunedAttention
 from .record import Example, Family, SupportRow, class_path, full_attention_macs
@@ -39,8 +40,9 @@ class ShiftedWindows(nn.Module):
     that statistics summed per group are those of the logits the softmax actually mixes
     (docs/method.md §9)."""
 
-    def __init__(self, resolution: tuple[int, int], window: tuple[int, int], shift: tuple[int, int],
-                 mask: torch.Tensor | None) -> None:
+    def __init__(
+        self, resolution: tuple[int, int], window: tuple[int, int], shift: tuple[int, int], mask: torch.Tensor | None
+    ) -> None:
         super().__init__()
         self.resolution, self.window, self.shift = tuple(resolution), tuple(window), tuple(shift)
         self.register_buffer("mask", mask, persistent=False)
@@ -70,8 +72,9 @@ class ShiftedWindows(nn.Module):
         (h, w), (wh, ww) = self.resolution, self.window
         return math.ceil(h / wh) * wh * math.ceil(w / ww) * ww
 
-    def attend(self, attention: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(
+        self, attention: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
         """``attention(windows, mask)`` of the windows of ``x`` ``(B, H, W, C)``, put back in place:
         ``windows`` ``(B * nW, N, C)``, ``mask`` ``(B * nW, 1, N, N)`` (None without a shift), and
         ``attention`` returns ``(B * nW, N, C')``."""
@@ -106,8 +109,15 @@ class WindowedBlock(ScaledResidualBlock):
     ``attn``: a :class:`~corp_deploy.layers.PrunedAttention` with the window's relative position
     bias as ``rel_pos``; ``ls1``/``ls2`` are identities. Tokens ``(B, H, W, C)``."""
 
-    def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, mlp: nn.Module,
-                 windows: ShiftedWindows, transition: nn.Module) -> None:
+    def __init__(
+        self,
+        norm1: nn.Module,
+        attn: nn.Module,
+        norm2: nn.Module,
+        mlp: nn.Module,
+        windows: ShiftedWindows,
+        transition: nn.Module,
+    ) -> None:
         super().__init__(norm1, attn, nn.Identity(), norm2, mlp, nn.Identity())
         self.windows, self.transition = windows, transition
 
@@ -142,8 +152,10 @@ def _problem(model: swin.SwinTransformer) -> str | None:
             if type(block) is not swin.SwinTransformerBlock or type(block.attn) is not swin.WindowAttention:
                 return f"stage {s} block {i} is a {class_path(block)}, not timm's SwinTransformerBlock"
             if block.dynamic_mask:
-                return (f"stage {s} block {i} computes its shift mask for each input (dynamic_mask=True), "
-                        "which is not supported")
+                return (
+                    f"stage {s} block {i} computes its shift mask for each input (dynamic_mask=True), "
+                    "which is not supported"
+                )
     return None
 
 
@@ -160,17 +172,25 @@ def _standard_form(model: swin.SwinTransformer) -> None:
 
 def _in_standard_form(model: swin.SwinTransformer) -> bool:
     stages = list(model.layers)
-    return (all(isinstance(stage.downsample, nn.Identity) for stage in stages[1:])
-            and not any(type(block) is swin.SwinTransformerBlock for block in _blocks(model)))
+    return all(isinstance(stage.downsample, nn.Identity) for stage in stages[1:]) and not any(
+        type(block) is swin.SwinTransformerBlock for block in _blocks(model)
+    )
 
 
 def _standard_block(block: swin.SwinTransformerBlock) -> WindowedBlock:
     old = block.attn
     weight, heads = old.qkv.weight, old.num_heads
     head_dim = weight.shape[0] // 3 // heads
-    attn = PrunedAttention(weight.shape[1], heads, head_dim, head_dim, old.scale, qkv_bias=old.qkv.bias is not None,
-                           proj_bias=old.proj.bias is not None,
-                           rel_pos=TableRelativePosition(old.relative_position_bias_table, old.relative_position_index))
+    attn = PrunedAttention(
+        weight.shape[1],
+        heads,
+        head_dim,
+        head_dim,
+        old.scale,
+        qkv_bias=old.qkv.bias is not None,
+        proj_bias=old.proj.bias is not None,
+        rel_pos=TableRelativePosition(old.relative_position_bias_table, old.relative_position_index),
+    )
     attn = filled(attn.to(weight.device, weight.dtype), weight, old.qkv.bias, old.proj)
     mask = block.attn_mask
     if mask is not None and mask.is_meta:
@@ -186,15 +206,25 @@ FAMILY = Family(
     summary="SwinTransformer (swin_*: windowed attention with relative position bias, patch merging kept dense)",
     matches=lambda model: isinstance(model, swin.SwinTransformer),
     problem=_problem,
-    rows=(SupportRow("`SwinTransformer` (v1: shifted windows, patch merging)",
-                     "`swin_tiny_patch4_window7_224`, `swin_base_patch4_window12_384`, `swin_s3_tiny_224`",
-                     "all three in every block (methods corp and vbp; toast refused); patch merging stays dense",
-                     "all three: per token for MLP and values, query/key statistics summed per group of tokens the "
-                     "shift mask lets attend to each other (docs/method.md §9)"),),
+    rows=(
+        SupportRow(
+            "`SwinTransformer` (v1: shifted windows, patch merging)",
+            "`swin_tiny_patch4_window7_224`, `swin_base_patch4_window12_384`, `swin_s3_tiny_224`",
+            "all three in every block (methods corp and vbp; toast refused); patch merging stays dense",
+            "all three: per token for MLP and values, query/key statistics summed per group of tokens the "
+            "shift mask lets attend to each other (docs/method.md §9)",
+        ),
+    ),
     # two stages joined by patch merging; the first (14 x 14 tokens, 7 x 7 windows) has a shifted block
-    examples={"swin": Example("swin_tiny_patch4_window7_224", dict(img_size=56, embed_dim=32, depths=(2, 2),
-                                                                   num_heads=(2, 4), num_classes=10), 56, None,
-                              ("corp", "vbp"))},
+    examples={
+        "swin": Example(
+            "swin_tiny_patch4_window7_224",
+            dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10),
+            56,
+            None,
+            ("corp", "vbp"),
+        )
+    },
     blocks=_blocks,
     standard_form=_standard_form,
     in_standard_form=_in_standard_form,
@@ -206,9 +236,11 @@ V2 = Family(
     name="swin-v2",
     summary="Swin V2 (refused)",
     matches=lambda model: isinstance(model, (SwinTransformerV2, SwinTransformerV2Cr)),
-    problem=lambda model: (f"it builds a timm {type(model).__name__}: its blocks are post-norm and their attention "
-                           "is a scaled cosine of queries and keys plus a position bias computed by an MLP, so neither "
-                           "the block layout nor the query/key system of docs/method.md §3 applies; Swin v1 (swin_*) "
-                           "is supported"),
+    problem=lambda model: (
+        f"it builds a timm {type(model).__name__}: its blocks are post-norm and their attention "
+        "is a scaled cosine of queries and keys plus a position bias computed by an MLP, so neither "
+        "the block layout nor the query/key system of docs/method.md §3 applies; Swin v1 (swin_*) "
+        "is supported"
+    ),
     refused=("Swin V2 (post-norm, cosine attention)",),
 )

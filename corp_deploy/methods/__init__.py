@@ -5,6 +5,7 @@ A method (:class:`Method`) declares what it prunes, its own validated options
 (its method options are built from the options classes) and ``sweep`` all read it from
 :data:`METHODS`, so a new method is one module plus one line here.
 """
+
 from __future__ import annotations
 
 from .base import BlockRun, Method, MethodOptions
@@ -27,5 +28,14 @@ def option_defaults() -> dict[str, object]:
     return {field.name: field.default for method in METHODS.values() for field in method.options_class.fields()}
 
 
-__all__ = ["METHODS", "BlockRun", "CorpOptions", "Method", "MethodOptions", "ToastOptions", "VbpOptions",
-           "option_owners", "option_defaults"]
+__all__ = [
+    "METHODS",
+    "BlockRun",
+    "CorpOptions",
+    "Method",
+    "MethodOptions",
+    "ToastOptions",
+    "VbpOptions",
+    "option_owners",
+    "option_defaults",
+]

@@ -1,12 +1,14 @@
 """What a compression method is: the parts it prunes, its own validated options, and how it
 compresses the blocks of a model, given the calibration cache."""
+
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
@@ -30,14 +32,29 @@ class BlockRun:
     report: dict = field(default_factory=dict)
 
 
-def option(default: Any, help: str, *, value_type: type | None = None, choices: tuple[str, ...] | None = None,
-           metavar: str | None = None, default_help: str | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    value_type: type | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    default_help: str | None = None,
+) -> Any:
     """A :class:`MethodOptions` field that is also a command-line option ``--<name with dashes>``:
     ``help`` its ``--help`` text, ``value_type`` its type (that of ``default`` when not given; a
     bool is a flag), ``choices`` its allowed values, ``default_help`` what ``--help`` says about a
     default decided later (the field's default is then None)."""
-    return field(default=default, metadata={"help": help, "value_type": value_type or type(default),
-                                            "choices": choices, "metavar": metavar, "default_help": default_help})
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "value_type": value_type or type(default),
+            "choices": choices,
+            "metavar": metavar,
+            "default_help": default_help,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,7 @@ class MethodOptions:
         """The target these options call for when none is given (None: the method's default)."""
         return None
 
-    def check(self, config: "CompressConfig") -> None:
+    def check(self, config: CompressConfig) -> None:
         """SettingError when these options contradict ``config``'s shared settings."""
 
     @classmethod
@@ -98,12 +115,12 @@ class Method(ABC):
     runs_distributed: ClassVar[bool] = False
 
     @abstractmethod
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         """Compress every block of ``model`` in place and return one report dict per block
         (with at least ``"dims"``, the block's :class:`~corp_deploy.layers.BlockDims` as a dict).
         Called inside ``torch.no_grad()`` with ``model`` on the calibration device."""
 
-    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
+    def block_steps(self, model: nn.Module, config: CompressConfig) -> int:
         """How many times ``compress_blocks`` calls ``run.block_done`` (for the progress bar)."""
         return len(blocks_of(model))
 
@@ -111,5 +128,5 @@ class Method(ABC):
         """Rich tables of what this method added to the compress ``report`` (printed after the summary)."""
         return []
 
-    def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
+    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
         """CorpError if ``model`` cannot be compressed this way (beyond the common structure checks)."""

@@ -10,6 +10,7 @@ read by proj column ``h*d + j``). Per head and per pair, ``I[j] = ||w_j - GM||``
 geometric median of the head's ``d`` points; the dims nearest the median are the most
 replaceable and are removed; every head keeps the same ``d'`` of each.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,17 +53,21 @@ class Toast(Method):
     options_class = ToastOptions
     has_compensation = False
 
-    def check_model(self, model: nn.Module, config: "CompressConfig") -> None:
+    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
         if any(windows_of(block) is not None for block in blocks_of(model)):
-            raise CorpError("toast samples tokens of a token sequence and is not implemented for Swin's windowed "
-                            "feature maps; use --method corp or vbp")
+            raise CorpError(
+                "toast samples tokens of a token sequence and is not implemented for Swin's windowed "
+                "feature maps; use --method corp or vbp"
+            )
         if config.prunes_mlp and uses_class_token(model):
             for block in model.blocks:
                 if not is_plain_attention(block.attn):
-                    raise CorpError("toast's FFN channel selection weights tokens by the class token's attention, "
-                                    f"which needs timm's plain Attention; this model has {type(block.attn).__name__}")
+                    raise CorpError(
+                        "toast's FFN channel selection weights tokens by the class token's attention, "
+                        f"which needs timm's plain Attention; this model has {type(block.attn).__name__}"
+                    )
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         """FFN channels by token channel selection on the dense block's activations; query/key and
         value/proj dims by distance to each head's geometric median (weights only)."""
         class_token = uses_class_token(model)
@@ -71,8 +76,13 @@ class Toast(Method):
         for block in blocks_of(model):
             info: dict = {}
             if config.prunes_mlp:
-                importance = TokenChannelImportance(block.mlp.fc1.out_features, model.num_prefix_tokens,
-                                                    class_token, config.options.token_fraction, sampler)
+                importance = TokenChannelImportance(
+                    block.mlp.fc1.out_features,
+                    model.num_prefix_tokens,
+                    class_token,
+                    config.options.token_fraction,
+                    sampler,
+                )
                 with run.timer("block_statistics"):
                     _advance_with_importance(block, run, importance)
                 with run.timer("mlp_solve"):
@@ -93,7 +103,7 @@ class Toast(Method):
         return layers
 
 
-def _advance_with_importance(block: nn.Module, run: BlockRun, importance: "TokenChannelImportance") -> None:
+def _advance_with_importance(block: nn.Module, run: BlockRun, importance: TokenChannelImportance) -> None:
     """Move ``run.cache`` through the dense ``block``, adding each batch to ``importance`` (with the
     class token's attention row, taken from the block's own queries and keys, when it uses one)."""
     scale = block.attn.scale if importance.class_token else None
@@ -105,8 +115,9 @@ def _advance_with_importance(block: nn.Module, run: BlockRun, importance: "Token
     def on_hidden(h: torch.Tensor) -> None:
         importance.update(h, attention_rows.pop() if importance.class_token else None)
 
-    run.cache.advance(lambda x: block_forward(block, x, on_heads=on_heads if importance.class_token else None,
-                                              on_hidden=on_hidden))
+    run.cache.advance(
+        lambda x: block_forward(block, x, on_heads=on_heads if importance.class_token else None, on_hidden=on_hidden)
+    )
 
 
 def geometric_median(points: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12) -> torch.Tensor:
@@ -211,8 +222,9 @@ class TokenChannelImportance:
 
     CLASS_WEIGHT, SAMPLE_WEIGHT = 2.0, 1.0
 
-    def __init__(self, hidden: int, num_prefix_tokens: int, class_token: bool, fraction: float,
-                 generator: torch.Generator) -> None:
+    def __init__(
+        self, hidden: int, num_prefix_tokens: int, class_token: bool, fraction: float, generator: torch.Generator
+    ) -> None:
         self.num_prefix_tokens = num_prefix_tokens
         self.class_token = class_token
         self.fraction = fraction
@@ -230,8 +242,7 @@ class TokenChannelImportance:
         sampled = hidden.abs().gather(1, picks[..., None].expand(-1, -1, hidden.shape[-1]))
         if self.class_token:
             weights = class_attention.gather(1, picks)[..., None]
-            scores = (self.CLASS_WEIGHT * hidden[:, 0].abs()
-                      + self.SAMPLE_WEIGHT * (weights * sampled).mean(1))
+            scores = self.CLASS_WEIGHT * hidden[:, 0].abs() + self.SAMPLE_WEIGHT * (weights * sampled).mean(1)
         else:
             scores = sampled.mean(1)
         self._sum += scores.double().sum(0).cpu()

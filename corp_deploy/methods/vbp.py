@@ -5,6 +5,7 @@ channels are ranked by variance **globally across all MLPs** for one global prun
 rate, with a per-layer floor; each pruned activation is replaced by its mean, which folds
 into the fc2 bias: ``b2' = b2 + W2[:, P] @ mu_P``.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ class Vbp(Method):
     per_layer_sparsity = False
     runs_distributed = True
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
         moments = []
         with run.timer("block_statistics"):
@@ -59,16 +60,24 @@ class Vbp(Method):
                 run.block_done()
         layers = []
         with run.timer("mlp_solve"):
-            counts = global_kept_counts([m.variance for m in moments], config.s_mlp, config.options.layer_floor,
-                                        config.round_to)
+            counts = global_kept_counts(
+                [m.variance for m in moments], config.s_mlp, config.options.layer_floor, config.round_to
+            )
             for block, stats, kept in zip(blocks_of(model), moments, counts):
                 S, P = channels.split_channels(stats.variance, kept)
                 channels.fold_mlp(block.mlp, S, P, c=stats.mean[P] if config.compensation else None)
                 total_variance = float(stats.variance.sum())
-                layers.append({"mlp": {"hidden": kept,
-                                       "pruned_variance_fraction": float(stats.variance[P].sum()) / total_variance
-                                       if total_variance else 0.0},
-                               "dims": block_dims(block).to_dict()})
+                layers.append(
+                    {
+                        "mlp": {
+                            "hidden": kept,
+                            "pruned_variance_fraction": float(stats.variance[P].sum()) / total_variance
+                            if total_variance
+                            else 0.0,
+                        },
+                        "dims": block_dims(block).to_dict(),
+                    }
+                )
         return layers
 
 
@@ -117,8 +126,7 @@ class ChannelMoments:
         return self._m2 / max(self.n, 1)
 
 
-def global_kept_counts(variances: list[torch.Tensor], sparsity: float, floor: float,
-                       round_to: int = 1) -> list[int]:
+def global_kept_counts(variances: list[torch.Tensor], sparsity: float, floor: float, round_to: int = 1) -> list[int]:
     """How many channels each layer keeps under one global variance ranking.
 
     ``round(sparsity * total)`` channels are removed over all layers together (the
@@ -134,14 +142,12 @@ def global_kept_counts(variances: list[torch.Tensor], sparsity: float, floor: fl
     # Each layer's removable channels are its lowest-variance ones beyond its floor.
     candidates = []
     for layer, (var, keep_at_least) in enumerate(zip(variances, floors)):
-        removable = torch.sort(var.double()).values[:len(var) - keep_at_least]
+        removable = torch.sort(var.double()).values[: len(var) - keep_at_least]
         candidates += [(float(value), layer) for value in removable]
     candidates.sort(key=lambda item: item[0])
     kept = list(sizes)
     for _, layer in candidates[:to_remove]:
         kept[layer] -= 1
     if round_to > 1:
-        kept = [max(round_to, min(size, round_to * math.floor(k / round_to + 0.5)))
-                for k, size in zip(kept, sizes)]
+        kept = [max(round_to, min(size, round_to * math.floor(k / round_to + 0.5))) for k, size in zip(kept, sizes)]
     return kept
-

@@ -6,6 +6,7 @@ Modules: :mod:`.options` (its settings), :mod:`.sizes` (kept sizes at uniform sp
 :mod:`.budget` (a MAC budget: :mod:`.curves` measures every unit's error curve, :mod:`.allocation`
 spends the budget over them), :mod:`.compress` (one block's compression to given sizes).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,18 +34,21 @@ class Corp(Method):
     default_target = "both"
     options_class = CorpOptions
 
-    def block_steps(self, model: nn.Module, config: "CompressConfig") -> int:
+    def block_steps(self, model: nn.Module, config: CompressConfig) -> int:
         return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: "CompressConfig") -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         if config.has_budget:
             sizes, run.report["budget"] = plan_budget(model, run, config)
         else:
             sizes = [uniform_sizes(block, config) for block in blocks_of(model)]
         options = config.options
         # CorpOptions.check leaves the refit "none" with sequential calibration or without compensation
-        refit = DriftRefit(model, run.cache, REFIT_LAYERS[options.refit], options.refit_shrink) \
-            if options.refit != "none" else None
+        refit = (
+            DriftRefit(model, run.cache, REFIT_LAYERS[options.refit], options.refit_shrink)
+            if options.refit != "none"
+            else None
+        )
         if refit is not None:
             run.report["refit"] = {"layers": list(refit.layers), "shrink": options.refit_shrink}
         compress = compress_block_sequential if options.calibration == "sequential" else compress_block

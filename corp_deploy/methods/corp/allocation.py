@@ -11,11 +11,12 @@ in order of slope until the budget is met. Optimal whenever the curves are conve
 is never above the budget and at most one step below it. Deterministic: ties go to the earlier
 step, then the earlier unit, so equal curves give equal sizes.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -41,19 +42,24 @@ def candidate_sizes(total: int, round_to: int, floor: float) -> list[int]:
     return [total] + list(range(top, lowest - 1, -round_to))
 
 
-def check_feasible(shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_macs: int, round_to: int = 1,
-                   floor: float = 0.0) -> None:
+def check_feasible(
+    shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_macs: int, round_to: int = 1, floor: float = 0.0
+) -> None:
     """CorpError when even every unit at its smallest size exceeds the budget. ``shapes``: every
     unit's ``(total, macs_per_dim)``."""
     lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
     if lowest > budget_macs:
-        raise SettingError(f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with "
-                           f"every unit at its floor ({floor:g} of its dims) the model still needs "
-                           f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{setting}}", "unit_floor")
+        raise SettingError(
+            f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with "
+            f"every unit at its floor ({floor:g} of its dims) the model still needs "
+            f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{setting}}",
+            "unit_floor",
+        )
 
 
-def allocate(units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to: int = 1,
-             floor: float = 0.0) -> list[int]:
+def allocate(
+    units: Sequence[Unit], fixed_macs: int, budget_macs: int, round_to: int = 1, floor: float = 0.0
+) -> list[int]:
     """Kept size of every unit (see the module docstring). ``fixed_macs``: the MACs of
     everything that is not pruned. CorpError when even every unit at its floor exceeds the budget."""
     check_feasible([(u.total, u.macs_per_dim) for u in units], fixed_macs, budget_macs, round_to, floor)

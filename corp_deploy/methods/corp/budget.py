@@ -1,5 +1,6 @@
 """Budget mode: measure every unit's error curve on the dense model, allocate the MAC budget,
 and hand CORP the per-block sizes (docs/method.md §8)."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 _SIZE_FIELDS = {"mlp": ("mlp",), "qk": ("qk",), "vo": ("v",), "qkvo": ("qk", "v")}
 
 
-def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> tuple[list[BlockSizes], dict]:
+def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tuple[list[BlockSizes], dict]:
     """The kept sizes of every block under ``config``'s MAC budget, and the budget's report
     (every unit's kept size, error and distortion). ``run.cache`` is left where it was."""
     options = config.options
@@ -32,8 +33,13 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
     check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, options.unit_floor)  # before the work
     with run.timer("budget_curves"):
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
-    kept = allocate([Unit(c.total, c.macs_per_dim, c.distortion) for c in curves], dense_macs - prunable,
-                    budget_macs, config.round_to, options.unit_floor)
+    kept = allocate(
+        [Unit(c.total, c.macs_per_dim, c.distortion) for c in curves],
+        dense_macs - prunable,
+        budget_macs,
+        config.round_to,
+        options.unit_floor,
+    )
     per_block: list[dict] = [{"orders": {}} for _ in blocks_of(model)]
     for curve, size in zip(curves, kept):
         for field in _SIZE_FIELDS[curve.part]:
@@ -44,11 +50,22 @@ def plan_budget(model: nn.Module, run: "BlockRun", config: "CompressConfig") -> 
     sizes = [BlockSizes(**parts) for parts in per_block]
     planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
     report = {
-        "macs_fraction": options.macs_fraction, "dense_macs": dense_macs, "budget_macs": budget_macs,
-        "planned_macs": planned, "distortion": options.distortion,
-        "units": [{"block": c.block, "part": c.part, "total": c.total, "kept": k,
-                   "error": float(c.error[k]), "distortion": float(c.distortion[k])}
-                  for c, k in zip(curves, kept)],
+        "macs_fraction": options.macs_fraction,
+        "dense_macs": dense_macs,
+        "budget_macs": budget_macs,
+        "planned_macs": planned,
+        "distortion": options.distortion,
+        "units": [
+            {
+                "block": c.block,
+                "part": c.part,
+                "total": c.total,
+                "kept": k,
+                "error": float(c.error[k]),
+                "distortion": float(c.distortion[k]),
+            }
+            for c, k in zip(curves, kept)
+        ],
     }
     return sizes, report
 
@@ -61,14 +78,18 @@ def allocation_table(budget: dict):
     from ...plots import PART_LABELS
 
     parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
-    table = Table(title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
-                        f"{budget['planned_macs'] / 1e9:.3f} of {budget['dense_macs'] / 1e9:.3f} GMACs",
-                  caption=f"kept / full (distortion, {budget['distortion']})")
+    table = Table(
+        title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
+        f"{budget['planned_macs'] / 1e9:.3f} of {budget['dense_macs'] / 1e9:.3f} GMACs",
+        caption=f"kept / full (distortion, {budget['distortion']})",
+    )
     table.add_column("block", justify="right")
     for part in parts:
         table.add_column(PART_LABELS[part], justify="right")
     by_key = {(u["block"], u["part"]): u for u in budget["units"]}
     for block in sorted({u["block"] for u in budget["units"]}):
-        table.add_row(str(block), *[f"{u['kept']}/{u['total']} ({u['distortion']:.2g})"
-                                    for u in (by_key[block, part] for part in parts)])
+        table.add_row(
+            str(block),
+            *[f"{u['kept']}/{u['total']} ({u['distortion']:.2g})" for u in (by_key[block, part] for part in parts)],
+        )
     return table

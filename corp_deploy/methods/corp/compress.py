@@ -8,6 +8,7 @@ Sequential: each part is calibrated on the output of the parts compressed before
 then values after the compressed query/key, then the MLP after the compressed attention), and
 the compressed block gives the next boundary.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -17,8 +18,17 @@ from torch import nn
 
 from ... import attention as attn_ops
 from ... import channels, values
-from ...blocks import (attention_output, attention_residual, block_exit, block_forward, mlp_branch, mlp_hidden,
-                       mlp_residual, probe_query_keys, residual_weight)
+from ...blocks import (
+    attention_output,
+    attention_residual,
+    block_exit,
+    block_forward,
+    mlp_branch,
+    mlp_hidden,
+    mlp_residual,
+    probe_query_keys,
+    residual_weight,
+)
 from ...layers import block_dims
 from ...stats import HeadGrams, MomentAccumulator
 from ..base import BlockRun
@@ -29,25 +39,34 @@ if TYPE_CHECKING:
     from ...config import CompressConfig
 
 
-def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes,
-                   targets: DenseTargets | None = None) -> dict:
+def compress_block(
+    block: nn.Module, run: BlockRun, config: CompressConfig, sizes: BlockSizes, targets: DenseTargets | None = None
+) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
     advances through the dense block. ``targets``: where to keep what the dense block
     computes, for the drift refit (None: not kept). The query/key dims are folded from
     ``sizes.qk_solutions`` where the budget's curves solved them already."""
     grams = HeadGrams() if sizes.qk is not None and sizes.qk_solutions is None else None
-    proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False) \
-        if sizes.v is not None else None
+    proj_inputs = (
+        MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False)
+        if sizes.v is not None
+        else None
+    )
     moments = _mlp_moments(block, run, config) if sizes.mlp is not None else None
 
     def dense_step(x: torch.Tensor) -> torch.Tensor:
-        a = attention_output(block, block.norm1(x), grams.add if grams is not None else None,
-                             proj_inputs.update if proj_inputs is not None else None)
+        a = attention_output(
+            block,
+            block.norm1(x),
+            grams.add if grams is not None else None,
+            proj_inputs.update if proj_inputs is not None else None,
+        )
         mid = x + block.ls1(a)
         m = mlp_branch(block, mid, moments.update if moments is not None else None)
         if targets is not None:
             targets.add(x, a, m)
         return block_exit(block, mid + block.ls2(m))
+
     with run.timer("block_statistics"):
         run.cache.advance(dense_step)
         for statistics in (grams, proj_inputs, moments):
@@ -58,8 +77,9 @@ def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", si
         with run.timer("attention_solve"):
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
     elif sizes.qk is not None:
-        info["attention"] = fold_solved_attention(block, sizes.orders["qk"][:, :sizes.qk].sort(dim=1).values,
-                                                  sizes.qk_solutions)
+        info["attention"] = fold_solved_attention(
+            block, sizes.orders["qk"][:, : sizes.qk].sort(dim=1).values, sizes.qk_solutions
+        )
     if proj_inputs is not None:
         with run.timer("values_solve"):
             info["values"] = compress_values(block, proj_inputs, config, sizes.v, sizes.orders.get("vo"))
@@ -70,8 +90,7 @@ def compress_block(block: nn.Module, run: BlockRun, config: "CompressConfig", si
     return info
 
 
-def compress_block_sequential(block: nn.Module, run: BlockRun, config: "CompressConfig", sizes: BlockSizes
-                               ) -> dict:
+def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressConfig, sizes: BlockSizes) -> dict:
     """Sequential calibration: each part is calibrated on the output of the parts compressed
     before it; ``run.cache`` advances through the compressed block."""
     info: dict = {}
@@ -98,6 +117,7 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compress
             x = attention_residual(block, x)
             moments.update(mlp_hidden(block, x))
             return x
+
         with run.timer("block_statistics"):
             run.cache.advance(through_attention)
             moments.all_reduce()
@@ -112,18 +132,20 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: "Compress
     return info
 
 
-def _mlp_moments(block: nn.Module, run: BlockRun, config: "CompressConfig") -> MomentAccumulator:
-    return MomentAccumulator(block.mlp.fc1.out_features, run.cache.device,
-                             track_positive=config.options.ranker == "active")
+def _mlp_moments(block: nn.Module, run: BlockRun, config: CompressConfig) -> MomentAccumulator:
+    return MomentAccumulator(
+        block.mlp.fc1.out_features, run.cache.device, track_positive=config.options.ranker == "active"
+    )
 
 
-def compress_attention(block: nn.Module, grams: HeadGrams, config: "CompressConfig", kept: int) -> dict:
+def compress_attention(block: nn.Module, grams: HeadGrams, config: CompressConfig, kept: int) -> dict:
     """Rank, solve and fold the query/key dims of ``block.attn`` to ``kept`` per head (replaced
     by a :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
     sums = grams.heads()
     S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), kept)
-    heads = [attn_ops.solve_head(head, S[h], P[h], config.options.ridge, config.compensation)
-             for h, head in enumerate(sums)]
+    heads = [
+        attn_ops.solve_head(head, S[h], P[h], config.options.ridge, config.compensation) for h, head in enumerate(sums)
+    ]
     return fold_solved_attention(block, S, heads)
 
 
@@ -133,7 +155,7 @@ def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[attn
     ascending); returns its report."""
     attn = block.attn
     block.attn = attn_ops.fold_attention(attn, kept, [s.M for s in heads])
-    scale2 = attn.scale ** 2
+    scale2 = attn.scale**2
     err_unc = sum(s.error_uncompensated for s in heads) * scale2
     err_comp = sum(s.error_compensated for s in heads) * scale2
     energy = sum(s.logit_energy for s in heads) * scale2
@@ -143,14 +165,18 @@ def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[attn
         "error_compensated": err_comp,
         "relative_error_uncompensated": err_unc / energy if energy else 0.0,
         "relative_error_compensated": err_comp / energy if energy else 0.0,
-        "heads_worse_than_slicing": sum(s.error_compensated > s.error_uncompensated * (1 + 1e-9)
-                                        for s in heads),
+        "heads_worse_than_slicing": sum(s.error_compensated > s.error_uncompensated * (1 + 1e-9) for s in heads),
         "ridge_lambda": [s.ridge_lambda for s in heads],
     }
 
 
-def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "CompressConfig", kept: int,
-                    order: torch.Tensor | None = None) -> dict:
+def compress_values(
+    block: nn.Module,
+    proj_inputs: MomentAccumulator,
+    config: CompressConfig,
+    kept: int,
+    order: torch.Tensor | None = None,
+) -> dict:
     """Select, solve and fold the value dims of ``block.attn`` to ``kept`` per head, compensated
     in the output projection (docs/method.md §4); returns its report. ``order``: the selection
     order of the proj-input channels, when already computed from these statistics."""
@@ -158,16 +184,18 @@ def compress_values(block: nn.Module, proj_inputs: MomentAccumulator, config: "C
     H = attn.num_heads
     w = residual_weight(attn.proj, block.ls1)
     if order is None:
-        order = channels.keep_order(proj_inputs, w, config.options.ranker, config.options.ridge, groups=H,
-                                    kept=kept * H)
+        order = channels.keep_order(
+            proj_inputs, w, config.options.ranker, config.options.ridge, groups=H, kept=kept * H
+        )
     S, P = channels.split_order(order, kept * H)
     sol = channels.solve_channels(proj_inputs, w, S, P, config.options.ridge, config.compensation)
     block.attn = values.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
     return {"v_head_dim": kept, **_channel_errors(sol)}
 
 
-def compress_mlp(block: nn.Module, moments: MomentAccumulator, config: "CompressConfig", kept: int,
-                 order: torch.Tensor | None = None) -> dict:
+def compress_mlp(
+    block: nn.Module, moments: MomentAccumulator, config: CompressConfig, kept: int, order: torch.Tensor | None = None
+) -> dict:
     """Select, solve and fold the hidden channels of ``block.mlp`` to ``kept`` (in place);
     returns its report. ``order``: the selection order, when already computed from these statistics."""
     w = residual_weight(block.mlp.fc2, block.ls2)

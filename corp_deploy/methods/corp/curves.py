@@ -22,6 +22,7 @@ it (the scale the next LayerNorm removes), ``normed`` weighs error and energy pe
 gain of the norm that next reads the stream and takes the energy where that norm reads it,
 ``relative`` divides by the unit's own error at full pruning, ``absolute`` leaves it as it is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,11 +68,18 @@ class UnitCurve:
     orders: dict[str, torch.Tensor] = field(default_factory=dict)
     qk_solutions: dict[int, list[attn_ops.HeadSolution]] = field(default_factory=dict)
 
-    def tied_with(self, other: "UnitCurve") -> "UnitCurve":
+    def tied_with(self, other: UnitCurve) -> UnitCurve:
         """Query/key and value/output of one block as one unit (``equal_head_dims``)."""
-        return UnitCurve(self.block, "qkvo", self.total, self.macs_per_dim + other.macs_per_dim,
-                         self.error + other.error, self.distortion + other.distortion,
-                         {**self.orders, **other.orders}, self.qk_solutions or other.qk_solutions)
+        return UnitCurve(
+            self.block,
+            "qkvo",
+            self.total,
+            self.macs_per_dim + other.macs_per_dim,
+            self.error + other.error,
+            self.distortion + other.distortion,
+            {**self.orders, **other.orders},
+            self.qk_solutions or other.qk_solutions,
+        )
 
 
 def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
@@ -139,8 +147,9 @@ def qk_probe_sizes(head_dim: int) -> tuple[int, ...]:
     return tuple(sorted({k for k in (round(head_dim * j / 8) for j in range(1, 8)) if 0 < k < head_dim}))
 
 
-def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConfig",
-                   block_done=lambda: None) -> list[UnitCurve]:
+def measure_curves(
+    model: nn.Module, cache: BoundaryCache, config: CompressConfig, block_done=lambda: None
+) -> list[UnitCurve]:
     """One pass of the dense ``model`` over ``cache`` (advanced to the model's output): the
     curves of every unit of the parts ``config`` prunes, in block order (``mlp``, ``qk``, ``vo``
     per block, or ``qkvo`` instead of the last two with ``equal_head_dims``)."""
@@ -150,10 +159,16 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     for index, block in enumerate(blocks):
         attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
-        proj_inputs = MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False) \
-            if "vo" in config.parts else None
-        hidden = MomentAccumulator(block.mlp.fc1.out_features, cache.device,
-                                   track_positive=options.ranker == "active") if "mlp" in config.parts else None
+        proj_inputs = (
+            MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False)
+            if "vo" in config.parts
+            else None
+        )
+        hidden = (
+            MomentAccumulator(block.mlp.fc1.out_features, cache.device, track_positive=options.ranker == "active")
+            if "mlp" in config.parts
+            else None
+        )
         normed = options.distortion == "normed"  # energies where the next norms read the stream, weighted as they do
         attn_gain, mlp_gain = _next_norm_gains(model, blocks, index) if normed else (None, None)
         attn_energy, mlp_energy = ResidualEnergy(attn_gain), ResidualEnergy(mlp_gain)
@@ -162,11 +177,17 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
 
         def step(x: torch.Tensor) -> torch.Tensor:
             if grams is not None:
-                probe.append(x[:max(0, PROBE_IMAGES - next(offsets))].clone())
+                probe.append(x[: max(0, PROBE_IMAGES - next(offsets))].clone())
             if not normed:
                 attn_energy.update(x)
-            x = x + block.ls1(attention_output(block, block.norm1(x), grams.add if grams is not None else None,
-                                               proj_inputs.update if proj_inputs is not None else None))
+            x = x + block.ls1(
+                attention_output(
+                    block,
+                    block.norm1(x),
+                    grams.add if grams is not None else None,
+                    proj_inputs.update if proj_inputs is not None else None,
+                )
+            )
             (attn_energy if normed else mlp_energy).update(x)
             x = mlp_residual(block, x, hidden.update if hidden is not None else None)
             if normed:
@@ -201,8 +222,9 @@ def measure_curves(model: nn.Module, cache: BoundaryCache, config: "CompressConf
     return units
 
 
-def _next_norm_gains(model: nn.Module, blocks: list[nn.Module], index: int
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _next_norm_gains(
+    model: nn.Module, blocks: list[nn.Module], index: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The affine gains ``(C,)`` float64 of the norms that next read what block ``index``'s
     attention and MLP write (its ``norm2``; the next block's ``norm1``, or the model's final
     ``norm`` after the last block); None where that is not a norm of the stream's width with a
@@ -216,6 +238,7 @@ def _next_norm_gains(model: nn.Module, blocks: list[nn.Module], index: int
         if not isinstance(weight, torch.Tensor) or weight.shape != (width,):
             return None
         return weight.detach().double()
+
     return gain(block.norm2), gain(after_mlp)
 
 
@@ -224,9 +247,9 @@ def _gained(weight: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
     return weight if gain is None else gain.to(weight)[:, None] * weight
 
 
-def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float,
-              gain: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
+def _qk_curve(
+    block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float, gain: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
     the summed logit curves of the heads, times the measured ratio of output to logit error; the
     heads' ranked dims ``(H, d)``; and every head's solution at every kept size ``1..d``.
@@ -238,7 +261,7 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
     sizes = qk_probe_sizes(head_dim)
     curves, by_size = _head_curves(sums, orders, alpha)
-    logit = attn.scale ** 2 * curves.sum(0).cpu()
+    logit = attn.scale**2 * curves.sum(0).cpu()
     del sums
     dense_output = block.ls1(attention_output(block, block.norm1(probe))) if len(probe) else None
     gain = probe.new_ones(()) if gain is None else gain.to(probe)
@@ -259,8 +282,9 @@ def _qk_curve(block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: fl
     return logit * torch.from_numpy(np.exp(log_ratio)), orders, by_size
 
 
-def _head_curves(sums: list[QKSums], orders: torch.Tensor, alpha: float
-                 ) -> tuple[torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
+def _head_curves(
+    sums: list[QKSums], orders: torch.Tensor, alpha: float
+) -> tuple[torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
     """Every head's logit curve ``(H, d + 1)`` and its solution at every kept size ``1..d``
     (:func:`~corp_deploy.attention.head_curve`; ``sums``: the heads' query/key sums, ``orders``
     ``(H, d)``). Under torch.distributed rank ``r`` factorises the heads ``h = r mod world size``
@@ -273,24 +297,44 @@ def _head_curves(sums: list[QKSums], orders: torch.Tensor, alpha: float
     for h in range(distributed.rank(), heads, distributed.world_size()):
         curves[h], solutions = attn_ops.head_curve(sums[h], orders[h], alpha, solutions_at=range(1, d + 1))
         matrices[h] = torch.cat([solutions[k].M.reshape(-1) for k in range(1, d + 1)])
-        numbers[h] = curves.new_tensor([[s.ridge_lambda, s.error_uncompensated, s.error_compensated, s.logit_energy]
-                                        for s in (solutions[k] for k in range(1, d + 1))])
+        numbers[h] = curves.new_tensor(
+            [
+                [s.ridge_lambda, s.error_uncompensated, s.error_compensated, s.logit_energy]
+                for s in (solutions[k] for k in range(1, d + 1))
+            ]
+        )
     for shared in (curves, matrices, numbers):
         distributed.all_reduce_sum(shared)
     by_size, start = {}, 0
     for k in range(1, d + 1):
-        by_size[k] = [attn_ops.HeadSolution(matrices[h, start:start + k * k].reshape(k, k).clone(),
-                                            *numbers[h, k - 1].tolist())
-                      for h in range(heads)]
+        by_size[k] = [
+            attn_ops.HeadSolution(matrices[h, start : start + k * k].reshape(k, k).clone(), *numbers[h, k - 1].tolist())
+            for h in range(heads)
+        ]
         start += k * k
     return curves, by_size
 
 
-def _unit(index: int, block: nn.Module, part: str, error: torch.Tensor, residual_energy: float, tokens: int,
-          distortion: str, order: torch.Tensor | None = None) -> UnitCurve:
+def _unit(
+    index: int,
+    block: nn.Module,
+    part: str,
+    error: torch.Tensor,
+    residual_energy: float,
+    tokens: int,
+    distortion: str,
+    order: torch.Tensor | None = None,
+) -> UnitCurve:
     error = error.double().cpu()
-    scale = {"residual": residual_energy, "normed": residual_energy, "relative": float(error[0]),
-             "absolute": 1.0}[distortion]
-    return UnitCurve(index, part, len(error) - 1, macs_per_dim(part, tokens, block), error,
-                     error / scale if scale > 0 else torch.zeros_like(error),
-                     {part: order} if order is not None else {})
+    scale = {"residual": residual_energy, "normed": residual_energy, "relative": float(error[0]), "absolute": 1.0}[
+        distortion
+    ]
+    return UnitCurve(
+        index,
+        part,
+        len(error) - 1,
+        macs_per_dim(part, tokens, block),
+        error,
+        error / scale if scale > 0 else torch.zeros_like(error),
+        {part: order} if order is not None else {},
+    )

@@ -1,4 +1,5 @@
 """CORP's options: channel selection, ridge, calibration order, and the MAC budget."""
+
 from __future__ import annotations
 
 import math
@@ -59,26 +60,46 @@ class CorpOptions(MethodOptions):
     """
 
     macs: float | None = option(
-        None, "MAC budget, keep at most the fraction F of the dense MACs; every block's parts get the sizes "
-              "that CORP's closed-form errors say hurt least. Excludes --s*.", value_type=float, metavar="F")
-    speedup: float | None = option(None, "MAC budget as a MAC-ideal speedup (the same as --macs 1/X).",
-                                   value_type=float, metavar="X")
-    unit_floor: float = option(0.1, "with a budget, every MLP and every block's query/key or value dims keep at "
-                                    "least this fraction.")
+        None,
+        "MAC budget, keep at most the fraction F of the dense MACs; every block's parts get the sizes "
+        "that CORP's closed-form errors say hurt least. Excludes --s*.",
+        value_type=float,
+        metavar="F",
+    )
+    speedup: float | None = option(
+        None, "MAC budget as a MAC-ideal speedup (the same as --macs 1/X).", value_type=float, metavar="X"
+    )
+    unit_floor: float = option(
+        0.1, "with a budget, every MLP and every block's query/key or value dims keep at least this fraction."
+    )
     distortion: str = "residual"  # library only (for studies): no command-line option
-    equal_head_dims: bool = option(False, "as many value as query/key dims in every head (fused attention kernels "
-                                          "need equal head dims); needs --target all.")
-    ranker: str | None = option(None, "MLP hidden and value channel selection.", value_type=str, choices=RANKERS,
-                                default_help=f"{UNIFORM_RANKER} with --s, {BUDGET_RANKER} with a budget")
+    equal_head_dims: bool = option(
+        False,
+        "as many value as query/key dims in every head (fused attention kernels "
+        "need equal head dims); needs --target all.",
+    )
+    ranker: str | None = option(
+        None,
+        "MLP hidden and value channel selection.",
+        value_type=str,
+        choices=RANKERS,
+        default_help=f"{UNIFORM_RANKER} with --s, {BUDGET_RANKER} with a budget",
+    )
     ridge: float = option(1e-3, "scale-free ridge alpha (lambda = alpha times the layer's mean channel variance).")
-    calibration: str = option("independent", "statistics all from the dense model (independent, as in the paper) "
-                                             "or from the partly compressed model (sequential).",
-                              choices=CALIBRATION_MODES)
-    refit: str | None = option(None, "consumer layers refitted from the compressed model's inputs to the dense "
-                                     "model's outputs, correcting the error earlier blocks let through.",
-                               value_type=str, choices=tuple(REFIT_LAYERS),
-                               default_help=f"{DEFAULT_REFIT} (none with --calibration sequential or "
-                                            "--no-compensation)")
+    calibration: str = option(
+        "independent",
+        "statistics all from the dense model (independent, as in the paper) "
+        "or from the partly compressed model (sequential).",
+        choices=CALIBRATION_MODES,
+    )
+    refit: str | None = option(
+        None,
+        "consumer layers refitted from the compressed model's inputs to the dense "
+        "model's outputs, correcting the error earlier blocks let through.",
+        value_type=str,
+        choices=tuple(REFIT_LAYERS),
+        default_help=f"{DEFAULT_REFIT} (none with --calibration sequential or --no-compensation)",
+    )
     refit_shrink: float = option(1.0, "the refit's ridge alpha, shrinking toward CORP's solution.")
 
     def __post_init__(self) -> None:
@@ -95,9 +116,13 @@ class CorpOptions(MethodOptions):
             if not (value >= 0.0 and math.isfinite(value)):
                 raise SettingError(f"{{setting}} must be a finite number >= 0, got {value!r}", name)
         if self.refit not in (None, "none") and self.calibration == "sequential":
-            raise SettingError("the drift refit ({setting}) compares the compressed model with the dense one, "
-                               "which {setting} sequential no longer keeps; add {setting} none",
-                               "refit", "calibration", "refit")
+            raise SettingError(
+                "the drift refit ({setting}) compares the compressed model with the dense one, "
+                "which {setting} sequential no longer keeps; add {setting} none",
+                "refit",
+                "calibration",
+                "refit",
+            )
         if not 0.0 <= self.unit_floor <= 1.0:
             raise SettingError(f"{{setting}} must be in [0, 1], got {self.unit_floor!r}", "unit_floor")
 
@@ -105,12 +130,15 @@ class CorpOptions(MethodOptions):
         if self.macs is not None and self.speedup is not None:
             raise SettingError("give the budget as {setting} or as {setting}, not both", "macs", "speedup")
         if self.macs is not None and not (isinstance(self.macs, (int, float)) and 0.0 < self.macs <= 1.0):
-            raise SettingError(f"the MAC budget {{setting}} must be a fraction of the dense MACs in (0, 1], got "
-                               f"{self.macs!r}", "macs")
-        if self.speedup is not None and not (isinstance(self.speedup, (int, float)) and self.speedup >= 1.0
-                                             and math.isfinite(self.speedup)):
-            raise SettingError(f"the speedup budget {{setting}} must be a finite number >= 1, got {self.speedup!r}",
-                               "speedup")
+            raise SettingError(
+                f"the MAC budget {{setting}} must be a fraction of the dense MACs in (0, 1], got {self.macs!r}", "macs"
+            )
+        if self.speedup is not None and not (
+            isinstance(self.speedup, (int, float)) and self.speedup >= 1.0 and math.isfinite(self.speedup)
+        ):
+            raise SettingError(
+                f"the speedup budget {{setting}} must be a finite number >= 1, got {self.speedup!r}", "speedup"
+            )
 
     @property
     def has_budget(self) -> bool:
@@ -125,21 +153,33 @@ class CorpOptions(MethodOptions):
     def default_target(self) -> str | None:
         return "all" if self.has_budget else None
 
-    def check(self, config: "CompressConfig") -> None:
+    def check(self, config: CompressConfig) -> None:
         """Resolve the refit's default (none with sequential calibration or without compensation:
         it refits compensated layers against the dense model) and refuse what contradicts ``config``."""
         if self.refit is None:
             independent = self.calibration != "sequential" and config.compensation
             object.__setattr__(self, "refit", DEFAULT_REFIT if independent else "none")
         elif self.refit != "none" and not config.compensation:
-            raise SettingError("the drift refit ({setting}) is part of the compensation that {setting} switches off; "
-                               "add {setting} none", "refit", "compensation", "refit")
+            raise SettingError(
+                "the drift refit ({setting}) is part of the compensation that {setting} switches off; "
+                "add {setting} none",
+                "refit",
+                "compensation",
+                "refit",
+            )
         if not self.equal_head_dims:
             return
         if config.target != "all":
-            raise SettingError(f"{{setting}} ties value dims to query/key dims; it needs {{setting}} all (got "
-                               f"{config.target})", "equal_head_dims", "target")
+            raise SettingError(
+                f"{{setting}} ties value dims to query/key dims; it needs {{setting}} all (got {config.target})",
+                "equal_head_dims",
+                "target",
+            )
         if not self.has_budget and config.s_attn != config.s_vo:
-            raise SettingError(f"{{setting}} keeps as many value as query/key dims per head; {{setting}} "
-                               f"({config.s_attn}) and {{setting}} ({config.s_vo}) must then be equal",
-                               "equal_head_dims", "s_attn", "s_vo")
+            raise SettingError(
+                f"{{setting}} keeps as many value as query/key dims per head; {{setting}} "
+                f"({config.s_attn}) and {{setting}} ({config.s_vo}) must then be equal",
+                "equal_head_dims",
+                "s_attn",
+                "s_vo",
+            )

@@ -19,6 +19,7 @@ The compressed path is a second :class:`~corp_deploy.blocks.BoundaryCache` that 
 embedding and is advanced through every block once it is compressed and refitted; what the dense
 block computes is kept from its statistics pass (:class:`DenseTargets`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,13 @@ class RefitSolution:
     relative_error_after: float
 
 
-def solve_refit(joint: MomentAccumulator, weight: torch.Tensor, bias: torch.Tensor | None, alpha: float,
-                gamma: torch.Tensor | None = None) -> RefitSolution:
+def solve_refit(
+    joint: MomentAccumulator,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    alpha: float,
+    gamma: torch.Tensor | None = None,
+) -> RefitSolution:
     """The shrunk ridge refit from the statistics of ``[h, t]`` (``joint``, ``k + out`` dims):
     ``weight`` ``(out, k)`` and ``bias`` (None: zero) are ``W0``, ``b0``; ``alpha`` the shrinkage;
     ``gamma`` ``(out,)`` the LayerScale that multiplies the layer's output (None: ones).
@@ -114,13 +120,15 @@ def solve_refit(joint: MomentAccumulator, weight: torch.Tensor, bias: torch.Tens
     def error(w_: torch.Tensor, b_: torch.Tensor) -> float:
         per_row = cov_t - 2 * (w_ * cov_ht.T).sum(1) + ((w_ @ cov_h) * w_).sum(1) + (mean_t - w_ @ mean_h - b_).square()
         return float((g2 * per_row).sum()) / energy if energy else 0.0
+
     return RefitSolution(w, b, error(w0, b0), error(w, b))
 
 
 def _refitted(layer: nn.Linear, solution: RefitSolution) -> nn.Linear:
     """A copy of ``layer`` (same shape, device, dtype) with the refitted weight and a bias."""
-    new = nn.Linear(layer.in_features, layer.out_features, bias=True, device=layer.weight.device,
-                    dtype=layer.weight.dtype)
+    new = nn.Linear(
+        layer.in_features, layer.out_features, bias=True, device=layer.weight.device, dtype=layer.weight.dtype
+    )
     with torch.no_grad():
         new.weight.copy_(solution.weight)
         new.bias.copy_(solution.bias)
@@ -183,15 +191,15 @@ class DriftRefit:
         Returns the report and, per batch, the input ``(B, N, k)`` of ``proj`` on the compressed path
         (it does not depend on ``proj``: the attention need not run again after the refit)."""
         attn = block.attn
-        joint = MomentAccumulator(attn.proj.in_features + attn.proj.out_features, self.path.device,
-                                  track_positive=False)
+        joint = MomentAccumulator(
+            attn.proj.in_features + attn.proj.out_features, self.path.device, track_positive=False
+        )
         inputs: list[torch.Tensor] = []
         for x in self.path.batches:
             attention_output(block, block.norm1(x), on_proj_input=inputs.append)
             joint.update(inputs[-1], targets.proj.pop(0))  # each target is used once
         joint.all_reduce()
-        solution = solve_refit(joint, attn.proj.weight, attn.proj.bias, self.alpha,
-                               getattr(block.ls1, "gamma", None))
+        solution = solve_refit(joint, attn.proj.weight, attn.proj.bias, self.alpha, getattr(block.ls1, "gamma", None))
         attn.proj = _refitted(attn.proj, solution)
         return _report(solution), inputs
 
@@ -208,6 +216,7 @@ class DriftRefit:
             a = block.ls1(a)
             joint.update(mlp_hidden(block, x + a), targets.fc2.pop(0) - a / targets.gamma2)
             return x + a
+
         self.path.advance(through_attention)
         joint.all_reduce()
         solution = solve_refit(joint, fc2.weight, fc2.bias, self.alpha, getattr(block.ls2, "gamma", None))
@@ -224,5 +233,7 @@ def _admits(model: nn.Module, part: str) -> bool:
 
 
 def _report(solution: RefitSolution) -> dict:
-    return {"relative_error_before": solution.relative_error_before,
-            "relative_error_after": solution.relative_error_after}
+    return {
+        "relative_error_before": solution.relative_error_before,
+        "relative_error_after": solution.relative_error_after,
+    }

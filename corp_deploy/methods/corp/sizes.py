@@ -1,5 +1,6 @@
 """The kept sizes of a block's parts, at uniform sparsities (a MAC budget allocates them
 per block: :mod:`.budget`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,10 +32,11 @@ class BlockSizes:
     qk_solutions: list[HeadSolution] | None = None
 
 
-def uniform_sizes(block: nn.Module, config: "CompressConfig") -> BlockSizes:
+def uniform_sizes(block: nn.Module, config: CompressConfig) -> BlockSizes:
     """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
     qk, v = head_dims(block.attn)
     return BlockSizes(
         mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
         qk=kept_count(qk, config.s_attn, config.round_to) if config.prunes_attn else None,
-        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None)
+        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None,
+    )
