@@ -21,14 +21,15 @@ from torch import nn
 
 from corp_deploy import (
     METHODS,
-    CalibrationImages,
+    CalibrationSpec,
     CompressConfig,
     CorpError,
-    compress,
+    HeldImages,
+    compress_to_artifact,
     distributed,
     model_transform,
-    save_artifact,
 )
+from corp_deploy.calibration import DEFAULT_IMAGES
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
@@ -62,7 +63,7 @@ class SweepSpec:
     methods: tuple[str, ...] = ("corp",)
     target: str | None = None
     calib: Path | None = None
-    calib_samples: int = 256
+    calib_samples: int = DEFAULT_IMAGES
     data: Path | None = None
     data_samples: int = 256
     seed: int = 0
@@ -101,8 +102,13 @@ class SweepSpec:
     def run_name(self, method: str, point: float) -> str:
         return f"{method}-{'s' if self.sparsities else 'macs'}{point:g}"
 
+    @property
+    def calibration(self) -> CalibrationSpec:
+        """The calibration images of every point."""
+        return CalibrationSpec(self.calib, self.calib_samples, seed=self.seed)
+
     def config(self, method: str, point: float) -> CompressConfig:
-        sizes = dict(s_mlp=point, s_attn=point, s_vo=point) if self.sparsities else dict(macs=point)
+        sizes = dict(sparsity=point) if self.sparsities else dict(macs=point)
         if method == "uncompensated":
             return CompressConfig.from_settings(**sizes, target=self.target, compensation=False)
         return CompressConfig.from_settings(**sizes, target=self.target, method=method)
@@ -137,8 +143,7 @@ def run_sweep(
     check_output_dir(out_dir, "sweep")  # before any work
     first = distributed.rank() == 0
     transform, _ = model_transform(dense)
-    calibration = CalibrationImages.from_source(spec.calib, transform, limit=spec.calib_samples, seed=spec.seed)
-    calib_batches = list(calibration)
+    calibration = HeldImages(spec.calibration.images(transform))  # read once for every point
     if first:
         evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
         decoded = list(evaluation)  # decode once, reuse for every run
@@ -151,22 +156,21 @@ def run_sweep(
                 name = spec.run_name(method, point)
                 config = spec.config(method, point)
                 log(f"{name}: compressing ...")
-                model, report = compress(dense, calib_batches, config)
+                compressed = compress_to_artifact(
+                    dense,
+                    config,
+                    spec.calibration,
+                    tmp / name if first else None,
+                    base_model=base_model,
+                    images=calibration,
+                )
                 if not first:
                     distributed.barrier()  # the first rank's export and timing of this point
                     continue
-                settings = {**config.to_dict(), "calib_samples": spec.calib_samples, "seed": spec.seed}
-                artifact = save_artifact(
-                    model,
-                    tmp / name,
-                    base_model=base_model,
-                    report=report,
-                    settings=settings,
-                    calibration=calibration.summary(),
-                )
+                model, report = compressed.model, compressed.report
                 log(f"{name}: exporting ...")
                 export = export_artifact(
-                    artifact, None, ExportOptions(dense=dense_onnx is None), dense_model=dense, log=log
+                    compressed.path, None, ExportOptions(dense=dense_onnx is None), dense_model=dense, log=log
                 )
                 dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
                 with _timing_threads(spec.bench) as settings:

@@ -4,6 +4,7 @@ Public API::
 
     model, report = corp_deploy.compress(model, calibration_batches, CompressConfig(...))
     corp_deploy.save_artifact(model, out_dir, ...)
+    result = corp_deploy.compress_to_artifact(model, CompressConfig(...), CalibrationSpec(...), out_dir)
     model = corp_deploy.load_compressed(out_dir)
     dense = corp_deploy.load_base_model(out_dir)   # the model it was compressed from
 """
@@ -21,6 +22,7 @@ _API = {
     "read_config": "artifact",
     "save_artifact": "artifact",
     "CalibrationImages": "calibration",
+    "CalibrationSpec": "calibration",
     "model_transform": "calibration",
     "CompressConfig": "config",
     "count_macs": "cost",
@@ -43,7 +45,13 @@ _API = {
     "ToastOptions": "methods",
     "VbpOptions": "methods",
     "create_base_model": "models",
+    "PARTS": "parts",
+    "Part": "parts",
+    "TARGETS": "parts",
     "resolve_model_name": "models",
+    "CompressedArtifact": "workflow",
+    "HeldImages": "workflow",
+    "compress_to_artifact": "workflow",
 }
 __all__ = sorted(_API)
 

@@ -6,6 +6,7 @@ import math
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import nn
 
-from .errors import CorpError, first_line
+from .errors import CorpError, SettingError, first_line
 from .files import existing_dir
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -38,6 +39,10 @@ BUILTIN_PHOTOS = (
 )
 HELD_OUT_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_right.png", "coins.png", "grass.png")
 CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS)
+#: How many calibration images compress, sweep and an int8 export use unless told otherwise.
+DEFAULT_IMAGES = 256
+#: How many calibration images are preprocessed and run at once unless told otherwise.
+DEFAULT_BATCH = 32
 
 
 def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
@@ -154,7 +159,13 @@ class CalibrationImages:
 
     @classmethod
     def from_directory(
-        cls, directory: str | Path, transform: Callable, *, limit: int = 256, batch_size: int = 32, seed: int = 0
+        cls,
+        directory: str | Path,
+        transform: Callable,
+        *,
+        limit: int = DEFAULT_IMAGES,
+        batch_size: int = DEFAULT_BATCH,
+        seed: int = 0,
     ) -> CalibrationImages:
         paths = find_images(directory)
         if not paths:
@@ -173,8 +184,8 @@ class CalibrationImages:
         cls,
         transform: Callable,
         *,
-        count: int = 256,
-        batch_size: int = 32,
+        count: int = DEFAULT_IMAGES,
+        batch_size: int = DEFAULT_BATCH,
         seed: int = 0,
         photos: Sequence[str] = CALIBRATION_PHOTOS,
     ) -> CalibrationImages:
@@ -195,7 +206,13 @@ class CalibrationImages:
 
     @classmethod
     def from_source(
-        cls, directory: str | Path | None, transform: Callable, *, limit: int = 256, batch_size: int = 32, seed: int = 0
+        cls,
+        directory: str | Path | None,
+        transform: Callable,
+        *,
+        limit: int = DEFAULT_IMAGES,
+        batch_size: int = DEFAULT_BATCH,
+        seed: int = 0,
     ) -> CalibrationImages:
         """``from_directory`` when a directory is given, else ``from_builtin``."""
         if directory is None:
@@ -240,6 +257,46 @@ class CalibrationImages:
             "files_skipped": len(self.skipped),
             "skipped_examples": self.skipped[:5],
         }
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Which unlabelled images calibrate a compression, and how they are read.
+
+    Attributes:
+        source: a directory of images (searched recursively; a seeded random choice of
+            ``samples`` when it holds more), or None for seeded crops of the bundled photos
+            (:data:`CALIBRATION_PHOTOS`).
+        samples: how many images.
+        batch_size: how many images are preprocessed and run at once.
+        seed: the seed of the choice of files and of the bundled photos' crops.
+    """
+
+    source: Path | None = None
+    samples: int = DEFAULT_IMAGES
+    batch_size: int = DEFAULT_BATCH
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "batch_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise SettingError(f"{{setting}} must be an integer >= 1, got {value!r}", name)
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+            raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
+        if self.source is not None:
+            object.__setattr__(self, "source", Path(self.source))
+
+    def images(self, transform: Callable) -> CalibrationImages:
+        """The images, preprocessed by ``transform`` (:func:`model_transform`)."""
+        return CalibrationImages.from_source(
+            self.source, transform, limit=self.samples, batch_size=self.batch_size, seed=self.seed
+        )
+
+    def settings(self) -> dict:
+        """The settings an artifact records beside the compression's (``calib_samples``,
+        ``batch_size``, ``seed``); where the images came from is in the calibration summary."""
+        return {"calib_samples": self.samples, "batch_size": self.batch_size, "seed": self.seed}
 
 
 def held_out_images(transform: Callable, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:

@@ -6,22 +6,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CorpError, SettingError, check_choice
+from .errors import CorpError, SettingConflict, SettingError, check_choice
 from .methods import METHODS, MethodOptions, option_defaults, option_owners
+from .parts import PARTS, TARGET_PARTS, TARGETS, Part
 
-#: Which parts are pruned: CORP's MLP hidden channels (``mlp``), attention query/key dims
-#: (``attn``; ToaSt prunes value dims with them) and value/output dims (``vo``).
-TARGET_PARTS = {
-    "mlp": ("mlp",),
-    "attn": ("qk",),
-    "vo": ("vo",),
-    "both": ("mlp", "qk"),
-    "mlp-vo": ("mlp", "vo"),
-    "all": ("mlp", "qk", "vo"),
-}
-TARGETS = tuple(TARGET_PARTS)
+__all__ = ["DEFAULT_SPARSITY", "TARGETS", "TARGET_PARTS", "CompressConfig"]
+
 #: The sparsity of every part when neither a sparsity nor a budget is given.
 DEFAULT_SPARSITY = 0.5
+#: The sparsity settings: the joint one, then one per part.
+SPARSITY_SETTINGS = ("sparsity", *(part.setting for part in PARTS.values()))
 
 
 @dataclass(frozen=True)
@@ -40,12 +34,15 @@ class CompressConfig:
             global ranking, mean folded into the fc2 bias) or ``toast`` (geometric-median
             coupled attention-head pruning and token channel selection for the FFN; no
             compensation step). All one-shot.
+        sparsity: the fraction removed of every pruned part that has no sparsity of its own
+            (the command line's ``--s``), in [0, 1); folded into ``s_mlp``, ``s_attn`` and ``s_vo``
+            (and not compared or recorded itself).
         s_mlp: fraction of MLP hidden channels removed in every block, in [0, 1).
         s_attn: fraction of query/key dims removed in every attention head (``toast``: of
             query/key and of value dims), in [0, 1).
         s_vo: fraction of value dims (with their output-projection columns) removed in every
-            head, in [0, 1). Each sparsity defaults to 0.5 without a budget.
-        target: which parts are pruned (:data:`TARGET_PARTS`); the other parts keep their
+            head, in [0, 1). Each sparsity defaults to ``sparsity``, else to 0.5 without a budget.
+        target: which parts are pruned (:data:`~corp_deploy.parts.TARGET_PARTS`); the other parts keep their
             dense weights whatever their sparsity says. ``None`` picks the method's default
             (``all`` for CORP with a budget).
         round_to: kept dims are rounded to a multiple of this (hardware alignment).
@@ -58,6 +55,7 @@ class CompressConfig:
             ``None``: its defaults.
     """
 
+    sparsity: float | None = dataclasses.field(default=None, compare=False)
     s_mlp: float | None = None
     s_attn: float | None = None
     s_vo: float | None = None
@@ -85,9 +83,9 @@ class CompressConfig:
                 f"method {self.method} has no compensation step to switch off; "
                 f"--no-compensation applies to {' and '.join(others)}"
             )
-        given = [name for name in ("s_mlp", "s_attn", "s_vo") if getattr(self, name) is not None]
+        given = [name for name in SPARSITY_SETTINGS if getattr(self, name) is not None]
         if self.has_budget and given:
-            raise SettingError(
+            raise SettingConflict(
                 f"a MAC budget and sparsities ({', '.join('{setting}' for _ in given)}) exclude each "
                 "other: the budget decides every part's size",
                 *given,
@@ -102,12 +100,12 @@ class CompressConfig:
                 f"part of it. Use target {'/'.join(method.targets)}"
                 + (f", or method {'/'.join(others)}." if others else ".")
             )
-        for name in ("s_mlp", "s_attn", "s_vo"):
+        for name in SPARSITY_SETTINGS:
             value = getattr(self, name)
-            if value is None and not self.has_budget:
-                object.__setattr__(self, name, DEFAULT_SPARSITY)
-            elif value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
                 raise SettingError(f"{{setting}} must be in [0, 1), got {value!r}", name)
+            if name != "sparsity" and value is None and not self.has_budget:
+                object.__setattr__(self, name, DEFAULT_SPARSITY if self.sparsity is None else self.sparsity)
         if not (isinstance(self.round_to, int) and self.round_to >= 1):
             raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -129,9 +127,20 @@ class CompressConfig:
                 own[name] = value
             elif value != defaults[name]:
                 raise SettingError(
-                    f"{{setting}} applies to method {owners[name]} only, not {method} (got {value!r})", name
+                    f"{{setting}} applies to {{setting}} {owners[name]} only, not {method} (got {value!r})",
+                    name,
+                    "method",
                 )
         return cls(**settings, options=METHODS[method].options_class(**own))
+
+    @classmethod
+    def from_dict(cls, settings: dict[str, Any]) -> CompressConfig:
+        """The config that :meth:`to_dict` wrote, from an artifact's ``settings`` (which also hold
+        the calibration's, left out here)."""
+        shared = {field.name for field in dataclasses.fields(cls)} - {"options", "sparsity"}
+        return cls.from_settings(
+            **{name: value for name, value in settings.items() if name in shared or name in option_owners()}
+        )
 
     @property
     def has_budget(self) -> bool:
@@ -140,8 +149,17 @@ class CompressConfig:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """The parts pruned: ``mlp``, ``qk``, ``vo`` (see :data:`TARGET_PARTS`)."""
+        """The names of the parts pruned, in block order (:data:`~corp_deploy.parts.TARGET_PARTS`)."""
         return TARGET_PARTS[self.target]
+
+    @property
+    def pruned_parts(self) -> tuple[Part, ...]:
+        """The records of the parts pruned (:data:`~corp_deploy.parts.PARTS`)."""
+        return tuple(PARTS[name] for name in self.parts)
+
+    def sparsity_of(self, part: Part) -> float | None:
+        """The sparsity setting of ``part`` (None under a budget)."""
+        return getattr(self, part.setting)
 
     @property
     def prunes_mlp(self) -> bool:
@@ -157,9 +175,12 @@ class CompressConfig:
         return "vo" in self.parts
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat settings (:meth:`from_settings` reads them back): the shared fields, this
-        method's options, and every other method's options at their defaults."""
+        """The flat settings (:meth:`from_settings` and :meth:`from_dict` read them back): the
+        shared fields (each part's sparsity, the joint one folded in), this method's options, and
+        every other method's options at their defaults."""
         shared = {
-            field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "options"
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in ("options", "sparsity")
         }
         return {**shared, **option_defaults(), **self.options.to_dict()}

@@ -39,9 +39,9 @@ from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
 from .errors import CorpError, SettingError
 from .families import blocks_of, check_prunable, standard_form
-from .layers import head_dims
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
+from .parts import PARTS
 
 
 def compress(
@@ -120,14 +120,6 @@ def compress(
     return model, report
 
 
-#: Per part: what its dims are called, and the sparsity setting that prunes it.
-_PARTS = {
-    "mlp": ("MLP hidden channels", "s_mlp"),
-    "qk": ("query/key dims per head", "s_attn"),
-    "vo": ("value dims per head", "s_vo"),
-}
-
-
 def check_rounding(model: nn.Module, config: CompressConfig) -> None:
     """SettingError, before any calibration, when ``round_to`` cannot be honoured: it exceeds the dims
     of a part to be pruned, or, at a sparsity above 0, rounding keeps every dim of a part (the
@@ -136,27 +128,24 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
     if config.round_to == 1:
         return
     for i, block in enumerate(blocks_of(model)):
-        qk, v = head_dims(block.attn) if config.prunes_attn or config.prunes_vo else (None, None)
-        totals = {"mlp": block.mlp.fc1.out_features if config.prunes_mlp else None, "qk": qk, "vo": v}
-        for part in config.parts:
-            label, setting = _PARTS[part]
-            total = totals[part]
+        for part in config.pruned_parts:
+            total = part.total(block)
             if config.round_to > total:
                 raise SettingError(
-                    f"{{setting}} {config.round_to} is larger than the {total} {label} of block {i}: "
+                    f"{{setting}} {config.round_to} is larger than the {total} {part.label} of block {i}: "
                     f"nothing could be pruned there; use {{setting}} {total} or less",
                     "round_to",
                     "round_to",
                 )
-            sparsity = getattr(config, setting)
+            sparsity = config.sparsity_of(part)
             if not METHODS[config.method].per_layer_sparsity or config.has_budget or not sparsity:
                 continue
             if kept_count(total, sparsity, config.round_to) == total:
                 raise SettingError(
-                    f"{{setting}} {sparsity:g} keeps all {total} {label} of block {i} once rounded to a "
+                    f"{{setting}} {sparsity:g} keeps all {total} {part.label} of block {i} once rounded to a "
                     f"multiple of {config.round_to} ({{setting}}): nothing would be pruned; raise the "
                     "sparsity or lower the rounding",
-                    setting,
+                    part.setting,
                     "round_to",
                 )
 
@@ -306,11 +295,13 @@ def summary_tables(report: dict, path) -> list:
     p, m = report["params"], report["macs"]
     table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
     table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
-    for part, label in (("mlp", "MLP output"), ("attention", "attention logits"), ("values", "value/output")):
-        rows = [layer[part] for layer in layers if "relative_error_compensated" in layer.get(part, {})]
+    for part in PARTS.values():
+        rows = [
+            layer[part.report_key] for layer in layers if "relative_error_compensated" in layer.get(part.report_key, {})
+        ]
         if rows:
             unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
             comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
-            table.add_row(f"{label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
+            table.add_row(f"{part.error_label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
     table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
     return [table, *METHODS[report["method"]].report_tables(report)]

@@ -32,6 +32,12 @@ class SettingError(CorpError):
         )
 
 
+class SettingConflict(SettingError):
+    """Settings that exclude each other; on the command line, bad usage (exit status 2)."""
+
+    exit_code = 2
+
+
 #: Where a :class:`SettingError` names a setting.
 SETTING = "{setting}"
 

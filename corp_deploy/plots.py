@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: Display names of the units' parts.
-PART_LABELS = {"mlp": "MLP hidden", "qk": "query/key dims", "vo": "value dims", "qkvo": "query/key = value dims"}
+from .parts import UNIT_PARTS
 
 
 def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
@@ -23,8 +22,10 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
     for i, part in enumerate(parts):
         units = {u["block"]: u for u in budget["units"] if u["part"] == part}
         x = [b + (i - (len(parts) - 1) / 2) * width for b in blocks]
-        kept_ax.bar(x, [units[b]["kept"] / units[b]["total"] for b in blocks], width, label=PART_LABELS[part])
-        dist_ax.bar(x, [units[b]["distortion"] for b in blocks], width, label=PART_LABELS[part])
+        kept_ax.bar(
+            x, [units[b]["kept"] / units[b]["total"] for b in blocks], width, label=UNIT_PARTS[part].short_label
+        )
+        dist_ax.bar(x, [units[b]["distortion"] for b in blocks], width, label=UNIT_PARTS[part].short_label)
     kept_ax.set(
         xlabel="block",
         ylabel="fraction of dims kept",

@@ -327,9 +327,9 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "compress-unknown-model": Refusal(lambda w: ["compress", "no_such_vit", "-o", w / "o"], 1, "unknown model"),
     "compress-sparsity-out-of-range": Refusal(
-        lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1, "--s-mlp must be in [0, 1), got 1.5"
+        lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1, "--s must be in [0, 1), got 1.5"
     ),
-    "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 1, "--s-mlp must be in [0, 1)"),
+    "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 1, "--s must be in [0, 1)"),
     "compress-macs-inf": Refusal(
         lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 1, "--macs must be a fraction of the dense MACs"
     ),

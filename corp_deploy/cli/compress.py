@@ -6,15 +6,17 @@ import sys
 from pathlib import Path
 
 import click
+from rich.console import Console
 
+from ..calibration import DEFAULT_BATCH
 from ..config import DEFAULT_SPARSITY, CompressConfig
 from ..errors import CorpError
-from ..methods import METHODS, option_owners
+from ..methods import METHODS
+from ..parts import PARTS
 from .common import (
     DEFAULT_OUTPUT_ROOT,
     check_apart,
     dense_model,
-    given_on_command_line,
     input_dir,
     warn,
     warn_builtin_calibration,
@@ -33,12 +35,11 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
         if config.target != "all":
             tag = f"{config.target}-{tag}"
     else:
-        sparsity = {"mlp": config.s_mlp, "qk": config.s_attn, "vo": config.s_vo}
-        values = [sparsity[part] for part in config.parts]
+        values = [config.sparsity_of(part) for part in config.pruned_parts]
         if len(set(values)) == 1:
             tag = f"s{values[0]:g}" if config.target == "both" else f"{config.target}-s{values[0]:g}"
         else:
-            tag = "-".join(f"{ {'qk': 'attn'}.get(part, part) }{sparsity[part]:g}" for part in config.parts)
+            tag = "-".join(f"{part.tag}{config.sparsity_of(part):g}" for part in config.pruned_parts)
     method = "" if config.method == "corp" else f"-{config.method}"
     suffix = "" if config.compensation else "-nocomp"
     return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
@@ -74,7 +75,9 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     default=None,
     help="corp: value/output dim sparsity (overrides --s; needs --target vo, mlp-vo or all).",
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Calibration batch size.")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH, show_default=True, help="Calibration batch size."
+)
 @click.option(
     "--round-to",
     type=click.IntRange(min=1),
@@ -137,20 +140,18 @@ def compress(
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
     """
     from .. import distributed
-    from ..engine import resolve_device
+    from ..artifact import record_latest
+    from ..calibration import CalibrationSpec
+    from ..engine import resolve_device, summary_tables
     from ..outputs import check_output_dir
+    from ..workflow import compress_to_artifact
 
     _check_method_options(METHODS[method], s_attn, s_vo)
-    budget = method_options["macs"] is not None or method_options["speedup"] is not None
-    if budget and (sparsity, s_mlp, s_attn, s_vo) != (None,) * 4:
-        raise click.UsageError(
-            "a budget (--macs / --speedup) and sparsities (--s, --s-mlp, --s-attn, --s-vo) "
-            "exclude each other: the budget decides every part's size"
-        )
     config = CompressConfig.from_settings(
-        s_mlp=sparsity if s_mlp is None else s_mlp,
-        s_attn=sparsity if s_attn is None else s_attn,
-        s_vo=sparsity if s_vo is None else s_vo,
+        sparsity=sparsity,
+        s_mlp=s_mlp,
+        s_attn=s_attn,
+        s_vo=s_vo,
         target=target,
         round_to=round_to,
         compensation=not no_compensation,
@@ -160,92 +161,52 @@ def compress(
     )
     _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
-    calib = input_dir(calib, "--calib")
-    check_apart([out_dir], {"--calib": calib}, records_state=True)
+    calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed)
+    check_apart([out_dir], {"--calib": calibration.source}, records_state=True)
     resolve_device(device)
     distributed.init_from_environment(device)
     try:
-        _compress_and_save(
-            model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size, config, out_dir
+        first = distributed.rank() == 0
+        dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
+        if calib is None and first:
+            warn_builtin_calibration()
+        result = compress_to_artifact(
+            dense,
+            config,
+            calibration,
+            out_dir,
+            base_model=base_model,
+            progress=sys.stderr.isatty() and first,
+            in_place=True,  # the CLI needs no dense copy: one copy of the weights less
         )
     finally:
         distributed.shutdown()
-
-
-def _compress_and_save(
-    model, calib, calib_samples, model_args, checkpoint, no_pretrained, seed, batch_size, config, out_dir
-) -> None:
-    """The work of ``compress`` once its settings are checked; under torchrun only the first
-    process writes and prints."""
-    from rich.console import Console
-
-    from .. import distributed
-    from ..artifact import record_latest, save_artifact
-    from ..calibration import CalibrationImages, model_transform
-    from ..engine import compress as run_compress
-    from ..engine import summary_tables
-    from ..resources import check_fits, compress_bytes
-
-    first = distributed.rank() == 0
-    base, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
-    transform, data_config = model_transform(base)
-    check_fits(
-        f"compressing {base_model['name']} on {calib_samples} images",
-        compress_bytes(base, tuple(data_config["input_size"]), calib_samples, batch_size),
-        "use fewer --calib-samples or a smaller --batch-size",
-    )
-    if calib is None and first:
-        warn_builtin_calibration()
-    images = CalibrationImages.from_source(calib, transform, limit=calib_samples, batch_size=batch_size, seed=seed)
-    compressed, report = run_compress(
-        base, images, config, progress=sys.stderr.isatty() and first, in_place=True
-    )  # the CLI needs no dense copy: one copy of the weights less
-    if not first:
+    if result.path is None:
         return
-    summary = images.summary()
-    _warn_calibration_shortfall(summary, calib_samples)
-    settings = {**config.to_dict(), "calib_samples": calib_samples, "batch_size": batch_size, "seed": seed}
-    path = save_artifact(
-        compressed, out_dir, base_model=base_model, settings=settings, calibration=summary, report=report
-    )
-    warn(record_latest(path))
+    for message in result.calibration_warnings():
+        warn(message)
+    warn(record_latest(result.path))
     console = Console()
-    for table in summary_tables(report, path):
+    for table in summary_tables(result.report, result.path):
         console.print(table)
 
 
-def _warn_calibration_shortfall(summary: dict, requested: int) -> None:
-    """Say when calibration skipped unreadable files or used fewer images than asked for."""
-    if summary["files_skipped"]:
-        reasons = "; ".join(summary["skipped_examples"][:3])
-        warn(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
-    if summary["images_used"] < requested:
-        warn(
-            f"calibrated on {summary['images_used']} images, fewer than the {requested} asked for "
-            "(--calib-samples): the directory has no more readable images"
-        )
-
-
 def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:
-    """Refuse a part's sparsity (``s_mlp``, ``s_attn``, ``s_vo``) given for a part that
-    ``config.target`` leaves whole: the artifact would record a sparsity that was never applied."""
-    pruned = {"s_mlp": config.prunes_mlp, "s_attn": config.prunes_attn, "s_vo": config.prunes_vo}
-    for name, value in sparsities.items():
-        if value is not None and not pruned[name]:
-            option = "--" + name.replace("_", "-")
+    """Refuse a part's own sparsity (``--s-mlp``, ``--s-attn``, ``--s-vo``) given for a part that
+    ``config.target`` leaves whole: the artifact would record a sparsity that was never applied.
+    (The library records such settings as given: only the command line knows what was typed.)"""
+    for part in PARTS.values():
+        if sparsities[part.setting] is not None and part.name not in config.parts:
             raise click.UsageError(
-                f"{option} has no effect with --target {config.target}, which prunes "
+                f"{part.option} has no effect with --target {config.target}, which prunes "
                 f"{' and '.join(config.parts)} only: choose a --target that includes it, or "
-                f"leave {option} out"
+                f"leave {part.option} out"
             )
 
 
 def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
-    """Refuse options given on the command line that ``method`` would not read (even at their
-    default value: a script that names them expects them to matter)."""
-    for name, owner in option_owners().items():
-        if owner != method.name and given_on_command_line(name):
-            raise CorpError(f"--{name.replace('_', '-')} applies to --method {owner} only, not {method.name}")
+    """Refuse a part's own sparsity given for a method that never prunes that part (the library
+    takes every sparsity and reads those its method prunes)."""
     for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
         if value is not None and target not in method.targets:
             others = [m.name for m in METHODS.values() if target in m.targets]

@@ -26,8 +26,13 @@ EXIT_CODES = {
     130: "interrupted by SIGINT",
     143: "terminated by SIGTERM",
 }
-#: Settings (CompressConfig fields) whose option is not ``--<field with dashes>``.
-_SETTING_OPTIONS = {"compensation": "--no-compensation"}
+#: Settings (CompressConfig and CalibrationSpec fields) whose option is not ``--<field with dashes>``.
+_SETTING_OPTIONS = {
+    "compensation": "--no-compensation",
+    "sparsity": "--s",
+    "samples": "--calib-samples",
+    "source": "--calib",
+}
 
 
 def option_name(setting: str) -> str:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import click
 
-from ..config import TARGETS
+from ..calibration import DEFAULT_IMAGES
 from ..errors import CorpError
 from ..methods import METHODS
+from ..parts import TARGETS
 from .group import option_name
 
 #: The largest seed every random generator used here accepts.
@@ -92,7 +93,11 @@ model_source_options = options(
         "Default: built-in photos from scikit-image.",
     ),
     click.option(
-        "--calib-samples", type=IMAGE_COUNT, default=256, show_default=True, help="Number of calibration images."
+        "--calib-samples",
+        type=IMAGE_COUNT,
+        default=DEFAULT_IMAGES,
+        show_default=True,
+        help="Number of calibration images.",
     ),
     click.option(
         "--model-arg",

@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 
 from ..config import CompressConfig
-from ..errors import CorpError, SettingError
 from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
-from .group import cli, option_name
+from .group import cli
 from .options import evaluation_options, model_source_options, parse_sizes, parse_values, timing_options
 
 #: Under torchrun, how long the other processes wait while the first exports and times one point.
@@ -96,30 +95,25 @@ def sweep(
 
     if sparsities is not None and budgets is not None:
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
-    try:
-        spec = SweepSpec(
-            sparsities=()
-            if budgets is not None
-            else parse_values("0.1,0.3,0.5,0.7" if sparsities is None else sparsities, "--s", "0.1,0.3,0.5"),
-            budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (),
-            target=target,
-            methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-            calib=input_dir(calib, "--calib"),
-            calib_samples=calib_samples,
-            data=input_dir(data, "--data"),
-            data_samples=data_samples,
-            seed=seed,
-            bench=BenchSettings(
-                backends=parse_families(backends),
-                batches=parse_sizes(batches, "--batch"),
-                threads=threads,
-                min_time=min_time,
-            ),
-        )
-    except SettingError as exc:  # a sweep sets every sparsity with --s
-        raise CorpError(
-            exc.naming(lambda setting: "--s" if setting.startswith("s_") else option_name(setting))
-        ) from None
+    spec = SweepSpec(
+        sparsities=()
+        if budgets is not None
+        else parse_values("0.1,0.3,0.5,0.7" if sparsities is None else sparsities, "--s", "0.1,0.3,0.5"),
+        budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (),
+        target=target,
+        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        calib=input_dir(calib, "--calib"),
+        calib_samples=calib_samples,
+        data=input_dir(data, "--data"),
+        data_samples=data_samples,
+        seed=seed,
+        bench=BenchSettings(
+            backends=parse_families(backends),
+            batches=parse_sizes(batches, "--batch"),
+            threads=threads,
+            min_time=min_time,
+        ),
+    )
     out_dir = check_output_dir(
         output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
     )

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...cost import count_macs
 from ...families import blocks_of
+from ...parts import UNIT_PARTS
 from .allocation import Unit, allocate, check_feasible
 from .curves import measure_curves, unit_shapes
 from .sizes import BlockSizes
@@ -17,9 +18,6 @@ from .sizes import BlockSizes
 if TYPE_CHECKING:
     from ...config import CompressConfig
     from ..base import BlockRun
-
-#: Which ``BlockSizes`` fields a unit's kept size sets.
-_SIZE_FIELDS = {"mlp": ("mlp",), "qk": ("qk",), "vo": ("v",), "qkvo": ("qk", "v")}
 
 
 def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tuple[list[BlockSizes], dict]:
@@ -42,7 +40,7 @@ def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tupl
     )
     per_block: list[dict] = [{"orders": {}} for _ in blocks_of(model)]
     for curve, size in zip(curves, kept):
-        for field in _SIZE_FIELDS[curve.part]:
+        for field in UNIT_PARTS[curve.part].size_fields:
             per_block[curve.block][field] = size
         per_block[curve.block]["orders"].update(curve.orders)
         if curve.qk_solutions and config.compensation:  # only slicing: nothing to reuse
@@ -75,8 +73,6 @@ def allocation_table(budget: dict):
     unit (of its full size) and its distortion."""
     from rich.table import Table
 
-    from ...plots import PART_LABELS
-
     parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
     table = Table(
         title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
@@ -85,7 +81,7 @@ def allocation_table(budget: dict):
     )
     table.add_column("block", justify="right")
     for part in parts:
-        table.add_column(PART_LABELS[part], justify="right")
+        table.add_column(UNIT_PARTS[part].short_label, justify="right")
     by_key = {(u["block"], u["part"]): u for u in budget["units"]}
     for block in sorted({u["block"] for u in budget["units"]}):
         table.add_row(

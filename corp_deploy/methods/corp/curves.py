@@ -37,6 +37,7 @@ from ... import channels, distributed
 from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
 from ...families import blocks_of, windows_of
 from ...layers import GatedLinear, head_dims
+from ...parts import PARTS
 from ...qk_sums import QKSums
 from ...stats import HeadGrams, MomentAccumulator
 
@@ -130,12 +131,12 @@ class ResidualEnergy:
 
 def unit_shapes(model: nn.Module, tokens: int, parts: tuple[str, ...]) -> list[tuple[int, int]]:
     """``(total, macs_per_dim)`` of every unit of ``parts`` (``mlp``, ``qk``, ``vo``), block by block."""
-    shapes = []
-    for block in blocks_of(model):
-        qk, v = head_dims(block.attn)
-        totals = {"mlp": block.mlp.fc1.out_features, "qk": qk, "vo": v}
-        shapes += [(totals[part], macs_per_dim(part, tokens, block)) for part in ("mlp", "qk", "vo") if part in parts]
-    return shapes
+    return [
+        (part.total(block), macs_per_dim(part.name, tokens, block))
+        for block in blocks_of(model)
+        for part in PARTS.values()
+        if part.name in parts
+    ]
 
 
 #: Calibration images on which the query/key error is measured (the first ones).

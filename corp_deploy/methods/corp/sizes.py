@@ -11,7 +11,6 @@ from torch import nn
 
 from ...attention import HeadSolution
 from ...dims import kept_count
-from ...layers import head_dims
 
 if TYPE_CHECKING:
     from ...config import CompressConfig
@@ -34,9 +33,10 @@ class BlockSizes:
 
 def uniform_sizes(block: nn.Module, config: CompressConfig) -> BlockSizes:
     """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
-    qk, v = head_dims(block.attn)
     return BlockSizes(
-        mlp=kept_count(block.mlp.fc1.out_features, config.s_mlp, config.round_to) if config.prunes_mlp else None,
-        qk=kept_count(qk, config.s_attn, config.round_to) if config.prunes_attn else None,
-        v=kept_count(v, config.s_vo, config.round_to) if config.prunes_vo else None,
+        **{
+            field: kept_count(part.total(block), config.sparsity_of(part), config.round_to)
+            for part in config.pruned_parts
+            for field in part.size_fields
+        }
     )

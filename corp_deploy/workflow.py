@@ -1,0 +1,121 @@
+"""The compress workflow, one home for ``corp-deploy compress``, ``sweep`` and library callers: a
+dense model, a :class:`~corp_deploy.config.CompressConfig` and a
+:class:`~corp_deploy.calibration.CalibrationSpec` in, an artifact out.
+
+    result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), CalibrationSpec(samples=128), "out/deit")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed
+from .artifact import base_model_spec, save_artifact
+from .calibration import CalibrationSpec, model_transform
+from .config import CompressConfig
+from .engine import compress
+from .resources import check_fits, compress_bytes
+
+
+@dataclass(frozen=True)
+class CompressedArtifact:
+    """What :func:`compress_to_artifact` made.
+
+    Attributes:
+        path: the artifact folder; None on every process but the first under torch.distributed,
+            which writes nothing.
+        model: the compressed model (eval mode, on the CPU).
+        report: the compress report (:func:`corp_deploy.compress`).
+        calibration: the calibration summary (:meth:`CalibrationImages.summary`): where the
+            images came from, how many were asked for and used, which files were skipped.
+    """
+
+    path: Path | None
+    model: nn.Module
+    report: dict
+    calibration: dict
+
+    def calibration_warnings(self) -> list[str]:
+        """What the user should hear about the calibration: unreadable files skipped, fewer
+        images used than asked for."""
+        summary, warnings = self.calibration, []
+        if summary["files_skipped"]:
+            reasons = "; ".join(summary["skipped_examples"][:3])
+            warnings.append(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
+        if summary["images_used"] < summary["images_requested"]:
+            warnings.append(
+                f"calibrated on {summary['images_used']} images, fewer than the {summary['images_requested']} "
+                "asked for (--calib-samples): the directory has no more readable images"
+            )
+        return warnings
+
+
+class HeldImages:
+    """Calibration batches read once and held in memory, for work that compresses one model
+    several times (a sweep): iterating gives the same batches, ``summary()`` that of the read."""
+
+    def __init__(self, images: Iterable[torch.Tensor]) -> None:
+        self._batches = list(images)
+        self._summary = images.summary()
+
+    def __iter__(self):
+        return iter(self._batches)
+
+    def summary(self) -> dict:
+        return self._summary
+
+
+def compress_to_artifact(
+    dense: nn.Module,
+    config: CompressConfig,
+    calibration: CalibrationSpec,
+    out_dir: str | Path | None,
+    *,
+    base_model: dict[str, Any] | None = None,
+    images: HeldImages | None = None,
+    progress: bool = False,
+    in_place: bool = False,
+    plots: bool = True,
+) -> CompressedArtifact:
+    """Calibrate on ``calibration``'s images, compress ``dense`` with ``config`` and write the
+    artifact to ``out_dir`` (atomically; None only where nothing is written, on a process but the
+    first under torch.distributed; the settings it records are the config's and the
+    calibration's, :meth:`CompressConfig.to_dict` and :meth:`CalibrationSpec.settings`).
+
+    Refuses up front (CorpError) when the work would not fit in memory. ``base_model``: the
+    record of the dense model (name, creation arguments, weights) as the CLI builds it; None
+    infers it (:func:`corp_deploy.artifact.base_model_spec`). ``images``: ``calibration``'s images
+    already read (:class:`HeldImages`); None reads them. ``in_place`` compresses ``dense`` itself
+    (one copy of the weights less; after a failure it is left part-compressed). Under
+    torch.distributed every process calibrates on its share and only the first writes.
+    """
+    transform, data_config = model_transform(dense)
+    if base_model is None:
+        base_model = base_model_spec(dense)
+    check_fits(
+        f"compressing {base_model['name']} on {calibration.samples} images",
+        compress_bytes(dense, tuple(data_config["input_size"]), calibration.samples, calibration.batch_size),
+        "use fewer --calib-samples or a smaller --batch-size",
+    )
+    if images is None:
+        images = calibration.images(transform)
+    model, report = compress(dense, images, config, progress=progress, in_place=in_place)
+    summary = images.summary()
+    if distributed.rank() != 0:
+        return CompressedArtifact(None, model, report, summary)
+    path = save_artifact(
+        model,
+        out_dir,
+        base_model=base_model,
+        settings={**config.to_dict(), **calibration.settings()},
+        calibration=summary,
+        report=report,
+        plots=plots,
+    )
+    return CompressedArtifact(path, model, report, summary)

@@ -1,0 +1,136 @@
+"""The compress workflow (one home for the CLI, sweep and library), the calibration spec, the part
+records, and the joint sparsity setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from corp_deploy import (
+    CalibrationImages,
+    CalibrationSpec,
+    CompressConfig,
+    HeldImages,
+    compress,
+    compress_to_artifact,
+    load_compressed,
+    model_transform,
+)
+from corp_deploy.cli.group import option_name
+from corp_deploy.errors import CorpError, SettingConflict, SettingError
+from corp_deploy.methods.corp.sizes import BlockSizes, uniform_sizes
+from corp_deploy.parts import PARTS, TARGET_PARTS, UNIT_PARTS
+from tests.helpers import SMALL_VIT_KWARGS
+
+#: The record of the small ViT's dense model, as the CLI would write it.
+BASE_MODEL = {"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS, "weights": {"source": "random"}}
+
+
+@pytest.fixture
+def spec():
+    return CalibrationSpec(samples=8, batch_size=4, seed=3)
+
+
+def test_compress_to_artifact_writes_what_compress_computes(small_vit, spec, tmp_path):
+    """The artifact holds the model ``compress`` makes from the spec's images, and records the
+    config's settings beside the calibration's."""
+    config = CompressConfig(s_mlp=0.5, s_attn=0.25)
+    result = compress_to_artifact(small_vit(), config, spec, tmp_path / "art", base_model=BASE_MODEL)
+    transform, _ = model_transform(small_vit())
+    images = CalibrationImages.from_builtin(transform, count=8, batch_size=4, seed=3)
+    expected, report = compress(small_vit(), images, config)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(load_compressed(result.path).state_dict()[name], tensor), name
+    settings = json.loads((tmp_path / "art" / "config.json").read_text())["settings"]
+    assert settings == {**config.to_dict(), "calib_samples": 8, "batch_size": 4, "seed": 3}
+    assert result.calibration == images.summary() and result.calibration["images_used"] == 8
+    assert result.report["macs"] == report["macs"] and result.calibration_warnings() == []
+
+
+def test_images_read_once_give_the_same_artifact(small_vit, spec, tmp_path):
+    config = CompressConfig(s_mlp=0.5)
+    transform, _ = model_transform(small_vit())
+    held = HeldImages(spec.images(transform))
+    once = compress_to_artifact(small_vit(), config, spec, tmp_path / "a", base_model=BASE_MODEL, images=held)
+    again = compress_to_artifact(small_vit(), config, spec, tmp_path / "b", base_model=BASE_MODEL)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert once.calibration == again.calibration
+
+
+def test_the_workflow_refuses_work_that_does_not_fit_in_memory(small_vit, spec, tmp_path, monkeypatch):
+    monkeypatch.setattr("corp_deploy.resources.available_bytes", lambda: 1)
+    with pytest.raises(CorpError, match="needs at least .* GiB of memory"):
+        compress_to_artifact(small_vit(), CompressConfig(), spec, tmp_path / "art", base_model=BASE_MODEL)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize(
+    "fields, setting, option",
+    [
+        (dict(samples=0), "samples", "--calib-samples"),
+        (dict(batch_size=-1), "batch_size", "--batch-size"),
+        (dict(samples=2.5), "samples", "--calib-samples"),
+        (dict(seed=2**32), "seed", "--seed"),
+    ],
+)
+def test_a_bad_calibration_spec_names_its_setting(fields, setting, option):
+    with pytest.raises(SettingError) as raised:
+        CalibrationSpec(**fields)
+    assert raised.value.settings == (setting,) and raised.value.naming(option_name).startswith(option)
+
+
+def test_the_joint_sparsity_fills_every_part_without_its_own():
+    config = CompressConfig(sparsity=0.3, s_attn=0.2, target="all")
+    assert (config.s_mlp, config.s_attn, config.s_vo) == (0.3, 0.2, 0.3)
+    assert config == CompressConfig(s_mlp=0.3, s_attn=0.2, s_vo=0.3, target="all")
+    assert "sparsity" not in config.to_dict()  # recorded per part
+    assert CompressConfig().s_mlp == CompressConfig(sparsity=None).s_mlp == 0.5
+
+
+def test_from_dict_reads_back_an_artifacts_settings():
+    config = CompressConfig.from_settings(macs=0.6, ridge=0.1, target="all")
+    assert CompressConfig.from_dict({**config.to_dict(), "calib_samples": 8, "batch_size": 4, "seed": 3}) == config
+    vbp = CompressConfig(method="vbp", s_mlp=0.2)
+    assert CompressConfig.from_dict(vbp.to_dict()) == vbp
+
+
+@pytest.mark.parametrize("given", [dict(sparsity=0.5), dict(s_vo=0.5), dict(sparsity=0.4, s_mlp=0.5)])
+def test_a_budget_with_sparsities_is_a_conflict_naming_what_was_given(given):
+    with pytest.raises(SettingConflict, match="exclude each other") as raised:
+        CompressConfig.from_settings(macs=0.6, **given)
+    named = tuple(name for name in ("sparsity", "s_mlp", "s_attn", "s_vo") if name in given)
+    assert raised.value.settings == named and raised.value.exit_code == 2
+    options = ", ".join(option_name(name) for name in named)  # "--s" for the joint one
+    assert raised.value.naming(option_name).startswith(f"a MAC budget and sparsities ({options}) exclude")
+
+
+def test_a_joint_sparsity_out_of_range_is_named_as_the_command_line_names_it():
+    with pytest.raises(SettingError) as raised:
+        CompressConfig(sparsity=1.5)
+    assert raised.value.naming(option_name) == "--s must be in [0, 1), got 1.5"
+
+
+def test_part_records_agree_with_the_config_the_sizes_and_the_blocks(small_vit):
+    """Every part's setting is a sparsity field of the config, its size fields are BlockSizes
+    fields, its total is what the block has, and every target names known parts."""
+    config_fields = {field.name for field in dataclasses.fields(CompressConfig)}
+    size_fields = {field.name for field in dataclasses.fields(BlockSizes)}
+    block = small_vit().blocks[0]
+    heads = block.attn.num_heads
+    totals = {"mlp": block.mlp.fc1.out_features, "qk": block.attn.qkv.out_features // 3 // heads}
+    totals["vo"] = totals["qk"]
+    for part in PARTS.values():
+        assert part.setting in config_fields and part.option == option_name(part.setting)
+        assert set(part.size_fields) <= size_fields
+        assert part.total(block) == totals[part.name]
+    assert set(UNIT_PARTS["qkvo"].size_fields) == {"qk", "v"}
+    assert all(set(parts) <= set(PARTS) for parts in TARGET_PARTS.values())
+
+
+def test_uniform_sizes_set_the_fields_of_the_pruned_parts_only(small_vit):
+    block = small_vit().blocks[0]
+    sizes = uniform_sizes(block, CompressConfig(s_mlp=0.5, s_vo=0.25, target="mlp-vo"))
+    assert (sizes.mlp, sizes.qk, sizes.v) == (block.mlp.fc1.out_features // 2, None, 12)
