@@ -26,13 +26,13 @@ from corp_deploy import (
     save_artifact,
     standard_form,
 )
-from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import attention_output
 from corp_deploy.config import TARGET_PARTS
 from corp_deploy.families import FAMILIES as REGISTRY
 from corp_deploy.families import examples, family_of, supported_table
 from corp_deploy.layers import keep_rows
-from corp_deploy.stats import HeadGrams
+from corp_deploy.methods.corp import qk_pruning
+from corp_deploy.methods.corp.qk_statistics import HeadGrams
 from exporters import ExportOptions, export_artifact
 
 #: Every family's small test models (each family module names its own), by test id.
@@ -273,7 +273,7 @@ def test_swin_query_key_statistics_are_those_of_the_logits_inside_the_shift_mask
     allowed = (timm_block.attn_mask == 0).repeat(2, 1, 1)  # (images x windows, 49, 49)
     S, P = torch.arange(0, 16, 2), torch.arange(1, 16, 2)
     for h, sums in enumerate(grams.heads()):
-        solution = attn_ops.solve_head(sums, S, P, alpha=0.0)
+        solution = qk_pruning.solve_head(sums, S, P, alpha=0.0)
         design, target = [], []
         for w in range(allowed.shape[0]):
             i, j = allowed[w].nonzero(as_tuple=True)
