@@ -26,7 +26,6 @@ from corp_deploy import (
     save_artifact,
     standard_form,
 )
-from corp_deploy import families as registry
 from corp_deploy.blocks import attention_output, block_forward
 from corp_deploy.config import TARGET_PARTS
 from corp_deploy.families import FAMILIES as REGISTRY
@@ -334,6 +333,8 @@ def test_blocks_and_methods_ask_the_family_how_a_block_groups_its_tokens(monkeyp
         def exit(self, x: torch.Tensor) -> torch.Tensor:
             return x / 2
 
+    import corp_deploy.families as package
+
     dense = create_dense("vit")
     block = blocks_of(dense)[0]
     block.halved = True  # (compress works on a copy)
@@ -344,7 +345,7 @@ def test_blocks_and_methods_ask_the_family_how_a_block_groups_its_tokens(monkeyp
         problem=lambda model: None,
         token_groups=lambda b: Halved() if getattr(b, "halved", False) else None,
     )
-    monkeypatch.setattr(registry, "FAMILIES", (halving, *registry.FAMILIES))
+    monkeypatch.setattr(package, "FAMILIES", (halving, *REGISTRY))
     x = torch.randn(2, dense.patch_embed.num_patches + dense.num_prefix_tokens, dense.embed_dim)
     with torch.no_grad():
         torch.testing.assert_close(block_forward(block, x), block(x) / 2, rtol=0, atol=0)
