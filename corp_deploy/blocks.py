@@ -5,10 +5,12 @@ A block computes ``x + ls1(attn(norm1(x)))`` and then ``x + ls2(mlp(norm2(x)))``
 below compute exactly that (for the structures ``families.check_prunable`` admits) and show
 optional probes what they see on the way: the attention's per-head queries, keys and values,
 the input of its output projection, and the MLP's hidden activations. Tokens are
-``(B, N, C)``; per-head tensors ``(B, H, N, d)``. A Swin block
-(:class:`~corp_deploy.families.WindowedBlock`) keeps a ``(B, H, W, C)`` feature map and attends
-within windows: its attention and probes see ``(B * windows, N, C)`` window tokens, and its heads
-probe one group of mutually attending tokens per "image" (:meth:`ShiftedWindows.group_heads`).
+``(B, N, C)``; per-head tensors ``(B, H, N, d)``. How a block's attention groups its tokens and
+what leaves the block is its family's word (:func:`corp_deploy.families.token_groups`): by default
+one whole sequence per image, handed on as it is; a Swin block keeps a ``(B, H, W, C)`` feature
+map and attends within windows, so that its attention and probes see ``(B * windows, N, C)``
+window tokens, its heads probe one group of mutually attending tokens per "image", and its patch
+merging hands the map on to the next stage.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import block_exit, windows_of
+from .families import token_groups
 from .layers import HeadsProbe, ProjInputProbe, head_dims, multi_head_attention, relative_position_bias
 
 #: Sees one batch's MLP hidden activations ``act(fc1(.))``, ``(B, N, hidden)``.
@@ -68,27 +70,26 @@ def attention_output(
     attn: nn.Module | None = None,
 ) -> torch.Tensor:
     """The block's attention (or ``attn`` in its place) on normalised tokens ``x``, within the
-    block's windows where it has them; probes as in :func:`attention_forward`."""
+    block's token groups (:func:`~corp_deploy.families.token_groups`); probes as in
+    :func:`attention_forward`, ``on_heads`` seeing the heads split into the groups."""
     attn = block.attn if attn is None else attn
-    windows = windows_of(block)
-    if windows is None:
-        return attention_forward(attn, x, on_heads, on_proj_input)
+    groups = token_groups(block)
     if on_heads is not None:
         probe = on_heads
 
         def on_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            probe(windows.group_heads(q), windows.group_heads(k), windows.group_heads(v))
+            probe(groups.group_heads(q), groups.group_heads(k), groups.group_heads(v))
 
-    return windows.attend(lambda t, mask: attention_forward(attn, t, on_heads, on_proj_input, mask), x)
+    return groups.attend(lambda t, mask: attention_forward(attn, t, on_heads, on_proj_input, mask), x)
 
 
 def probe_query_keys(block: nn.Module, x: torch.Tensor, on_heads: HeadsProbe) -> None:
     """Show ``on_heads`` the queries and keys of the block's attention for its residual stream
     ``x`` (values: None where they are not computed)."""
-    if windows_of(block) is not None:
-        attention_output(block, block.norm1(x), on_heads)
-    else:
+    if token_groups(block).in_place:
         on_heads(*project_qk(block.attn, block.norm1(x)), None)
+    else:  # each group's queries and keys, as its attention computes them
+        attention_output(block, block.norm1(x), on_heads)
 
 
 def mlp_hidden(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +130,12 @@ def block_forward(
 ) -> torch.Tensor:
     """``block(x)``, showing the probes what they look at (see the module docstring)."""
     return block_exit(block, mlp_residual(block, attention_residual(block, x, on_heads, on_proj_input), on_hidden))
+
+
+def block_exit(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's output from its second residual ``x``, as its token groups hand it on (a Swin
+    block's patch merging into the next stage; by default ``x`` itself)."""
+    return token_groups(block).exit(x)
 
 
 def residual_weight(layer: nn.Linear, layer_scale: nn.Module) -> torch.Tensor:

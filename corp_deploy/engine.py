@@ -12,7 +12,7 @@ calibration set (``images x tokens x width`` float32 on the calibration device,
 e.g. 155 MB for DeiT-B with 256 images) and overwritten in place as calibration moves
 through a block, so no second copy is held. CORP's attention statistics add per-image query
 and key Grams (``images x heads x d x d`` float32 x 2, 100 MB for DeiT-B / 256 images; past
-1056 images their Kronecker sums instead, 415 MB: :class:`~corp_deploy.stats.HeadGrams`)
+1056 images their Kronecker sums instead, 415 MB: :class:`~corp_deploy.methods.corp.qk_statistics.HeadGrams`)
 for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's drift refit
 (docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
 states) and, for one block at a time, two targets formed from the dense block's input, attention

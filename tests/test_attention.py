@@ -5,12 +5,11 @@ import scipy.linalg
 import torch
 from timm.layers.attention import Attention
 
-from corp_deploy import attention as attn_ops
 from corp_deploy.layers import PrunedAttention
-from corp_deploy.qk_sums import ImageGrams, KroneckerSums, pack
-from corp_deploy.stats import HeadGrams
+from corp_deploy.methods.corp import qk_pruning
+from corp_deploy.methods.corp.qk_statistics import HeadGrams, ImageGrams, KroneckerSums, pack
 
-#: The two forms of the query/key sums (corp_deploy/qk_sums.py): every solver test runs on both.
+#: The two forms of the query/key sums (corp_deploy/methods/corp/qk_statistics.py): every solver test runs on both.
 FORMS = ("images", "summed")
 N_IMAGES, TOKENS, DIM, HEADS = 12, 10, 24, 2  # head dim 12
 
@@ -42,7 +41,7 @@ def setup(seed=0, kept=7, form="images"):
         grams.add(qb, kb)
     assert (grams.kronecker is not None) == (form == "summed")
     sums = grams.heads()
-    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), kept)
+    S, P = qk_pruning.split_head_dims(qk_pruning.qk_dim_scores(sums), kept)
     return attn, x, q, k, sums, S, P
 
 
@@ -75,7 +74,7 @@ def test_summed_and_per_image_forms_solve_the_same_system():
     *_, summed, S2, P2 = setup(form="summed")
     assert torch.equal(S, S2) and torch.equal(P, P2)
     for h in range(HEADS):
-        one, other = (attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3) for sums in (by_image, summed))
+        one, other = (qk_pruning.solve_head(sums[h], S[h], P[h], alpha=1e-3) for sums in (by_image, summed))
         torch.testing.assert_close(one.M, other.M, rtol=1e-9, atol=1e-12)
         for name in ("ridge_lambda", "error_uncompensated", "error_compensated", "logit_energy"):
             assert getattr(one, name) == pytest.approx(getattr(other, name), rel=1e-9), name
@@ -85,7 +84,7 @@ def test_summed_and_per_image_forms_solve_the_same_system():
 def test_ranking_is_per_image_logit_energy(form):
     attn, x, q, k, sums, S, P = setup(form=form)
     expected = ((q**2).sum(2) * (k**2).sum(2)).mean(0)  # (heads, d)
-    torch.testing.assert_close(attn_ops.qk_dim_scores(sums), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(qk_pruning.qk_dim_scores(sums), expected, rtol=1e-5, atol=1e-6)
     for h in range(HEADS):
         assert expected[h, S[h]].min() >= expected[h, P[h]].max()
 
@@ -95,7 +94,7 @@ def test_ranking_is_per_image_logit_energy(form):
 def test_solution_satisfies_normal_equations(alpha, form):
     attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha)
+        sol = qk_pruning.solve_head(sums[h], S[h], P[h], alpha)
         qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
         ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
         A, G = qs.transpose(1, 2) @ qs, ks.transpose(1, 2) @ ks
@@ -108,7 +107,7 @@ def test_solution_satisfies_normal_equations(alpha, form):
 def test_solution_equals_least_squares_on_raw_logits(form):
     attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha=0.0)
+        sol = qk_pruning.solve_head(sums[h], S[h], P[h], alpha=0.0)
         qs, qp = q[:, h][..., S[h]], q[:, h][..., P[h]]
         ks, kp = k[:, h][..., S[h]], k[:, h][..., P[h]]
         # vec(Q_S M K_S^T) = (Q_S kron K_S) vec(M), row-major, stacked over images
@@ -122,7 +121,7 @@ def test_solution_equals_least_squares_on_raw_logits(form):
 def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form):
     attn, x, q, k, sums, S, P = setup(form=form)
     for h in range(HEADS):
-        sol = attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3)
+        sol = qk_pruning.solve_head(sums[h], S[h], P[h], alpha=1e-3)
         qs, ks = q[:, h][..., S[h]], k[:, h][..., S[h]]
         full = q[:, h] @ k[:, h].transpose(1, 2)
         sliced = qs @ ks.transpose(1, 2)
@@ -138,14 +137,14 @@ def test_reported_errors_are_the_actual_logit_errors_and_compensation_helps(form
 def test_identity_plus_factorisation_is_not_symmetrised_and_is_the_polar_split():
     m = 0.3 * torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     a = torch.eye(6, dtype=torch.float64) + m
-    u, v = attn_ops.factor_identity_plus(m)
+    u, v = qk_pruning.factor_identity_plus(m)
     torch.testing.assert_close(u @ v.T, a)
     # independent: scipy's polar decomposition a = w p and the principal square root of p
     w, p = scipy.linalg.polar(a.numpy())
     root = scipy.linalg.sqrtm(p).real
     torch.testing.assert_close(v, torch.from_numpy(root))
     torch.testing.assert_close(u, torch.from_numpy(w @ root))
-    u0, v0 = attn_ops.factor_identity_plus(torch.zeros(3, 3, dtype=torch.float64))
+    u0, v0 = qk_pruning.factor_identity_plus(torch.zeros(3, 3, dtype=torch.float64))
     assert torch.equal(u0, torch.eye(3, dtype=torch.float64)) and torch.equal(v0, u0)
 
 
@@ -153,7 +152,7 @@ def test_identity_plus_factorisation_does_not_depend_on_the_svd_chosen(monkeypat
     """LAPACK and cuSOLVER may return other signs for the singular vector pairs, and any rotation
     within equal singular values: the split must be the same."""
     m = 0.3 * torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    u, v = attn_ops.factor_identity_plus(m)
+    u, v = qk_pruning.factor_identity_plus(m)
     svd = torch.linalg.svd
     flip = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
 
@@ -161,22 +160,22 @@ def test_identity_plus_factorisation_does_not_depend_on_the_svd_chosen(monkeypat
         r, sig, th = svd(a)
         return r * flip, sig, flip[:, None] * th
 
-    monkeypatch.setattr(attn_ops.torch.linalg, "svd", flipped_svd)
-    u_flipped, v_flipped = attn_ops.factor_identity_plus(m)
+    monkeypatch.setattr(qk_pruning.torch.linalg, "svd", flipped_svd)
+    u_flipped, v_flipped = qk_pruning.factor_identity_plus(m)
     torch.testing.assert_close(u_flipped, u)
     torch.testing.assert_close(v_flipped, v)
-    monkeypatch.setattr(attn_ops.torch.linalg, "svd", svd)
+    monkeypatch.setattr(qk_pruning.torch.linalg, "svd", svd)
     # I + M orthogonal: every singular value is 1 and the SVD's vectors are arbitrary; U = I + M, V = I
     q, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
-    u_q, v_q = attn_ops.factor_identity_plus(q - torch.eye(6, dtype=torch.float64))
+    u_q, v_q = qk_pruning.factor_identity_plus(q - torch.eye(6, dtype=torch.float64))
     torch.testing.assert_close(u_q, q)
     torch.testing.assert_close(v_q, torch.eye(6, dtype=torch.float64))
 
 
 def test_folded_logits_equal_compensated_logits_including_biases():
     attn, x, q, k, sums, S, P = setup()
-    sols = [attn_ops.solve_head(sums[h], S[h], P[h], alpha=1e-3) for h in range(HEADS)]
-    pruned = attn_ops.fold_attention(attn, S, [s.M for s in sols])
+    sols = [qk_pruning.solve_head(sums[h], S[h], P[h], alpha=1e-3) for h in range(HEADS)]
+    pruned = qk_pruning.fold_attention(attn, S, [s.M for s in sols])
     assert isinstance(pruned, PrunedAttention) and pruned.scale == attn.scale
     with torch.no_grad():
         B, N, _ = x.shape
@@ -203,6 +202,6 @@ def test_uncompensated_fold_is_slicing_and_zero_sparsity_is_identity():
     attn, x, *_ = setup()
     d = attn.head_dim
     full = torch.arange(d).expand(HEADS, d)
-    same = attn_ops.fold_attention(attn, full, [torch.zeros(d, d, dtype=torch.float64)] * HEADS)
+    same = qk_pruning.fold_attention(attn, full, [torch.zeros(d, d, dtype=torch.float64)] * HEADS)
     with torch.no_grad():
         torch.testing.assert_close(same(x), attn(x), rtol=1e-5, atol=1e-6)

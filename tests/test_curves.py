@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from corp_deploy import CompressConfig, channels, compress
-from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import BoundaryCache
 from corp_deploy.engine import embed_tokens
+from corp_deploy.methods.corp import qk_pruning
 from corp_deploy.methods.corp.curves import PROBE_IMAGES, measure_curves, qk_probe_sizes
-from corp_deploy.qk_sums import ImageGrams, KroneckerSums, pack
-from corp_deploy.stats import MomentAccumulator, per_image_head_grams
+from corp_deploy.methods.corp.qk_statistics import ImageGrams, KroneckerSums, pack, per_image_head_grams
+from corp_deploy.stats import MomentAccumulator
 
 
 def correlated_stats(n=3000, hidden=24, seed=0):
@@ -79,7 +79,7 @@ def test_grouped_selection_keeps_equal_counts_and_stops_early():
 @pytest.mark.parametrize("form", ["images", "summed"])
 @pytest.mark.parametrize("alpha", [0.0, 1e-2])
 def test_head_curve_and_its_solutions_match_direct_re_solves(alpha, form):
-    """On the per-image Grams and on their Kronecker sums (corp_deploy/qk_sums.py): the re-solves
+    """On the per-image Grams and on their Kronecker sums (corp_deploy/methods/corp/qk_statistics.py): the re-solves
     always use the per-image Grams."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(20, 1, 15, 8, generator=g)
@@ -87,12 +87,12 @@ def test_head_curve_and_its_solutions_match_direct_re_solves(alpha, form):
     a, gk = per_image_head_grams(q)[:, 0], per_image_head_grams(k)[:, 0]
     by_image = ImageGrams(a, gk)
     sums = by_image if form == "images" else KroneckerSums(pack(a).T @ pack(gk), 20, 8)
-    order = torch.argsort(attn_ops.qk_dim_scores([sums])[0], descending=True, stable=True)
-    curve, solutions = attn_ops.head_curve(sums, order, alpha, solutions_at=(1, 3, 5, 8))
+    order = torch.argsort(qk_pruning.qk_dim_scores([sums])[0], descending=True, stable=True)
+    curve, solutions = qk_pruning.head_curve(sums, order, alpha, solutions_at=(1, 3, 5, 8))
     assert curve[0] == pytest.approx(float((a.double() * gk.double()).sum()) / 20) and curve[8] == 0
     for kept in range(1, 9):
         S, P = order[:kept].sort().values, order[kept:].sort().values
-        sol = attn_ops.solve_head(by_image, S, P, alpha)
+        sol = qk_pruning.solve_head(by_image, S, P, alpha)
         assert float(curve[kept]) == pytest.approx(
             sol.error_compensated + sol.ridge_lambda * float(sol.M.square().sum()) / 20, rel=1e-9
         )

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from corp_deploy import CompressConfig, compress, distributed
 from corp_deploy.artifact import load_compressed
-from corp_deploy.stats import HeadGrams, MomentAccumulator, images_worth_the_sums
+from corp_deploy.methods.corp.qk_statistics import HeadGrams, images_worth_the_sums
+from corp_deploy.stats import MomentAccumulator
 from tests.helpers import FLOAT32, SMALL_VIT_CLI_ARGS, build_small_vit
 
 

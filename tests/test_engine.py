@@ -8,7 +8,7 @@ import torch
 
 from corp_deploy import CompressConfig, PrunedAttention, compress, count_macs, count_params
 from corp_deploy.errors import CorpError
-from corp_deploy.stats import HeadGrams
+from corp_deploy.methods.corp.qk_statistics import HeadGrams
 
 
 @pytest.mark.parametrize("mode", ["sequential", "independent"])
@@ -46,7 +46,7 @@ def test_in_place_compresses_the_given_model_into_the_same_result(vit, batches):
 @pytest.mark.parametrize("settings", [dict(s_mlp=0.5, s_attn=0.5), dict(macs=0.5)], ids=["uniform", "budget"])
 def test_query_key_sums_in_either_form_give_the_same_model(vit, batches, image_batches, monkeypatch, settings):
     """Past a number of images the per-image query/key Grams are replaced by their Kronecker sums
-    (corp_deploy/stats.py HeadGrams): forced from the first image, compress keeps the same dims and
+    (corp_deploy/methods/corp/qk_statistics.py HeadGrams): forced from the first image, compress keeps the same dims and
     the outputs agree to float64 summation order (below float32's resolution)."""
     config = CompressConfig.from_settings(**settings)
     by_image, report = compress(vit, batches, config)

@@ -26,13 +26,14 @@ from corp_deploy import (
     save_artifact,
     standard_form,
 )
-from corp_deploy import attention as attn_ops
-from corp_deploy.blocks import attention_output
+from corp_deploy.blocks import attention_output, block_forward
 from corp_deploy.config import TARGET_PARTS
 from corp_deploy.families import FAMILIES as REGISTRY
-from corp_deploy.families import examples, family_of, supported_table
+from corp_deploy.families import Family, TokenGroups, examples, family_of, supported_table, token_groups
+from corp_deploy.families.record import WHOLE_SEQUENCE
 from corp_deploy.layers import keep_rows
-from corp_deploy.stats import HeadGrams
+from corp_deploy.methods.corp import qk_pruning
+from corp_deploy.methods.corp.qk_statistics import HeadGrams
 from exporters import ExportOptions, export_artifact
 
 #: Every family's small test models (each family module names its own), by test id.
@@ -273,7 +274,7 @@ def test_swin_query_key_statistics_are_those_of_the_logits_inside_the_shift_mask
     allowed = (timm_block.attn_mask == 0).repeat(2, 1, 1)  # (images x windows, 49, 49)
     S, P = torch.arange(0, 16, 2), torch.arange(1, 16, 2)
     for h, sums in enumerate(grams.heads()):
-        solution = attn_ops.solve_head(sums, S, P, alpha=0.0)
+        solution = qk_pruning.solve_head(sums, S, P, alpha=0.0)
         design, target = [], []
         for w in range(allowed.shape[0]):
             i, j = allowed[w].nonzero(as_tuple=True)
@@ -297,6 +298,60 @@ def test_swin_refuses_toast_and_keeps_bias_and_mask_when_pruned():
             assert block.windows.mask is None
         else:
             assert torch.equal(block.windows.mask, timm_block.attn_mask)
+
+
+def test_token_groups_are_one_sequence_per_image_unless_the_family_says_otherwise():
+    """A ViT block's tokens are one whole sequence per image: attention in place, every part counts
+    the tokens given, the block hands them on as they are. A Swin block's are its windows: attention
+    not in place, its own feature map's counts (padded to whole windows for attention, a window's
+    tokens as keys) whatever the tokens given, its patch merging on the way out."""
+    vit = create_dense("vit")
+    groups = token_groups(blocks_of(standard_form(vit))[0])
+    tokens = vit.patch_embed.num_patches + vit.num_prefix_tokens
+    x = torch.randn(2, tokens, vit.embed_dim)
+    assert groups is WHOLE_SEQUENCE and groups.in_place
+    assert groups.exit(x) is x and groups.group_heads(x) is x
+    assert groups.counts(tokens) == (tokens, tokens, tokens)
+    blocks = blocks_of(standard_form(create_dense("swin")))
+    first, merging, last = (token_groups(blocks[i]) for i in (0, 1, 3))
+    assert not first.in_place and first.description == "Swin's windowed feature maps"
+    assert first.counts(tokens) == (14 * 14, 14 * 14, 7 * 7) and last.counts(tokens) == (7 * 7, 7 * 7, 7 * 7)
+    x = torch.randn(2, 14, 14, 32)
+    with torch.no_grad():
+        assert torch.equal(merging.exit(x), blocks[1].transition(x)) and first.exit(x) is x
+
+
+def test_blocks_and_methods_ask_the_family_how_a_block_groups_its_tokens(monkeypatch):
+    """A family's token groups are what the rest of the library goes by, for any family: here a
+    family that claims one ViT block, whose tokens leave it halved and whose attention is not in
+    place, so block_forward halves its output and toast refuses the model in the family's words."""
+
+    class Halved(TokenGroups):
+        in_place = False
+        description = "halved tokens"
+
+        def exit(self, x: torch.Tensor) -> torch.Tensor:
+            return x / 2
+
+    import corp_deploy.families as package
+
+    dense = create_dense("vit")
+    block = blocks_of(dense)[0]
+    block.halved = True  # (compress works on a copy)
+    halving = Family(
+        "halving",
+        "a test family",
+        matches=lambda model: False,
+        problem=lambda model: None,
+        token_groups=lambda b: Halved() if getattr(b, "halved", False) else None,
+    )
+    monkeypatch.setattr(package, "FAMILIES", (halving, *REGISTRY))
+    x = torch.randn(2, dense.patch_embed.num_patches + dense.num_prefix_tokens, dense.embed_dim)
+    with torch.no_grad():
+        torch.testing.assert_close(block_forward(block, x), block(x) / 2, rtol=0, atol=0)
+    images = [torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))]
+    with pytest.raises(CorpError, match="toast samples tokens of a token sequence and is not implemented for halved"):
+        compress(dense, images, CompressConfig(method="toast", s_mlp=0.5))
 
 
 def test_readme_table_of_supported_models_is_the_registry_s():

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from corp_deploy.stats import HeadGrams, MomentAccumulator, _add_lower_gram, per_image_head_grams, symmetrize_lower_
+from corp_deploy.methods.corp.qk_statistics import HeadGrams, per_image_head_grams
+from corp_deploy.stats import MomentAccumulator, _add_lower_gram, symmetrize_lower_
 from tests.helpers import FLOAT32
 
 

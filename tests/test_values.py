@@ -4,8 +4,9 @@ output projection."""
 import torch
 from timm.layers.attention import Attention
 
-from corp_deploy import CompressConfig, PrunedAttention, channels, compress, values
+from corp_deploy import CompressConfig, PrunedAttention, channels, compress
 from corp_deploy.blocks import attention_forward
+from corp_deploy.methods.corp import value_pruning
 from corp_deploy.stats import MomentAccumulator
 
 WIDTH, HEADS, HEAD_DIM, TOKENS = 24, 3, 8, 11
@@ -46,7 +47,7 @@ def test_value_fold_equals_least_squares_on_raw_projection_inputs():
     coef = torch.linalg.lstsq(design, zf[:, P]).solution
     torch.testing.assert_close(zf[:, S] @ sol.B.T + sol.c, design @ coef, rtol=0, atol=1e-5 * float(zf.std()))
 
-    pruned = values.fold_values(attn, S, P, sol.B, sol.c)
+    pruned = value_pruning.fold_values(attn, S, P, sol.B, sol.c)
     assert isinstance(pruned, PrunedAttention)
     assert (pruned.qk_head_dim, pruned.v_head_dim) == (HEAD_DIM, kept_per_head)
     w, b = attn.proj.weight.detach(), attn.proj.bias.detach()
@@ -61,7 +62,7 @@ def test_value_slicing_without_compensation_drops_the_channels():
     z = proj_inputs(attn, x)
     keep = torch.tensor([0, 3, 8, 11, 16, 19])  # two value dims of each head
     drop = torch.tensor(sorted(set(range(HEADS * HEAD_DIM)) - set(keep.tolist())))
-    pruned = values.fold_values(attn, keep, drop)
+    pruned = value_pruning.fold_values(attn, keep, drop)
     with torch.no_grad():
         got = pruned(x).reshape(-1, WIDTH)
     expected = attn.proj(z[:, keep] @ torch.eye(HEADS * HEAD_DIM, dtype=z.dtype)[keep]).detach()

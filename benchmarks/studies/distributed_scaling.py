@@ -29,7 +29,7 @@ from corp_deploy.artifact import library_versions, load_compressed
 from corp_deploy.calibration import held_out_images, model_transform
 from corp_deploy.families import blocks_of
 from corp_deploy.layers import head_dims
-from corp_deploy.stats import images_worth_the_sums
+from corp_deploy.methods.corp.qk_statistics import images_worth_the_sums
 
 
 def compress_command(model: str, images: int, settings: list[str], out: Path, processes: int) -> list[str]:
@@ -64,9 +64,9 @@ def message_bytes(model: torch.nn.Module, images: int, kept_hidden: int) -> dict
     """Bytes of each statistic summed over the processes for one block (float64), as the code
     sends them: the MLP hidden moments (Gram, sum, sign counts), the value/output inputs'
     moments, the query/key statistics (the per-image Grams, float32, gathered: every process receives
-    all images'; past :func:`~corp_deploy.stats.images_worth_the_sums` images their packed Kronecker
-    sums instead, summed), and the refit's joint moments of [proj input, target] and [fc2 input,
-    target] (at ``kept_hidden``)."""
+    all images'; past :func:`~corp_deploy.methods.corp.qk_statistics.images_worth_the_sums` images
+    their packed Kronecker sums instead, summed), and the refit's joint moments of [proj input,
+    target] and [fc2 input, target] (at ``kept_hidden``)."""
     block = blocks_of(model)[0]
     width, hidden, heads = block.attn.proj.out_features, block.mlp.fc1.out_features, block.attn.num_heads
     d = head_dims(block.attn)[0]

@@ -1,11 +1,11 @@
 """Cheaper ways to the query/key curves of budget mode, tried on the real DINOv2 ViT-S/14's Grams
 (blocks 0, 5 and 11; 128 calibration crops), against the float64 direct solves the library uses:
 
-* the exact curve (:func:`corp_deploy.attention.head_curve`) with the Kronecker system built and
+* the exact curve (:func:`corp_deploy.methods.corp.qk_pruning.head_curve`) with the Kronecker system built and
   factorised in float32: largest curve error relative to the unit's full error ``J(0)``;
 * conjugate gradients on ``sum_i A_i M G_i + lambda M = C`` at kept sizes 8, 24, 40, 56,
   preconditioned with ``(N A_bar ⊗ G_bar + lambda I)^-1`` (mean Grams, two eigendecompositions):
-  iterations to a 1e-10 relative residual and the distance to :func:`~corp_deploy.attention.solve_head`.
+  iterations to a 1e-10 relative residual and the distance to :func:`~corp_deploy.methods.corp.qk_pruning.solve_head`.
 
     python -m benchmarks.studies.qk_solvers > benchmarks/results/qk_solvers.txt
 
@@ -19,12 +19,11 @@ import time
 import torch
 
 from benchmarks.held_out import dinov2_study_setup
-from corp_deploy import attention as attn_ops
 from corp_deploy.blocks import probe_query_keys
 from corp_deploy.engine import embed_tokens
 from corp_deploy.families import blocks_of
-from corp_deploy.qk_sums import ImageGrams
-from corp_deploy.stats import HeadGrams
+from corp_deploy.methods.corp import qk_pruning
+from corp_deploy.methods.corp.qk_statistics import HeadGrams, ImageGrams
 
 ALPHA = 1e-3
 
@@ -34,7 +33,7 @@ def float32_curve(a_full: torch.Tensor, g_full: torch.Tensor, order: torch.Tenso
     d = a_full.shape[-1]
     a = a_full[:, order][:, :, order].float()
     g = g_full[:, order][:, :, order].float()
-    lam = attn_ops.head_ridge_lambda(ImageGrams(a_full, g_full), ALPHA)
+    lam = qk_pruning.head_ridge_lambda(ImageGrams(a_full, g_full), ALPHA)
     pairs = [p for m in range(d) for p in [(m, b) for b in range(m + 1)] + [(a_, m) for a_ in range(m)]]
     perm = torch.tensor([p * d + q for p, q in pairs])
     zr = torch.einsum("npr,nqs->pqrs", a, g).reshape(d * d, d * d)[perm][:, perm]  # sum_i A_i ⊗ G_i
@@ -110,16 +109,16 @@ def main() -> None:
     )
     for index, (a_full, g_full) in grams.items():
         sums = [ImageGrams(a, g) for a, g in zip(a_full, g_full)]
-        orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
+        orders = torch.argsort(qk_pruning.qk_dim_scores(sums), dim=1, descending=True, stable=True)
         for h in range(a_full.shape[0]):
-            exact, _ = attn_ops.head_curve(sums[h], orders[h], ALPHA)
+            exact, _ = qk_pruning.head_curve(sums[h], orders[h], ALPHA)
             error32 = float((float32_curve(a_full[h], g_full[h], orders[h]) - exact).abs().max() / exact[0])
-            lam = attn_ops.head_ridge_lambda(sums[h], ALPHA)
+            lam = qk_pruning.head_ridge_lambda(sums[h], ALPHA)
             cells = []
             for k in (8, 24, 40, 56):
                 kept, pruned = orders[h, :k].sort().values, orders[h, k:].sort().values
                 start = time.perf_counter()
-                direct = attn_ops.solve_head(sums[h], kept, pruned, ALPHA)
+                direct = qk_pruning.solve_head(sums[h], kept, pruned, ALPHA)
                 direct_s = time.perf_counter() - start
                 order = torch.cat([kept, pruned])
                 a = a_full[h][:, order][:, :, order]

@@ -1,7 +1,7 @@
 """Memory and time of one block's query/key statistics against the number of calibration images,
 as the library keeps them (``default``: per image up to ``images_worth_the_sums(d)`` images, 1056
 at head dim 64, then their packed Kronecker sums, each 32-image batch folded in as it comes;
-corp_deploy/stats.py ``HeadGrams``), forced per image past that point (``per-image``: what the
+corp_deploy/methods/corp/qk_statistics.py ``HeadGrams``), forced per image past that point (``per-image``: what the
 library did before, then in float64) and summed from the first batch on (``summed``).
 
     python -m benchmarks.studies.qk_statistics_memory --images 256,1024,2048,4096 \\
@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 
 from corp_deploy.artifact import library_versions
-from corp_deploy.stats import images_worth_the_sums
+from corp_deploy.methods.corp.qk_statistics import images_worth_the_sums
 
 POINT = r"""
 import json, resource, sys, time
 import torch
-from corp_deploy import attention as attn_ops
-from corp_deploy.stats import HeadGrams, images_worth_the_sums
+from corp_deploy.methods.corp import qk_pruning
+from corp_deploy.methods.corp.qk_statistics import HeadGrams, images_worth_the_sums
 images, form = int(sys.argv[1]), sys.argv[2]
 heads, tokens, d, batch = 12, 197, 64, 32
 gen = torch.Generator().manual_seed(0)
@@ -46,13 +46,13 @@ held = sum(t.numel() * t.element_size() for t in grams.query + grams.key) + \
     (grams.kronecker.numel() * 8 if grams.kronecker is not None else 0)
 start = time.perf_counter()
 sums = grams.heads()
-kept, pruned = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), d // 2)
+kept, pruned = qk_pruning.split_head_dims(qk_pruning.qk_dim_scores(sums), d // 2)
 for h, head in enumerate(sums):
-    attn_ops.solve_head(head, kept[h], pruned[h], 1e-3)
+    qk_pruning.solve_head(head, kept[h], pruned[h], 1e-3)
 solve_s = time.perf_counter() - start
 start = time.perf_counter()
-order = torch.argsort(attn_ops.qk_dim_scores(sums[:1])[0], descending=True)
-attn_ops.head_curve(sums[0], order, 1e-3)
+order = torch.argsort(qk_pruning.qk_dim_scores(sums[:1])[0], descending=True)
+qk_pruning.head_curve(sums[0], order, 1e-3)
 curve_s = time.perf_counter() - start
 kept = "summed" if grams.kronecker is not None else "per-image"
 assert kept == {"default": "summed" if images > images_worth_the_sums(d) else "per-image"}.get(form, form)

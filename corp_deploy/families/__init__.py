@@ -5,7 +5,8 @@ Each module (:mod:`.vit`, :mod:`.hybrid`, :mod:`.relpos`, :mod:`.beit`, :mod:`.e
 :mod:`.swin`) fills in one :class:`~corp_deploy.families.record.Family`: which timm models it
 matches, why a structure it cannot compress is refused, the exact rewrite of its blocks into the
 standard pre-norm block the engine compresses (docs/method.md §9), the MAC formula of its
-attentions, which parts can be pruned and why the others cannot, its rows of README's table, and
+attentions, which parts can be pruned and why the others cannot, how its blocks group their tokens
+for attention where they do not attend over one whole sequence, its rows of README's table, and
 its small test models. Everything below is driven by :data:`FAMILIES`: adding a family is one
 module and one entry there.
 """
@@ -18,9 +19,9 @@ from torch import nn
 from ..errors import CorpError
 from ..layers import GatedLinear, PrunedAttention
 from . import beit, cait, eva, hybrid, relpos, swin, vit
-from .record import AttentionMacs, Example, Family, describe, full_attention_macs
+from .record import WHOLE_SEQUENCE, AttentionMacs, Example, Family, TokenGroups, describe, full_attention_macs
 from .shared import ScaledResidualBlock, TableRelativePosition, is_gated, standard_mlp
-from .swin import ShiftedWindows, WindowedBlock, block_exit, windows_of
+from .swin import ShiftedWindows, WindowedBlock
 from .vit import is_plain_attention
 
 __all__ = [
@@ -30,9 +31,9 @@ __all__ = [
     "ScaledResidualBlock",
     "ShiftedWindows",
     "TableRelativePosition",
+    "TokenGroups",
     "WindowedBlock",
     "attention_macs",
-    "block_exit",
     "blocks_of",
     "check_prunable",
     "examples",
@@ -44,7 +45,7 @@ __all__ = [
     "structure_problem",
     "supported_summary",
     "supported_table",
-    "windows_of",
+    "token_groups",
 ]
 
 #: Every family, in the order they are tried (the first that matches a model is its family).
@@ -158,6 +159,17 @@ def is_prunable_attention(attn: nn.Module) -> bool:
     attention some family declares prunable (timm's plain ``Attention``, ``RelPosAttention``
     without qk-norm)."""
     return isinstance(attn, PrunedAttention) or any(family.prunable_attention(attn) for family in FAMILIES)
+
+
+def token_groups(block: nn.Module) -> TokenGroups:
+    """How ``block`` (in standard form) groups its tokens for attention and hands them on: what the
+    family whose blocks it is says (:attr:`Family.token_groups`), else one whole sequence per image
+    (:data:`~corp_deploy.families.record.WHOLE_SEQUENCE`)."""
+    for family in FAMILIES:
+        groups = family.token_groups(block)
+        if groups is not None:
+            return groups
+    return WHOLE_SEQUENCE
 
 
 def attention_macs(module: nn.Module) -> AttentionMacs | None:

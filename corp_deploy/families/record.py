@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from ..layers import head_dims
@@ -44,6 +45,58 @@ def full_attention_macs(attn: nn.Module, shape: tuple[int, ...]) -> int:
     return batch * attn.num_heads * tokens * tokens * sum(head_dims(attn))
 
 
+class TokenCounts(NamedTuple):
+    """Tokens per image that the parts of one block see: ``mlp`` (the MLP and the residual stream),
+    ``attention`` (the attention's projections) and ``keys`` (the keys each query attends to)."""
+
+    mlp: int
+    attention: int
+    keys: int
+
+
+class TokenGroups:
+    """How a block in standard form groups its tokens for attention, and hands them on.
+
+    This default is every family's unless it says otherwise (:attr:`Family.token_groups`): the
+    block's tokens ``(B, N, C)`` are one group per image that attends as a whole, in place, and
+    leave the block as they are. A family whose blocks attend within parts of their tokens or
+    change them on the way out (Swin: windows of a feature map, patch merging) returns a subclass.
+    """
+
+    #: whether attention sees the block's own tokens, one whole sequence per image, so that its
+    #: queries, keys and the input of its output projection line up with the residual stream's tokens
+    in_place = True
+    #: what the block's tokens are, for refusals of methods that need a token sequence
+    description = "a token sequence"
+
+    def attend(
+        self, attention: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """``attention(tokens, mask)`` of the groups of the block's normalised tokens ``x``, put
+        back in place: ``tokens`` ``(B', N', C)`` are the groups' tokens, ``mask`` an additive
+        logit mask or None. Here ``attention(x, None)``."""
+        return attention(x, None)
+
+    def group_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-head ``t`` ``(B', H, N', d)`` as :meth:`attend` shows it, split so that each "image"
+        is one group of tokens that attend to each other (statistics summed per image are those of
+        the logits the softmax mixes). Here ``t`` itself."""
+        return t
+
+    def counts(self, tokens: int) -> TokenCounts:
+        """The tokens per image the block's parts see, given ``tokens`` entering the model's first
+        block. Here ``tokens`` for every part."""
+        return TokenCounts(tokens, tokens, tokens)
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output from its second residual ``x``. Here ``x``."""
+        return x
+
+
+#: The token groups of every block whose family says nothing else.
+WHOLE_SEQUENCE = TokenGroups()
+
+
 def _blocks_attribute(model: nn.Module) -> list[nn.Module]:
     return list(getattr(model, "blocks", ()))
 
@@ -71,6 +124,9 @@ class Family:
             always has).
         part_problem: why a block cannot have the given parts (``mlp``, ``qk``, ``vo``) pruned
             beyond the checks every family shares, saying which ``--target`` works; or None.
+        token_groups: how one of its blocks (in standard form) groups its tokens for attention
+            and hands them on (a :class:`TokenGroups`), or None: not a block the family treats
+            otherwise than :data:`WHOLE_SEQUENCE` (the default, for every block).
     """
 
     name: str
@@ -86,6 +142,7 @@ class Family:
     attention_macs: dict[type, AttentionMacs] = field(default_factory=dict)
     prunable_attention: Callable[[nn.Module], bool] = lambda attn: False
     part_problem: Callable[[nn.Module, tuple[str, ...]], str | None] = lambda block, parts: None
+    token_groups: Callable[[nn.Module], TokenGroups | None] = lambda block: None
 
     @property
     def supported(self) -> bool:

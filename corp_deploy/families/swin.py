@@ -6,8 +6,10 @@ Each block's standard form is a :class:`WindowedBlock`: its attention a full-wid
 :class:`~corp_deploy.layers.PrunedAttention` holding the bias table, the shift, window partition
 and shift mask in a :class:`ShiftedWindows`, and the next stage's patch merging moved to the end
 of the block (``transition``) so that the blocks, walked in order, are the whole model between the
-patch embedding and the final norm. Query/key statistics are summed per group of tokens the shift
-mask lets attend to each other (docs/method.md §9). Swin V2 is refused as a whole.
+patch embedding and the final norm. The family's ``token_groups`` (:class:`WindowGroups`) tells
+calibration how such a block attends and hands its tokens on; query/key statistics are summed per
+group of tokens the shift mask lets attend to each other (docs/method.md §9). Swin V2 is refused
+as a whole.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 from torch import nn
 
 from ..layers import PrunedAttention
-from .record import Example, Family, SupportRow, class_path, full_attention_macs
+from .record import Example, Family, SupportRow, TokenCounts, TokenGroups, class_path, full_attention_macs
 from .shared import ScaledResidualBlock, TableRelativePosition, filled
 
 
@@ -126,16 +128,39 @@ class WindowedBlock(ScaledResidualBlock):
         return self.transition(x + self.ls2(self.mlp(self.norm2(x))))
 
 
-def windows_of(block: nn.Module) -> ShiftedWindows | None:
-    """The windows a block attends within (a :class:`WindowedBlock`'s), or None: it attends over
-    its whole token sequence."""
-    return block.windows if isinstance(block, WindowedBlock) else None
+class WindowGroups(TokenGroups):
+    """The token groups of a :class:`WindowedBlock` (the family's ``token_groups``): attention
+    within its (shifted) windows of the ``(B, H, W, C)`` feature map, whose queries, keys and
+    values are split into the groups of tokens the shift mask lets attend to each other
+    (:meth:`ShiftedWindows.group_heads`), and the patch merging into the next stage
+    (``transition``) on the way out."""
+
+    in_place = False  # attention and its probes see window tokens (B * nW, N, C)
+    description = "Swin's windowed feature maps"
+
+    def __init__(self, block: WindowedBlock) -> None:
+        self.windows, self.transition = block.windows, block.transition
+
+    def attend(
+        self, attention: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        return self.windows.attend(attention, x)
+
+    def group_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return self.windows.group_heads(t)
+
+    def counts(self, tokens: int) -> TokenCounts:
+        """The block's own feature map's tokens for the MLP, those of the map padded to whole
+        windows for attention, and a window's tokens as keys (whatever ``tokens``)."""
+        windows = self.windows
+        return TokenCounts(windows.tokens, windows.padded_tokens, windows.area)
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transition(x)
 
 
-def block_exit(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The block's output from its second residual ``x``: the patch merging a :class:`WindowedBlock`
-    carries into the next stage, else ``x``."""
-    return block.transition(x) if isinstance(block, WindowedBlock) else x
+def _token_groups(block: nn.Module) -> WindowGroups | None:
+    return WindowGroups(block) if isinstance(block, WindowedBlock) else None
 
 
 def _blocks(model: swin.SwinTransformer) -> list[nn.Module]:
@@ -229,6 +254,7 @@ FAMILY = Family(
     standard_form=_standard_form,
     in_standard_form=_in_standard_form,
     attention_macs={PrunedAttention: full_attention_macs},
+    token_groups=_token_groups,
 )
 
 #: Swin V2 is refused as a whole (its class names the reason).

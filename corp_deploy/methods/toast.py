@@ -23,7 +23,7 @@ from .. import channels
 from ..blocks import block_forward
 from ..dims import kept_count
 from ..errors import CorpError, SettingError
-from ..families import blocks_of, is_plain_attention, windows_of
+from ..families import blocks_of, is_plain_attention, token_groups
 from ..layers import PrunedAttention, block_dims, head_dims
 from ..models import uses_class_token
 from .base import BlockRun, Method, MethodOptions, option
@@ -54,11 +54,12 @@ class Toast(Method):
     has_compensation = False
 
     def check_model(self, model: nn.Module, config: CompressConfig) -> None:
-        if any(windows_of(block) is not None for block in blocks_of(model)):
-            raise CorpError(
-                "toast samples tokens of a token sequence and is not implemented for Swin's windowed "
-                "feature maps; use --method corp or vbp"
-            )
+        for groups in (token_groups(block) for block in blocks_of(model)):
+            if not groups.in_place:
+                raise CorpError(
+                    f"toast samples tokens of a token sequence and is not implemented for {groups.description}; "
+                    "use --method corp or vbp"
+                )
         if config.prunes_mlp and uses_class_token(model):
             for block in model.blocks:
                 if not is_plain_attention(block.attn):

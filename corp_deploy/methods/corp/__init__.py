@@ -4,7 +4,10 @@ uniform sparsities or at the per-block sizes a MAC budget allocates.
 
 Modules: :mod:`.options` (its settings), :mod:`.sizes` (kept sizes at uniform sparsities),
 :mod:`.budget` (a MAC budget: :mod:`.curves` measures every unit's error curve, :mod:`.allocation`
-spends the budget over them), :mod:`.compress` (one block's compression to given sizes).
+spends the budget over them), :mod:`.compress` (one block's compression to given sizes: MLP
+channels through :mod:`corp_deploy.channels`, query/key dims through :mod:`.qk_pruning` on the
+statistics of :mod:`.qk_statistics`, value/output dims through :mod:`.value_pruning`),
+:mod:`.refit` (the drift-correcting refit).
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ... import attention as attn_ops
-from ... import channels, values
+from ... import channels
 from ...blocks import (
     attention_output,
     attention_residual,
@@ -30,8 +29,10 @@ from ...blocks import (
     residual_weight,
 )
 from ...layers import block_dims
-from ...stats import HeadGrams, MomentAccumulator
+from ...stats import MomentAccumulator
 from ..base import BlockRun
+from . import qk_pruning, value_pruning
+from .qk_statistics import HeadGrams
 from .refit import DenseTargets
 from .sizes import BlockSizes
 
@@ -142,19 +143,20 @@ def compress_attention(block: nn.Module, grams: HeadGrams, config: CompressConfi
     """Rank, solve and fold the query/key dims of ``block.attn`` to ``kept`` per head (replaced
     by a :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
     sums = grams.heads()
-    S, P = attn_ops.split_head_dims(attn_ops.qk_dim_scores(sums), kept)
+    S, P = qk_pruning.split_head_dims(qk_pruning.qk_dim_scores(sums), kept)
     heads = [
-        attn_ops.solve_head(head, S[h], P[h], config.options.ridge, config.compensation) for h, head in enumerate(sums)
+        qk_pruning.solve_head(head, S[h], P[h], config.options.ridge, config.compensation)
+        for h, head in enumerate(sums)
     ]
     return fold_solved_attention(block, S, heads)
 
 
-def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[attn_ops.HeadSolution]) -> dict:
+def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[qk_pruning.HeadSolution]) -> dict:
     """Fold every head's solution into ``block.attn`` (replaced by a
     :class:`~corp_deploy.layers.PrunedAttention`) keeping the dims ``kept`` ``(H, d')`` (each row
     ascending); returns its report."""
     attn = block.attn
-    block.attn = attn_ops.fold_attention(attn, kept, [s.M for s in heads])
+    block.attn = qk_pruning.fold_attention(attn, kept, [s.M for s in heads])
     scale2 = attn.scale**2
     err_unc = sum(s.error_uncompensated for s in heads) * scale2
     err_comp = sum(s.error_compensated for s in heads) * scale2
@@ -189,7 +191,7 @@ def compress_values(
         )
     S, P = channels.split_order(order, kept * H)
     sol = channels.solve_channels(proj_inputs, w, S, P, config.options.ridge, config.compensation)
-    block.attn = values.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
+    block.attn = value_pruning.fold_values(attn, sol.kept, sol.pruned, sol.B, sol.c)
     return {"v_head_dim": kept, **_channel_errors(sol)}
 
 

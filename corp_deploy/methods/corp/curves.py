@@ -9,7 +9,7 @@ one currency, the mean squared error a unit adds to the residual stream per toke
   order (:func:`corp_deploy.channels.prefix_objective`) through the consumer's residual-stream
   weight (LayerScale included);
 * query/key: the exact logit objective of the nested kept sets of every head, in closed form
-  (:func:`corp_deploy.attention.head_curve`), converted into residual-stream error by
+  (:func:`.qk_pruning.head_curve`), converted into residual-stream error by
   measurement: at a few sizes (:func:`qk_probe_sizes`) the compensated attention is built from
   the same factorisation and run on the first :data:`PROBE_IMAGES` calibration images, and the
   ratio of its measured output error to the logit error is interpolated between those sizes
@@ -32,14 +32,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ... import attention as attn_ops
 from ... import channels, distributed
 from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual, residual_weight
-from ...families import blocks_of, windows_of
+from ...families import blocks_of, token_groups
 from ...layers import GatedLinear, head_dims
 from ...parts import PARTS
-from ...qk_sums import QKSums
-from ...stats import HeadGrams, MomentAccumulator
+from ...stats import MomentAccumulator
+from . import qk_pruning
+from .qk_statistics import HeadGrams, QKSums
 
 if TYPE_CHECKING:
     from ...config import CompressConfig
@@ -67,7 +67,7 @@ class UnitCurve:
     error: torch.Tensor
     distortion: torch.Tensor
     orders: dict[str, torch.Tensor] = field(default_factory=dict)
-    qk_solutions: dict[int, list[attn_ops.HeadSolution]] = field(default_factory=dict)
+    qk_solutions: dict[int, list[qk_pruning.HeadSolution]] = field(default_factory=dict)
 
     def tied_with(self, other: UnitCurve) -> UnitCurve:
         """Query/key and value/output of one block as one unit (``equal_head_dims``)."""
@@ -95,11 +95,7 @@ def macs_per_dim(part: str, tokens: int, block: nn.Module) -> int:
     the feature map padded to whole windows.
     """
     width, heads = block.attn.proj.out_features, block.attn.num_heads
-    windows = windows_of(block)
-    if windows is None:
-        mlp_tokens = attention_tokens = keys = tokens
-    else:
-        mlp_tokens, attention_tokens, keys = windows.tokens, windows.padded_tokens, windows.area
+    mlp_tokens, attention_tokens, keys = token_groups(block).counts(tokens)
     if part == "mlp":
         return (3 if isinstance(block.mlp.fc1, GatedLinear) else 2) * mlp_tokens * width
     return heads * (2 * attention_tokens * width + attention_tokens * keys)
@@ -250,7 +246,7 @@ def _gained(weight: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
 
 def _qk_curve(
     block: nn.Module, grams: HeadGrams, probe: torch.Tensor, alpha: float, gain: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[qk_pruning.HeadSolution]]]:
     """The query/key unit's residual-stream error for every kept size ``0..d`` (module docstring):
     the summed logit curves of the heads, times the measured ratio of output to logit error; the
     heads' ranked dims ``(H, d)``; and every head's solution at every kept size ``1..d``.
@@ -259,7 +255,7 @@ def _qk_curve(
     output error per channel (None: ones)."""
     attn, head_dim = block.attn, head_dims(block.attn)[0]
     sums = grams.heads()
-    orders = torch.argsort(attn_ops.qk_dim_scores(sums), dim=1, descending=True, stable=True)
+    orders = torch.argsort(qk_pruning.qk_dim_scores(sums), dim=1, descending=True, stable=True)
     sizes = qk_probe_sizes(head_dim)
     curves, by_size = _head_curves(sums, orders, alpha)
     logit = attn.scale**2 * curves.sum(0).cpu()
@@ -270,7 +266,7 @@ def _qk_curve(
     for k in sizes:
         total = tokens = 0.0
         if dense_output is not None:  # this rank holds probe images
-            pruned = attn_ops.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
+            pruned = qk_pruning.fold_attention(attn, orders[:, :k].sort(dim=1).values, [s.M for s in by_size[k]])
             error = (block.ls1(attention_output(block, block.norm1(probe), attn=pruned)) - dense_output) * gain
             total, tokens = float(error.double().square().sum()), error[..., 0].numel()
         total, tokens = distributed.sum_floats(total, tokens)
@@ -285,9 +281,9 @@ def _qk_curve(
 
 def _head_curves(
     sums: list[QKSums], orders: torch.Tensor, alpha: float
-) -> tuple[torch.Tensor, dict[int, list[attn_ops.HeadSolution]]]:
+) -> tuple[torch.Tensor, dict[int, list[qk_pruning.HeadSolution]]]:
     """Every head's logit curve ``(H, d + 1)`` and its solution at every kept size ``1..d``
-    (:func:`~corp_deploy.attention.head_curve`; ``sums``: the heads' query/key sums, ``orders``
+    (:func:`~.qk_pruning.head_curve`; ``sums``: the heads' query/key sums, ``orders``
     ``(H, d)``). Under torch.distributed rank ``r`` factorises the heads ``h = r mod world size``
     and the results are summed over the ranks (zeros elsewhere: exact), so every rank holds all of them."""
     heads, d = len(sums), orders.shape[1]
@@ -296,7 +292,7 @@ def _head_curves(
     matrices = torch.zeros(heads, sum(k * k for k in range(1, d + 1)), **zeros)  # every M_k flattened, k = 1..d
     numbers = torch.zeros(heads, d, 4, **zeros)  # per k: ridge lambda, sliced and compensated errors, energy
     for h in range(distributed.rank(), heads, distributed.world_size()):
-        curves[h], solutions = attn_ops.head_curve(sums[h], orders[h], alpha, solutions_at=range(1, d + 1))
+        curves[h], solutions = qk_pruning.head_curve(sums[h], orders[h], alpha, solutions_at=range(1, d + 1))
         matrices[h] = torch.cat([solutions[k].M.reshape(-1) for k in range(1, d + 1)])
         numbers[h] = curves.new_tensor(
             [
@@ -309,7 +305,9 @@ def _head_curves(
     by_size, start = {}, 0
     for k in range(1, d + 1):
         by_size[k] = [
-            attn_ops.HeadSolution(matrices[h, start : start + k * k].reshape(k, k).clone(), *numbers[h, k - 1].tolist())
+            qk_pruning.HeadSolution(
+                matrices[h, start : start + k * k].reshape(k, k).clone(), *numbers[h, k - 1].tolist()
+            )
             for h in range(heads)
         ]
         start += k * k

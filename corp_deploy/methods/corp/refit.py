@@ -30,7 +30,7 @@ from torch import nn
 from ...blocks import BoundaryCache, attention_output, block_exit, block_forward, mlp_hidden, mlp_residual
 from ...channels import add_ridge_, spd_solve
 from ...errors import CorpError
-from ...families import check_prunable, windows_of
+from ...families import check_prunable, token_groups
 from ...stats import MomentAccumulator
 
 #: ``--refit`` values: which consumer layers are refitted.
@@ -171,7 +171,8 @@ class DriftRefit:
         return DenseTargets(block, self.path, self._refits_proj(block), "fc2" in self.layers)
 
     def _refits_proj(self, block: nn.Module) -> bool:
-        return "proj" in self.layers and windows_of(block) is None  # windowed attention: proj sees window tokens
+        # attention within groups (Swin's windows): proj's input does not line up with the stream's tokens
+        return "proj" in self.layers and token_groups(block).in_place
 
     def refit_block(self, block: nn.Module, targets: DenseTargets) -> dict:
         """Refit ``block``'s consumers (compressed, in place) toward ``targets``, then advance the

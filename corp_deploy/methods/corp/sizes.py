@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ...attention import HeadSolution
 from ...dims import kept_count
+from .qk_pruning import HeadSolution
 
 if TYPE_CHECKING:
     from ...config import CompressConfig

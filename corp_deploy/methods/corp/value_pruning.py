@@ -1,4 +1,4 @@
-"""Value/output head-dim pruning with centred ridge compensation (docs/method.md §4).
+"""CORP's value/output head-dim pruning with centred ridge compensation (docs/method.md §4).
 
 The input of the attention's output projection is ``z = concat_h(A_h V_h)``, ``H * d_v``
 channels laid out head-major (channel ``h * d_v + j`` is value dim ``j`` of head ``h``).
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .channels import compensated_consumer
-from .layers import PrunedAttention, head_dims
+from ...channels import compensated_consumer
+from ...layers import PrunedAttention, head_dims
 
 
 def fold_values(

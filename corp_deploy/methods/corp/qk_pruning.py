@@ -1,9 +1,10 @@
-"""Attention query/key head-dim pruning with the exact Kronecker compensation (docs/method.md §3).
+"""CORP's query/key head-dim pruning with the exact Kronecker compensation (docs/method.md §3):
+ranking, the per-head solves and error curves, and the fold into a :class:`PrunedAttention`.
 
 Per head and calibration image ``i``: ``Q^i = X^i Wq^T + bq`` and ``K^i`` (tokens x d).
 Everything here works on the per-image Gram matrices ``A^i = Q^i^T Q^i`` and
 ``G^i = K^i^T K^i`` of the full head dim, through the sums over images that
-:mod:`corp_deploy.qk_sums` forms from them (kept per image or as their Kronecker sum), from
+:mod:`.qk_statistics` forms from them (kept per image or as their Kronecker sum), from
 which ranking scores, the normal equations and the logit errors all follow exactly.
 
 The ridge is ``lambda = alpha * tr(sum_i A_i ⊗ G_i) / d^2`` over the full head dim, the same
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import PrunedAttention, head_dims
-from .qk_sums import QKSums
+from ...layers import PrunedAttention, head_dims
+from .qk_statistics import QKSums
 
 
 def qk_dim_scores(heads: list[QKSums]) -> torch.Tensor:
@@ -61,7 +62,7 @@ def solve_head(
     """Solve ``(sum_i A_i ⊗ G_i + lambda I) vec(M) = vec(sum_i C_i)`` for one head.
 
     Args:
-        sums: the head's query/key sums over images (:mod:`corp_deploy.qk_sums`).
+        sums: the head's query/key sums over images (:mod:`.qk_statistics`).
         kept, pruned: index tensors ``S`` and ``P`` into the head dim.
         alpha: scale-free ridge (:func:`head_ridge_lambda`).
         compensate: False gives ``M = 0`` (plain slicing), errors still reported.
