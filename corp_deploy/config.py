@@ -9,6 +9,7 @@ from typing import Any
 from .errors import CorpError, SettingConflict, SettingError, check_choice
 from .methods import METHODS, MethodOptions, option_defaults, option_owners
 from .parts import PARTS, TARGET_PARTS, TARGETS, Part
+from .recovery import RecoveryConfig
 
 __all__ = ["DEFAULT_SPARSITY", "TARGETS", "TARGET_PARTS", "CompressConfig"]
 
@@ -50,6 +51,8 @@ class CompressConfig:
             refit, VBP's mean fold); False keeps the same channels and slices the weights (ablation).
             ToaSt has no compensation step, so it must stay True there.
         device: ``cpu`` or ``cuda``; where calibration runs.
+        recovery: the label-free recovery after compression (:class:`~corp_deploy.recovery.RecoveryConfig`;
+            its default, 0 steps, is off).
         options: the method's own settings, an instance of its ``options_class``
             (:class:`~corp_deploy.methods.CorpOptions`, ``VbpOptions``, ``ToastOptions``);
             ``None``: its defaults.
@@ -65,9 +68,12 @@ class CompressConfig:
     device: str = "cpu"
     method: str = "corp"
     options: MethodOptions | None = None
+    recovery: RecoveryConfig = RecoveryConfig()
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, tuple(METHODS))
+        if not isinstance(self.recovery, RecoveryConfig):
+            raise CorpError(f"recovery takes a RecoveryConfig, not {type(self.recovery).__name__}")
         method = METHODS[self.method]
         if self.options is None:
             object.__setattr__(self, "options", method.options_class())
@@ -119,6 +125,8 @@ class CompressConfig:
         than ``settings["method"]`` must keep their defaults: they are refused, not ignored."""
         method = settings.get("method", cls.method)
         check_choice("method", method, tuple(METHODS))
+        recovery = RecoveryConfig.from_settings(settings)
+        settings = {name: value for name, value in settings.items() if name not in RecoveryConfig.setting_names()}
         owners, defaults = option_owners(), option_defaults()
         own = {}
         for name in [name for name in settings if name in owners]:
@@ -131,16 +139,15 @@ class CompressConfig:
                     name,
                     "method",
                 )
-        return cls(**settings, options=METHODS[method].options_class(**own))
+        return cls(**settings, options=METHODS[method].options_class(**own), recovery=recovery)
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> CompressConfig:
         """The config that :meth:`to_dict` wrote, from an artifact's ``settings`` (which also hold
         the calibration's, left out here)."""
-        shared = {field.name for field in dataclasses.fields(cls)} - {"options", "sparsity"}
-        return cls.from_settings(
-            **{name: value for name, value in settings.items() if name in shared or name in option_owners()}
-        )
+        known = {field.name for field in dataclasses.fields(cls)} - {"options", "sparsity", "recovery"}
+        known |= {*option_owners(), *RecoveryConfig.setting_names()}
+        return cls.from_settings(**{name: value for name, value in settings.items() if name in known})
 
     @property
     def has_budget(self) -> bool:
@@ -176,11 +183,13 @@ class CompressConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The flat settings (:meth:`from_settings` and :meth:`from_dict` read them back): the
-        shared fields (each part's sparsity, the joint one folded in), this method's options, and
-        every other method's options at their defaults."""
+        shared fields (each part's sparsity, the joint one folded in), this method's options,
+        every other method's options at their defaults, and the recovery's settings
+        (``recover_steps``, ...) when it is on."""
         shared = {
             field.name: getattr(self, field.name)
             for field in dataclasses.fields(self)
-            if field.name not in ("options", "sparsity")
+            if field.name not in ("options", "sparsity", "recovery")
         }
-        return {**shared, **option_defaults(), **self.options.to_dict()}
+        recovery = self.recovery.to_settings() if self.recovery.enabled else {}
+        return {**shared, **option_defaults(), **self.options.to_dict(), **recovery}

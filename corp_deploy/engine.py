@@ -17,7 +17,7 @@ for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's
 (docs/method.md §10) adds a second cache of the same size (the compressed model's hidden
 states) and, for one block at a time, two targets formed from the dense block's input, attention
 and MLP outputs, and the compressed attention's output-projection inputs (three more, at most).
-No gradient is ever taken.
+No gradient is taken, except by the optional recovery after compression (:mod:`corp_deploy.recovery`).
 Measured numbers: benchmarks/RESULTS.md.
 """
 
@@ -42,6 +42,7 @@ from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 from .parts import PARTS
+from .recovery import recover
 
 
 def compress(
@@ -61,13 +62,18 @@ def compress(
         config: what to prune and how.
         progress: show a progress bar on stderr.
         in_place: compress ``model`` itself instead of a copy (the returned model is ``model``; after
-            a failure it is left part-compressed): one copy of the weights less in memory.
+            a failure it is left part-compressed): one copy of the weights less in memory (a
+            recovery still copies the dense model, its teacher).
     Returns:
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_vit(model)
     check_finite(model, "the model to compress")
+    teacher = None
+    if config.recovery.enabled:  # recovery distils from the dense model and passes over the images again
+        calibration_batches = list(calibration_batches)
+        teacher = copy.deepcopy(model)
     model = standard_form(model if in_place else copy.deepcopy(model)).eval()
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
@@ -101,6 +107,9 @@ def compress(
         bar.start_blocks(method.block_steps(model, config))
         run = BlockRun(cache, timer, bar.block_done)
         layers = method.compress_blocks(model, run, config)
+    if teacher is not None:
+        with timer("recover"):
+            run.report["recovery"] = recover(model, teacher, calibration_batches, config.recovery, progress=progress)
     model = model.cpu().eval()
     report = {
         "method": config.method,

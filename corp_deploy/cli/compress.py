@@ -22,7 +22,7 @@ from .common import (
     warn_builtin_calibration,
 )
 from .group import cli
-from .options import method_options, model_source_options
+from .options import method_options, model_source_options, recovery_options
 
 
 def default_output_dir(model: str, config: CompressConfig) -> Path:
@@ -92,6 +92,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     "(corp), no mean fold (vbp).",
 )
 @method_options
+@recovery_options
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
     "-o",
@@ -157,6 +158,7 @@ def compress(
         compensation=not no_compensation,
         device=device,
         method=method,
+        recover_seed=seed,
         **method_options,
     )
     _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)

@@ -3,6 +3,7 @@ the option types with their ranges, and the parsers of option values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from ..calibration import DEFAULT_IMAGES
 from ..errors import CorpError
 from ..methods import METHODS
 from ..parts import TARGETS
+from ..recovery import SETTING_PREFIX, RecoveryConfig
 from .group import option_name
 
 #: The largest seed every random generator used here accepts.
@@ -49,28 +51,42 @@ def options(*options):
     return apply
 
 
+def _field_option(field: dataclasses.Field, lead: str, prefix: str = ""):
+    """The click option of a :func:`corp_deploy.methods.base.option` field: ``--<prefix><name>``,
+    its help text led by ``lead``."""
+    meta = field.metadata
+    text = f"{lead}{meta['help']}"
+    if meta["default_help"]:
+        text += f" [default: {meta['default_help']}]"
+    flag = meta["value_type"] is bool
+    value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
+    return click.option(
+        option_name(prefix + field.name),
+        is_flag=flag,
+        type=value_type,
+        default=field.default,
+        show_default=not flag and field.default is not None,
+        metavar=meta["metavar"],
+        help=text,
+    )
+
+
 def method_options(func):
     """Every method's options (:func:`corp_deploy.methods.base.option` fields of its options
     class) as ``--<name>`` options, each help text led by the method's name."""
     for method in reversed(METHODS.values()):
         for field in reversed(method.options_class.fields()):
-            meta = field.metadata
-            if "help" not in meta:
-                continue
-            text = f"{method.name}: {meta['help']}"
-            if meta["default_help"]:
-                text += f" [default: {meta['default_help']}]"
-            flag = meta["value_type"] is bool
-            value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
-            func = click.option(
-                option_name(field.name),
-                is_flag=flag,
-                type=value_type,
-                default=field.default,
-                show_default=not flag and field.default is not None,
-                metavar=meta["metavar"],
-                help=text,
-            )(func)
+            if "help" in field.metadata:
+                func = _field_option(field, f"{method.name}: ")(func)
+    return func
+
+
+def recovery_options(func):
+    """The recovery's command-line settings (:class:`corp_deploy.recovery.RecoveryConfig` fields
+    made with ``option``) as ``--recover-<name>`` options."""
+    for field in reversed(dataclasses.fields(RecoveryConfig)):
+        if "help" in field.metadata:
+            func = _field_option(field, "", SETTING_PREFIX)(func)
     return func
 
 

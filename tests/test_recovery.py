@@ -1,0 +1,172 @@
+"""The label-free recovery after compression (corp_deploy/recovery.py): off by default and then
+bit-identical to compression alone, structure unchanged, the loss falls, never worse on validation
+than compression left it, seeded, and its failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corp_deploy import CompressConfig, compress
+from corp_deploy.errors import CorpError, SettingError
+from corp_deploy.recovery import (
+    RecoveryConfig,
+    augment,
+    check_teacher,
+    distillation_loss,
+    recover,
+    split_validation,
+    trainable_parameters,
+)
+
+#: A recovery that measurably learns on the small ViT within a few seconds.
+QUICK = RecoveryConfig(steps=40, lr=3e-3, batch_size=8, eval_every=10, patience=10)
+
+
+@pytest.fixture
+def images(image_batches):
+    return image_batches(4, 8, seed=5)
+
+
+def compressed(vit, images, **settings):
+    return compress(vit, images, CompressConfig.from_settings(s_mlp=0.75, s_attn=0.75, **settings))
+
+
+def test_zero_steps_is_compression_alone(small_vit, images):
+    plain, plain_report = compressed(small_vit(), images)
+    off, off_report = compressed(small_vit(), images, recover_steps=0)
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(off.state_dict()[name], tensor), name
+    assert "recovery" not in off_report
+    assert CompressConfig.from_settings(recover_steps=0).to_dict() == CompressConfig().to_dict()
+
+
+def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images):
+    """The same dims and parameter count; the loss falls; the kept weights are those of the best
+    validation measurement, which beats compression's (here a plain slice: on random weights and
+    images CORP's compensation leaves too little to recover)."""
+    before, before_report = compressed(small_vit(), images, compensation=False)
+    sliced = CompressConfig(s_mlp=0.75, s_attn=0.75, compensation=False, recovery=QUICK)
+    model, report = compress(small_vit(), images, sliced)
+    recovery = report["recovery"]
+    assert [layer["dims"] for layer in report["layers"]] == [layer["dims"] for layer in before_report["layers"]]
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in before.state_dict().items()}
+    losses = [row["loss"] for row in recovery["curve"][1:]]
+    assert losses[-1] < losses[0]
+    cosine = recovery["validation_cosine"]
+    assert recovery["best_step"] > 0 and cosine["recovered"] > cosine["compressed"]
+    assert recovery["images"] == {"train": 28, "validation": 4} and report["params"]["compressed"] == sum(
+        p.numel() for p in model.parameters()
+    )
+    for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight"):  # never trained
+        assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
+
+
+def test_a_recovery_that_does_not_help_leaves_the_compressed_weights(small_vit, images):
+    """A learning rate far too high makes every measurement worse: the weights stay compression's."""
+    before, _ = compressed(small_vit(), images)
+    harmful = RecoveryConfig(steps=6, lr=0.5, batch_size=8, eval_every=2, patience=2, warmup=0.0)
+    model, report = compress(small_vit(), images, CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=harmful))
+    recovery = report["recovery"]
+    assert recovery["best_step"] == 0 and recovery["stopped"].startswith("validation did not improve")
+    assert recovery["steps_run"] == 4
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_the_same_seed_gives_the_same_weights(small_vit, images):
+    config = CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=RecoveryConfig(steps=6, lr=3e-3, batch_size=8))
+    one, _ = compress(small_vit(), images, config)
+    two, _ = compress(small_vit(), images, config)
+    for name, tensor in one.state_dict().items():
+        assert torch.equal(two.state_dict()[name], tensor), name
+
+
+def test_a_non_finite_loss_stops_with_the_step(small_vit, images, monkeypatch):
+    import corp_deploy.recovery as recovery
+
+    calls = []
+
+    def poisoned(*args):
+        calls.append(1)
+        loss = distillation_loss(*args)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(recovery, "distillation_loss", poisoned)
+    with pytest.raises(CorpError, match="recovery stopped at step 3 of 10: the loss is not finite"):
+        compress(small_vit(), images, CompressConfig(recovery=RecoveryConfig(steps=10, batch_size=8)))
+
+
+def test_a_teacher_that_is_not_the_dense_model_is_refused(small_vit, images):
+    student, _ = compressed(small_vit(), images)
+    with pytest.raises(CorpError, match="patch embedding differs"):
+        check_teacher(student, small_vit(seed=1))
+    with pytest.raises(CorpError, match="blocks"):
+        check_teacher(student, small_vit(depth=3))
+    check_teacher(student, small_vit())
+
+
+def test_the_loss_is_zero_for_equal_streams_and_the_cosine_distance_otherwise():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    assert float(distillation_loss([a, a], [a, a], a, a, 1.0)) == pytest.approx(0.0, abs=1e-6)
+    expected = (1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)).mean()
+    got = distillation_loss([a, a], [b, b], a, b, 0.5)
+    assert float(got) == pytest.approx(1.5 * float(expected), rel=1e-5)
+
+
+def test_augmentation_flips_and_crops_with_its_own_generator():
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    flips = augment(x, 1.0, torch.Generator().manual_seed(0))
+    for i in range(2):
+        assert torch.equal(flips[i], x[i]) or torch.equal(flips[i], x[i].flip(-1))
+    crops = augment(x, 0.3, torch.Generator().manual_seed(0))
+    assert crops.shape == x.shape and torch.equal(crops, augment(x, 0.3, torch.Generator().manual_seed(0)))
+
+
+def test_the_validation_split_is_seeded_and_disjoint():
+    x = torch.arange(40, dtype=torch.float32).reshape(40, 1, 1, 1)
+    train, val = split_validation(x, RecoveryConfig(validation=0.25, seed=3))
+    assert len(val) == 10 and len(train) == 30
+    assert sorted(torch.cat([train, val]).flatten().tolist()) == list(range(40))
+    assert torch.equal(val, split_validation(x, RecoveryConfig(validation=0.25, seed=3))[1])
+    with pytest.raises(CorpError, match="at least 2 calibration images"):
+        split_validation(x[:1], RecoveryConfig())
+
+
+def test_only_the_blocks_and_the_final_norm_learn(small_vit):
+    names = set(trainable_parameters(small_vit()))
+    assert all(name.startswith(("blocks.", "norm.")) for name in names)
+    assert "norm.weight" in names and "blocks.1.mlp.fc2.bias" in names
+
+
+@pytest.mark.parametrize(
+    "settings, name",
+    [
+        (dict(recover_steps=-1), "recover_steps"),
+        (dict(recover_lr=0.0), "recover_lr"),
+        (dict(recover_lr=float("nan")), "recover_lr"),
+        (dict(recover_validation=1.5), "recover_validation"),
+        (dict(recover_batch_size=0), "recover_batch_size"),
+        (dict(recover_crop_scale=0.0), "recover_crop_scale"),
+    ],
+)
+def test_bad_recovery_settings_name_their_setting(settings, name):
+    with pytest.raises(SettingError) as raised:
+        CompressConfig.from_settings(**settings)
+    assert raised.value.settings == (name,)
+
+
+def test_recovery_settings_are_recorded_only_when_it_runs():
+    config = CompressConfig.from_settings(recover_steps=50, recover_lr=1e-4)
+    flat = config.to_dict()
+    assert flat["recover_steps"] == 50 and flat["recover_lr"] == 1e-4
+    assert CompressConfig.from_dict(flat) == config and "recover_steps" not in CompressConfig().to_dict()
+
+
+def test_recover_works_on_an_already_compressed_model(small_vit, images):
+    student, _ = compressed(small_vit(), images, compensation=False)
+    flags = [p.requires_grad for p in student.parameters()]
+    report = recover(student, small_vit(), images, QUICK)
+    assert report["validation_cosine"]["recovered"] > report["validation_cosine"]["compressed"]
+    assert [p.requires_grad for p in student.parameters()] == flags and not student.training
