@@ -371,7 +371,7 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
     import onnxruntime.quantization.calibrate as ort_calibrate
     from onnxruntime.quantization import CalibrationMethod
 
-    from exporters import quantize
+    from exporters import onnx_nodes, quantize
 
     model = load_compressed(tiny_artifact)
     export_onnx(model, tmp_path / "m.onnx", (3, 32, 32))
@@ -407,8 +407,8 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
     weights = {t.name for t in graph.initializer}
     checked = 0
     for node in graph.node:
-        name = quantize.module_path(node)
-        if node.op_type in quantize.QUANTIZED_OPS and name in linears and node.input[1] in weights:
+        name = onnx_nodes.module_path(node)
+        if node.op_type in onnx_nodes.MATMUL_OPS and name in linears and node.input[1] in weights:
             low, high = (np.asarray(v, dtype=np.float64).reshape(-1) for v in ranges[node.input[0]].range_value)
             assert low.size == high.size == 1  # one range per tensor
             np.testing.assert_allclose([low[0], high[0]], extremes[linears[name]], rtol=1e-5, atol=1e-5)
