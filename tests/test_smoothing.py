@@ -11,7 +11,8 @@ from onnx import numpy_helper
 from exporters.keep_float import quantize_keeping_float
 from exporters.onnx_export import export_onnx
 from exporters.onnx_nodes import MATMUL_OPS, module_path
-from exporters.parity import Tolerance, compare_outputs
+from exporters.parity import compare_outputs
+from exporters.precision import PRECISIONS
 from exporters.quantize import quantize_int8
 from exporters.smoothing import SCALE_LIMIT, linear_input_peaks, linear_input_scales, smooth_graph, smoothing_scale
 
@@ -105,7 +106,7 @@ def test_smoothing_lets_int8_hold_an_outlier_channel(small_vit, image_batches, t
     _plant_used_outliers(model)
     export_onnx(model, tmp_path / "fp32.onnx", (3, 32, 32))
     calibration, held_out = image_batches(4, 8, seed=1), image_batches(2, 8, seed=2)
-    tolerance = Tolerance.for_precision("int8")
+    tolerance = PRECISIONS["int8"].tolerance
     with torch.no_grad():
         reference = torch.cat([model(b) for b in held_out]).numpy()
     cosines = {}
