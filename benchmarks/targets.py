@@ -7,7 +7,7 @@ from pathlib import Path
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
 from corp_deploy.artifact import CONFIG_FILE, recorded_checksums
 from exporters.manifest import MANIFEST, model_files, read_manifest
-from exporters.precision import EXPORT_PRECISIONS
+from exporters.precision import PRECISIONS
 
 from .backends import ModelFiles
 from .data import folders_overlap
@@ -46,7 +46,7 @@ def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
     if recorded_checksums(artifact) != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
     named = export.name.removeprefix("export-")
-    if export.name.startswith("export-") and named in EXPORT_PRECISIONS and manifest.get("precision") != named:
+    if export.name.startswith("export-") and named in PRECISIONS and manifest.get("precision") != named:
         raise CorpError(
             f"{export} holds {manifest.get('precision')} graphs, not {named} ones as its name says "
             f"(bench reads export-fp32/ and export-int8/ by name); export it again into export-{named}/"

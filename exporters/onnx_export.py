@@ -20,7 +20,7 @@ from torch import nn
 from corp_deploy import CorpError
 
 from .fusable_forms import rewrite_gelu
-from .precision import for_export
+from .reduced_precision import for_export
 
 INPUT_NAME, OUTPUT_NAME = "images", "outputs"
 BATCH_AXIS = "batch"
@@ -50,7 +50,8 @@ def export_onnx(
     Args:
         model: a timm ViT (dense or compressed), float32; it is not modified.
         input_size: ``(C, H, W)`` of one image; only the batch axis is dynamic.
-        precision: ``fp32``, ``fp16`` or ``bf16`` (see :mod:`exporters.precision`); the graph's
+        precision: one whose graph is the traced model (:data:`exporters.precision.TRACED`:
+            ``fp32``, ``fp16``, ``bf16``; see :mod:`exporters.reduced_precision`); the graph's
             input and output are float32 in every case.
         trace_batch: batch size of the example input used for tracing.
         single_file_limit: when the model would serialise to this many bytes or more, its weights

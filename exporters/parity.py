@@ -109,10 +109,17 @@ class Tolerance:
         if self.min_top1 is not None and not 0 <= self.min_top1 <= 1:
             raise CorpError(f"the minimum top-1 agreement must be in [0, 1]; got {self.min_top1}")
 
+    def with_limits(self, **overrides: float | None) -> Tolerance:
+        """These limits with each non-None value of ``overrides`` (``atol=...``) in place of its own."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
     @classmethod
     def for_precision(cls, precision: str, **overrides: float | None) -> Tolerance:
-        """The default limits for ``precision`` with the given non-None ``overrides``."""
-        return replace(DEFAULT_TOLERANCES[precision], **{k: v for k, v in overrides.items() if v is not None})
+        """The default limits of ``precision`` (its :class:`~exporters.precision.Precision` record)
+        with the given non-None ``overrides``; the spelling scripts used before the records."""
+        from .precision import precision_named  # the records hold Tolerances: imported when called
+
+        return precision_named(precision).tolerance.with_limits(**overrides)
 
     def violations(self, result: Comparison) -> list[str]:
         """What ``result`` fails, in words; empty when it passes."""
@@ -128,14 +135,3 @@ class Tolerance:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-#: fp32 must match to float32 round-off. Reduced precision changes every intermediate
-#: result, so it is judged by direction (cosine) and decisions (top-1), not by 1e-5. int8
-#: rounds every Linear input to 255 levels: looser again (README, "INT8").
-DEFAULT_TOLERANCES = {
-    "fp32": Tolerance(atol=1e-4, min_cosine=0.99999),
-    "fp16": Tolerance(min_cosine=0.999, min_top1=0.85),
-    "bf16": Tolerance(min_cosine=0.99, min_top1=0.85),
-    "int8": Tolerance(min_cosine=0.98, min_top1=0.75),
-}

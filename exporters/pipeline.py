@@ -14,7 +14,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,28 +31,26 @@ from corp_deploy import (
 )
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
-from corp_deploy.files import existing_dir, sha256_file, write_json
+from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
 
 from . import tensorrt as trt_backend
+from .int8_options import Int8Options
 from .keep_float import AUTO, quantize_keeping_float
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
-from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
+from .onnx_export import export_onnx
+from .options import ExportOptions
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
-from .precision import EXPORT_PRECISIONS
-from .quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
+from .precision import PRECISIONS, Precision
 from .results import ExportResult, ModelExport
 from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
-from .smoothing import DEFAULT_ALPHA
 
 #: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
 EXIT_INCOMPLETE = 3
 #: Exit status when a parity gate failed (nothing is written).
 EXIT_PARITY = 4
 TRACE_BATCH = 2
-#: The TensorRT workspace limits ``--workspace`` accepts, in GB (trtexec takes whole MiB).
-MIN_WORKSPACE_GB, MAX_WORKSPACE_GB = 1 / 1024, 1e6
 #: ONNX parity batch sizes, both different from ``TRACE_BATCH``; their images are disjoint.
 PARITY_BATCHES = (1, 8)
 
@@ -62,95 +59,6 @@ class ParityError(CorpError):
     """A backend's outputs differ from the reference beyond the tolerance."""
 
     exit_code = EXIT_PARITY
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """What ``export_artifact`` writes and how.
-
-    ``tolerance`` None means :meth:`Tolerance.for_precision` defaults; ``workspace_gb`` None
-    leaves TensorRT's workspace unbounded; ``timing_cache`` is read if it exists and updated.
-    int8 only: ``int8_calibration`` is the range method; the calibration images come from
-    ``calib`` (a directory; None: the source the artifact was compressed with, as recorded in its
-    config.json), ``calib_samples`` of them (None: as many as compress used);
-    ``int8_keep_float`` is how many Linear layers stay in float, or ``"auto"``
-    (:mod:`exporters.keep_float`); ``int8_smoothing`` the strength of the outlier migration
-    (:mod:`exporters.smoothing`), None for none; ``int8_activations`` the type of the Linear
-    layers' inputs (:data:`exporters.quantize.ACTIVATION_TYPES`; ``uint8`` not with ``trt``).
-    """
-
-    trt: bool = False
-    dense: bool = False
-    opset: int = DEFAULT_OPSET
-    exporter: str = DEFAULT_EXPORTER
-    precision: str = "fp32"
-    batch: trt_backend.BatchProfile = trt_backend.BatchProfile()
-    workspace_gb: float | None = None
-    timing_cache: Path | None = None
-    tolerance: Tolerance | None = None
-    int8_calibration: str = DEFAULT_CALIBRATION
-    calib: Path | None = None
-    calib_samples: int | None = None
-    int8_keep_float: int | str = AUTO
-    int8_smoothing: float | None = DEFAULT_ALPHA
-    int8_activations: str = DEFAULT_ACTIVATIONS
-
-    def __post_init__(self) -> None:
-        check_settings(self.opset, self.exporter)
-        if self.precision not in EXPORT_PRECISIONS:
-            raise CorpError(f"precision must be one of {', '.join(EXPORT_PRECISIONS)}; got {self.precision!r}")
-        if self.int8_calibration not in CALIBRATION_METHODS:
-            raise CorpError(
-                f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; got {self.int8_calibration!r}"
-            )
-        if self.int8_activations not in ACTIVATION_TYPES:
-            raise CorpError(
-                f"int8 activations must be one of {', '.join(ACTIVATION_TYPES)}; got {self.int8_activations!r}"
-            )
-        int8_options = (
-            self.int8_calibration != DEFAULT_CALIBRATION
-            or self.calib is not None
-            or self.calib_samples is not None
-            or self.int8_keep_float != AUTO
-            or self.int8_smoothing != DEFAULT_ALPHA
-            or self.int8_activations != DEFAULT_ACTIVATIONS
-        )
-        if int8_options and self.precision != "int8":
-            raise CorpError(
-                "the int8 options (--int8-calibration, --int8-keep-float, --int8-smoothing, "
-                "--int8-activations, --calib, --calib-samples) apply only with --precision int8"
-            )
-        if self.trt and self.int8_activations != DEFAULT_ACTIVATIONS:
-            raise CorpError(
-                f"--int8-activations {self.int8_activations} is for ONNX Runtime on the CPU: TensorRT "
-                f"needs signed int8 activations with symmetric ranges (--int8-activations "
-                f"{DEFAULT_ACTIVATIONS}, the default)"
-            )
-        if self.int8_smoothing is not None and not 0 <= self.int8_smoothing <= 1:
-            raise CorpError(f"the int8 smoothing strength must be from 0 to 1 or None, got {self.int8_smoothing!r}")
-        if self.int8_keep_float != AUTO and not (isinstance(self.int8_keep_float, int) and self.int8_keep_float >= 0):
-            raise CorpError(
-                f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, got {self.int8_keep_float!r}"
-            )
-        if self.calib is not None:  # recorded absolute: resolves the same from anywhere
-            object.__setattr__(self, "calib", existing_dir(self.calib, "--calib"))
-        if self.calib_samples is not None and self.calib_samples < 1:
-            raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
-        if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
-            raise CorpError(
-                f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
-                f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}"
-            )
-        if self.timing_cache is not None:
-            cache = Path(self.timing_cache)
-            if cache.is_dir() or not cache.parent.is_dir():
-                raise CorpError(
-                    f"--timing-cache {cache}: "
-                    + ("a directory, not a file" if cache.is_dir() else f"its folder {cache.parent} does not exist")
-                )
-            object.__setattr__(self, "timing_cache", cache.resolve())
-        if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
-            raise CorpError("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
 
 
 def default_export_dir(artifact: str | Path, precision: str) -> Path:
@@ -175,17 +83,19 @@ def export_artifact(
     Raises :class:`ParityError` (nothing written) when a parity gate fails.
     """
     options = options or ExportOptions()
+    precision = PRECISIONS[options.precision]
     artifact = Path(artifact)
     config = read_config(artifact)
     made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
     check_output_dir(out_dir, "export")  # before any work
-    tolerance = options.tolerance or Tolerance.for_precision(options.precision)
+    tolerance = options.tolerance or precision.tolerance
     models = {"model": load_compressed(artifact)}
     if options.dense:
         log("rebuilding the dense base model ...")
         models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
-    _check_keep_float_leaves_int8(models, options)
+    if options.int8 is not None:
+        _check_keep_float_leaves_int8(models, options.int8)
     input_size = tuple(config["input"]["input_size"])
     check_fits(
         "the export",
@@ -196,7 +106,7 @@ def export_artifact(
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
-    images = parity_images(models["model"], n_images, held_out=options.precision == "int8")
+    images = parity_images(models["model"], n_images, held_out=precision.calibrates)
     incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
 
     entries, graph, onnxruntime = {}, {}, {}
@@ -206,15 +116,17 @@ def export_artifact(
         ExitStack() as runners,
     ):
         calibration = (
-            int8_calibration_images(models["model"], config, options, Path(scratch))
-            if options.precision == "int8"
+            int8_calibration_images(models["model"], config, options.int8, Path(scratch))
+            if precision.calibrates
             else None
         )
         for name, model in models.items():
             log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, {options.precision}) ...")
-            graph, int8 = _export_graph(model, tmp / f"{name}.onnx", input_size, options, calibration, tolerance, log)
+            graph, int8 = _export_graph(
+                model, tmp / f"{name}.onnx", input_size, options, precision, calibration, tolerance, log
+            )
             log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
-            runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", options.precision)
+            runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", precision)
             checked = {}
             if runner is None:
                 incomplete.append(f"{name}.onnx not checked: {reason}")
@@ -267,16 +179,16 @@ def export_artifact(
     return ExportResult(out_dir, manifest, entries, incomplete)
 
 
-def _check_keep_float_leaves_int8(models: dict[str, nn.Module], options: ExportOptions) -> None:
+def _check_keep_float_leaves_int8(models: dict[str, nn.Module], int8: Int8Options) -> None:
     """CorpError when ``--int8-keep-float N`` would keep every Linear layer of a model in float: an
     "int8" graph without an int8 layer."""
-    if options.precision != "int8" or options.int8_keep_float == AUTO:
+    if int8.keep_float == AUTO:
         return
     for key, model in models.items():
         linears = sum(isinstance(module, nn.Linear) for module in model.modules())
-        if options.int8_keep_float >= linears:
+        if int8.keep_float >= linears:
             raise CorpError(
-                f"--int8-keep-float {options.int8_keep_float} would keep all {linears} Linear layers of "
+                f"--int8-keep-float {int8.keep_float} would keep all {linears} Linear layers of "
                 f"the {'dense' if key == 'dense' else 'compressed'} model in float, leaving no int8 "
                 f"layer; give fewer than {linears}, or auto"
             )
@@ -303,45 +215,48 @@ def _export_graph(
     path: Path,
     input_size,
     options: ExportOptions,
+    precision: Precision,
     calibration: tuple[SpooledBatches, dict] | None,
     tolerance: Tolerance,
     log: Callable[[str], None],
 ) -> tuple[dict, dict | None]:
-    """Export ``model`` to ``path`` in ``options.precision``: the graph's description and, for
-    int8, what the quantizer did (the float32 graph it starts from is written elsewhere and removed).
-    ``calibration``: int8 only, the calibration batches and their summary; ``tolerance``: the
-    gate's, which ``--int8-keep-float auto`` also applies on the calibration images."""
+    """Export ``model`` to ``path`` in ``precision``: the graph's description and, for a precision
+    that calibrates (int8), what the quantizer did (the float32 graph it starts from is written
+    elsewhere and removed). ``calibration``: for int8 only, the calibration batches and their
+    summary; ``tolerance``: the gate's, which ``--int8-keep-float auto`` also applies on the
+    calibration images."""
     export = dict(opset=options.opset, exporter=options.exporter, trace_batch=TRACE_BATCH)
-    if options.precision != "int8":
-        return export_onnx(model, path, input_size, precision=options.precision, **export), None
+    if not precision.calibrates:
+        return export_onnx(model, path, input_size, precision=precision.name, **export), None
     batches, source = calibration
+    int8 = options.int8
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
         graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
         release_freed_memory()  # the exporter's traced program and graph copies
-        int8 = quantize_keeping_float(
+        quantized = quantize_keeping_float(
             model,
             fp32,
             path,
             batches,
-            options.int8_keep_float,
-            options.int8_calibration,
+            int8.keep_float,
+            int8.calibration,
             tolerance,
             log,
-            options.int8_smoothing,
-            options.int8_activations,
+            int8.smoothing,
+            int8.activations,
         )
-    return {**graph, "files": [path.name], "precision": "int8"}, {**int8, "source": source}
+    return {**graph, "files": [path.name], "precision": precision.name}, {**quantized, "source": source}
 
 
 def int8_calibration_images(
-    model: nn.Module, config: dict, options: ExportOptions, folder: Path
+    model: nn.Module, config: dict, int8: Int8Options, folder: Path
 ) -> tuple[SpooledBatches, dict]:
     """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
-    step (one batch in memory at a time), and their summary: ``options.calib`` or the artifact's own
+    step (one batch in memory at a time), and their summary: ``int8.calib`` or the artifact's own
     calibration source (a directory, or the built-in photos with the same seed)."""
     recorded, settings = config.get("calibration", {}), config.get("settings", {})
-    directory = options.calib
+    directory = int8.calib
     if directory is None and recorded.get("source") == "directory":
         directory = Path(recorded["path"])
         if not directory.is_dir():
@@ -350,7 +265,7 @@ def int8_calibration_images(
                 "pass the int8 calibration images with --calib DIR"
             )
     transform, data_config = model_transform(model)
-    limit = options.calib_samples or settings.get("calib_samples", 256)
+    limit = int8.calib_samples or settings.get("calib_samples", 256)
     check_disk(
         f"decoding {limit} int8 calibration images",
         limit * FLOAT32 * math.prod(data_config["input_size"]),
@@ -395,16 +310,17 @@ def check_parity(
     return results
 
 
-def _onnxruntime_runner(path: Path, precision: str) -> tuple[OnnxRuntimeRunner | None, str | None]:
-    """The ONNX Runtime reference for ``precision``, or (None, why not)."""
-    if precision != "bf16":
+def _onnxruntime_runner(path: Path, precision: Precision) -> tuple[OnnxRuntimeRunner | None, str | None]:
+    """The ONNX Runtime reference for a graph in ``precision`` on its record's device, or (None,
+    why not) where that device, not the CPU, is missing here."""
+    if precision.onnxruntime_device == "cpu":
         return OnnxRuntimeRunner(path, "cpu"), None
-    try:  # ONNX Runtime's CPU provider has no bfloat16 kernels
-        return OnnxRuntimeRunner(path, "cuda"), None
+    try:
+        return OnnxRuntimeRunner(path, precision.onnxruntime_device), None
     except BackendUnavailable as exc:
         return None, (
-            f"ONNX Runtime's CPU provider has no bfloat16 kernels and {exc}; verify it on a "
-            "GPU machine with `corp-deploy export --precision bf16`"
+            f"{precision.not_on_cpu} and {exc}; verify it on a GPU machine with "
+            f"`corp-deploy export --precision {precision.name}`"
         )
 
 
@@ -418,7 +334,7 @@ def _write_build_script(folder: Path, names: list[str], options: ExportOptions, 
             {f: sha256_file(folder / f) for f in files},
             batch=options.batch,
             image_shape=input_size,
-            precision=options.precision,
+            precision=PRECISIONS[options.precision],
             workspace_gb=options.workspace_gb,
             timing_cache=options.timing_cache,
         )

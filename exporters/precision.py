@@ -1,120 +1,93 @@
-"""Reduced-precision (fp16 / bf16) copies of a ViT for export, kept numerically safe.
+"""The export precisions, one :class:`Precision` record each, and their registry.
 
-TensorRT builds strongly typed networks (always from TensorRT 11 on, with the
-strongly-typed flag on 10.x): the types written in the ONNX graph are the types it runs,
-and builder precision flags no longer exist. So precision is decided here, in the graph:
-
-* weights, Linear layers, the attention matmuls, GELU and the residual stream run in the
-  low precision;
-* every LayerNorm and the attention softmax run in float32 (their reductions, a variance and
-  a sum of exponentials, are where fp16 overflows or drops small terms) and cast back;
-* the patch-embedding convolution runs in float32 (ONNX ``Conv`` has no bfloat16 before
-  opset 22; it is under 1 % of a ViT's MACs);
-* the graph input and output stay float32, so callers feed the same tensors as for fp32.
+A record says how its graph is made (the model traced in ``dtype`` under the policy of
+:mod:`exporters.reduced_precision`; int8 traces float32 and quantizes that graph on calibration
+images, :mod:`exporters.quantize`), the parity gate's default limits, where ONNX Runtime can check
+the graph, what the TensorRT build script says about it, and its own options. The CLI (choices,
+the default limits in ``--help``, which options it refuses), :func:`exporters.export_artifact`
+and ``bench`` (which ``export-<name>`` folder holds which graphs) read :data:`PRECISIONS`: a new
+precision is one record here.
 """
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from corp_deploy import CorpError, PrunedAttention, blocks_of, head_dims, is_prunable_attention, multi_head_attention
+from corp_deploy import CorpError
 
-PRECISIONS = ("fp32", "fp16", "bf16")
-#: What ``corp-deploy export --precision`` takes: the float graphs above, and int8, quantized from
-#: the fp32 graph (:mod:`exporters.quantize`).
-EXPORT_PRECISIONS = (*PRECISIONS, "int8")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from .int8_options import Int8Options
+from .parity import Tolerance
 
 
-class Float32Island(nn.Module):
-    """Runs ``module`` (kept in float32) on a float32 copy of its input; output cast to ``dtype``."""
+@dataclass(frozen=True)
+class Precision:
+    """One value of ``corp-deploy export --precision``.
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module = module.float()
-        self.dtype = dtype
+    Attributes:
+        name: the ``--precision`` value, ``export.json``'s ``precision``, the ``export-<name>``
+            folder's suffix.
+        dtype: the type the model is traced in (float32: as it is; float16 / bfloat16: the policy
+            of :mod:`exporters.reduced_precision`).
+        tolerance: the parity gate's default limits (``--atol`` and ``--min-cosine`` override them).
+        calibrates: whether the traced float32 graph is then quantized with ranges calibrated on
+            images (its parity images are then photos that calibration never uses).
+        options_class: the class of its own options (``ExportOptions.int8``), None when it has none.
+        onnxruntime_device: the ONNX Runtime device the parity gate runs the graph on
+            (:class:`exporters.runners.OnnxRuntimeRunner`); when it is not the CPU,
+            ``not_on_cpu`` says why, for the message where that device is missing.
+        tensorrt_note: lines of the TensorRT build script's header about this precision.
+    """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x.float()).to(self.dtype)
-
-
-class Float32SoftmaxAttention(PrunedAttention):
-    """:class:`corp_deploy.PrunedAttention` written out with a float32 softmax; everything
-    else runs in the parameters' dtype. Same parameters, layout and fixed ``scale``."""
-
-    @classmethod
-    def from_module(cls, attn: nn.Module) -> Float32SoftmaxAttention:
-        """Sharing the ``qkv``, ``proj``, relative position and rotary embedding of a
-        :class:`PrunedAttention`, a plain timm ``Attention`` or a ``RelPosAttention`` without qk-norm."""
-        if not is_prunable_attention(attn):
-            raise CorpError(
-                f"cannot export attention of type {type(attn).__name__} (qk-norm, "
-                "scale-norm or gating) in reduced precision; use --precision fp32"
-            )
-        new = cls.replacing(attn, *head_dims(attn))
-        new.qkv, new.proj = attn.qkv, attn.proj
-        return new
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        shared_rel_pos: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if is_causal:
-            raise CorpError("causal attention is not supported in reduced-precision export")
-        return multi_head_attention(
-            self, x, attn_mask=attn_mask, rel_bias=self.logit_bias(shared_rel_pos), kernel=float32_softmax_kernel
-        )
+    name: str
+    dtype: torch.dtype
+    tolerance: Tolerance
+    calibrates: bool = False
+    options_class: type | None = None
+    onnxruntime_device: str = "cpu"
+    not_on_cpu: str = ""
+    tensorrt_note: tuple[str, ...] = ()
 
 
-def float32_softmax_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    attn_mask: torch.Tensor | None,
-    rel_bias: torch.Tensor | None,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """The attention kernel (:data:`corp_deploy.layers.AttentionKernel`, not causal) written out:
-    logits in the parameters' dtype, then biases, softmax in float32, weights cast back for ``@ v``."""
-    logits = ((q * scale) @ k.transpose(-2, -1)).float()
-    for bias in (rel_bias, attn_mask):  # Swin's shift mask is an additive attn_mask
-        if bias is not None:
-            logits = logits + bias.float()
-    return logits.softmax(dim=-1).to(v.dtype) @ v
+#: Every precision by name, in the order ``--help`` lists them. fp32 must match to float32
+#: round-off. Reduced precision changes every intermediate result, so it is judged by direction
+#: (cosine) and decisions (top-1), not by 1e-5. int8 rounds every Linear input to 255 levels:
+#: looser again (README, "INT8").
+PRECISIONS: dict[str, Precision] = {
+    precision.name: precision
+    for precision in (
+        Precision("fp32", torch.float32, Tolerance(atol=1e-4, min_cosine=0.99999)),
+        Precision("fp16", torch.float16, Tolerance(min_cosine=0.999, min_top1=0.85)),
+        Precision(
+            "bf16",
+            torch.bfloat16,
+            Tolerance(min_cosine=0.99, min_top1=0.85),
+            onnxruntime_device="cuda",
+            not_on_cpu="ONNX Runtime's CPU provider has no bfloat16 kernels",
+        ),
+        Precision(
+            "int8",
+            torch.float32,
+            Tolerance(min_cosine=0.98, min_top1=0.75),
+            calibrates=True,
+            options_class=Int8Options,
+            tensorrt_note=(
+                "int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built",
+                "strongly typed with no precision flag (TensorRT's documentation: no --int8 with Q/DQ)",
+            ),
+        ),
+    )
+}
 
 
-class ReducedPrecisionModel(nn.Module):
-    """float32 images in, float32 outputs out; ``model`` runs in low precision inside."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images).float()
+def precision_named(name: str, among: tuple[str, ...] = tuple(PRECISIONS)) -> Precision:
+    """The record of ``name``; CorpError listing ``among`` (default: every precision) when
+    ``name`` is not one of them."""
+    if name not in among:
+        raise CorpError(f"precision must be one of {', '.join(among)}; got {name!r}")
+    return PRECISIONS[name]
 
 
-def for_export(model: nn.Module, precision: str) -> nn.Module:
-    """The module to trace for ``precision``: ``model`` itself (eval, float32) for fp32, else a
-    converted copy of the timm ViT ``model`` following the policy in this module's docstring
-    (``model`` itself is unchanged)."""
-    if precision not in PRECISIONS:
-        raise CorpError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    if precision == "fp32":
-        return model.eval().float()
-    dtype = DTYPES[precision]
-    low = copy.deepcopy(model).eval().to(dtype)
-    for block in blocks_of(low):
-        block.attn = Float32SoftmaxAttention.from_module(block.attn)
-    for parent in list(low.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, (nn.LayerNorm, nn.Conv2d)):
-                setattr(parent, name, Float32Island(child, dtype))
-    return ReducedPrecisionModel(low)
+#: The precisions whose graph is the traced model itself (the others are made from it).
+TRACED = tuple(name for name, precision in PRECISIONS.items() if not precision.calibrates)

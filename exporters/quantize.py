@@ -37,7 +37,6 @@ Linear layers in float (which ones: :mod:`exporters.keep_float`).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import logging
@@ -51,6 +50,7 @@ import numpy as np
 from corp_deploy import CorpError
 from corp_deploy.resources import release_freed_memory
 
+from .onnx_nodes import MATMUL_OPS, module_path
 from .smoothing import smooth_graph
 
 #: ``--int8-calibration`` values and ONNX Runtime's names for them.
@@ -60,8 +60,6 @@ DEFAULT_CALIBRATION = "minmax"
 #: (every runtime, TensorRT included) or unsigned int8 with asymmetric ranges (ONNX Runtime on x86).
 ACTIVATION_TYPES = ("int8", "uint8")
 DEFAULT_ACTIVATIONS = "int8"
-#: Operators whose inputs become int8.
-QUANTIZED_OPS = ("MatMul", "Gemm")
 #: Options of ONNX Runtime's calibrators. Its entropy defaults (128 histogram bins, 128 quantized
 #: bins) leave the KL-divergence search a single candidate threshold, the full range, so ``entropy``
 #: was ``minmax`` under another name whenever the histogram did not grow past its first 128 bins
@@ -96,7 +94,7 @@ def quantize_int8(
         batches: preprocessed calibration images, each ``(B, C, H, W)`` float32.
         method: a key of :data:`CALIBRATION_METHODS`.
         float_modules: module paths (``blocks.3.mlp.fc2``) of Linear layers to keep in float; each
-            must be found in the graph (:func:`module_path`) and is checked to be float afterwards.
+            must be found in the graph (:func:`exporters.onnx_nodes.module_path`) and is checked to be float afterwards.
         input_scales: per-channel smoothing scales by module path, moved from each Linear layer's
             input into its weight before calibration (:func:`exporters.smoothing.smooth_graph`).
         quantize_outputs: also round the Linear layers' outputs to int8 (``quantize_static``'s
@@ -164,14 +162,14 @@ def _quantize_static(
             activation_type=QuantType.QInt8 if signed else QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             per_channel=True,
-            op_types_to_quantize=list(QUANTIZED_OPS),
+            op_types_to_quantize=list(MATMUL_OPS),
             nodes_to_exclude=activation_products + kept_float,
             calibrate_method=calibrate_method,
             calibration_cache_path=cache,
             extra_options={
                 "ActivationSymmetric": signed,
                 "WeightSymmetric": True,
-                "OpTypesToExcludeOutputQuantization": [] if quantize_outputs else list(QUANTIZED_OPS),
+                "OpTypesToExcludeOutputQuantization": [] if quantize_outputs else list(MATMUL_OPS),
             },
         )
     finally:
@@ -185,7 +183,7 @@ def _quantize_static(
 
 
 def _linear_ops(fp32_path: str | Path) -> list[tuple[str, str, bool]]:
-    """``(node name, module path, has a weight)`` of every :data:`QUANTIZED_OPS` node of a graph
+    """``(node name, module path, has a weight)`` of every :data:`MATMUL_OPS` node of a graph
     (the graph itself is not kept: it holds every weight)."""
     import onnx
 
@@ -194,12 +192,12 @@ def _linear_ops(fp32_path: str | Path) -> list[tuple[str, str, bool]]:
     return [
         (node.name, module_path(node), any(i in weights for i in node.input[:2]))
         for node in graph.node
-        if node.op_type in QUANTIZED_OPS
+        if node.op_type in MATMUL_OPS
     ]
 
 
 def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calibrate_method, scratch: Path):
-    """Activation ranges of the inputs of every :data:`QUANTIZED_OPS` node, with ONNX Runtime's own
+    """Activation ranges of the inputs of every :data:`MATMUL_OPS` node, with ONNX Runtime's own
     calibrator for ``calibrate_method``, fed :data:`CALIBRATION_CHUNK` images at a time: min/max
     ranges are merged and histograms accumulated after every chunk, so memory is that of one chunk.
 
@@ -217,7 +215,7 @@ def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calib
 
     calibrator = create_calibrator(
         Path(fp32_path),
-        list(QUANTIZED_OPS),
+        list(MATMUL_OPS),
         augmented_model_path=str(scratch / "augmented.onnx"),
         calibrate_method=calibrate_method,
         providers=["CPUExecutionProvider"],
@@ -246,26 +244,10 @@ def _without_preprocessing_advice(record: logging.LogRecord) -> bool:
     return "pre-processing" not in record.getMessage()
 
 
-def module_path(node) -> str:
-    """The PyTorch module an ONNX node was exported from (``blocks.0.attn.qkv``): from the dynamo
-    exporter's ``pkg.torch.onnx.name_scopes`` metadata, else from the TorchScript exporter's scoped
-    node name (``/blocks/blocks.0/attn/qkv/MatMul``); empty when the node has neither."""
-    for prop in node.metadata_props:
-        if prop.key == "pkg.torch.onnx.name_scopes":
-            scopes = ast.literal_eval(prop.value)
-            return scopes[-2] if len(scopes) > 1 else ""
-    if not node.name.startswith("/"):
-        return ""
-    path = ""
-    for scope in node.name.split("/")[1:-1]:  # each scope is a child's name, or a qualified name
-        path = scope if not path or scope.startswith(path + ".") else f"{path}.{scope}"
-    return path
-
-
 def describe_quantized(path: str | Path) -> dict:
     """Which compute ops of a QDQ graph multiply int8 inputs (both operands dequantized from int8)
     and which compute in float, how many weights are stored as int8, and the names of the
-    :data:`QUANTIZED_OPS` nodes left in float (``float_nodes``)."""
+    :data:`MATMUL_OPS` nodes left in float (``float_nodes``)."""
     import onnx
 
     graph = onnx.load(str(path)).graph
@@ -274,9 +256,9 @@ def describe_quantized(path: str | Path) -> dict:
     for node in graph.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear") or node.op_type in _SHAPE_OPS:
             continue
-        int8_inputs = node.op_type in QUANTIZED_OPS and all(i in produced_by_dq for i in node.input[:2])
+        int8_inputs = node.op_type in MATMUL_OPS and all(i in produced_by_dq for i in node.input[:2])
         (quantized if int8_inputs else floating)[node.op_type] += 1
-        if node.op_type in QUANTIZED_OPS and not int8_inputs:
+        if node.op_type in MATMUL_OPS and not int8_inputs:
             float_nodes.append(node.name)
     dequantized = {node.input[0] for node in graph.node if node.op_type == "DequantizeLinear"}
     int8 = [t for t in graph.initializer if t.data_type == onnx.TensorProto.INT8 and t.name in dequantized]

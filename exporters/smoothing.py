@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .fusable_forms import is_fusable_gelu, scalar_initializers
+from .onnx_nodes import MATMUL_OPS, module_path
 
 DEFAULT_ALPHA = 0.5
 #: Scales are kept within this factor of 1 either way (channels that never fire, dead weights).
@@ -83,7 +84,7 @@ def smooth_graph(
     fp32_path: str | Path, out_path: str | Path, scales: dict[str, np.ndarray | torch.Tensor]
 ) -> dict[str, int]:
     """Write ``fp32_path`` to ``out_path`` with each scale of ``scales`` (by module path, see
-    :func:`exporters.quantize.module_path`) moved from its Linear layer's input into its weight.
+    :func:`exporters.onnx_nodes.module_path`) moved from its Linear layer's input into its weight.
 
     A layer is smoothed when its ``MatMul`` / ``Gemm`` node takes the activation first and an
     initializer of ``(in, out)`` (``MatMul``, ``Gemm`` without ``transB``) or ``(out, in)``
@@ -105,8 +106,6 @@ def _smoothed_model(fp32_path: str | Path, scales: dict[str, np.ndarray | torch.
     """:func:`smooth_graph`'s rewrite, in memory: ``(the smoothed ModelProto, counts)``."""
     import onnx
     from onnx import numpy_helper
-
-    from .quantize import QUANTIZED_OPS, module_path
 
     model = onnx.load(str(fp32_path))
     graph = model.graph
@@ -166,7 +165,7 @@ def _smoothed_model(fp32_path: str | Path, scales: dict[str, np.ndarray | torch.
     for node in nodes:
         ordered.append(node)
         name = module_path(node)
-        if node.op_type not in QUANTIZED_OPS or name not in scales or len(node.input) < 2:
+        if node.op_type not in MATMUL_OPS or name not in scales or len(node.input) < 2:
             continue
         activation, weight_name = node.input[0], node.input[1]
         if weight_name not in initializers:

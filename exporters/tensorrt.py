@@ -12,6 +12,7 @@ import shlex
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from corp_deploy import CorpError
 
 from .onnx_export import INPUT_NAME, OUTPUT_NAME
 from .runners import Runner
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 INSTALL_HINT = "pip install 'corp-deploy[trt]'"
 SCRIPT_NAME = "build_engine.sh"
@@ -160,14 +164,15 @@ def build_script(
     *,
     batch: BatchProfile,
     image_shape: tuple[int, ...],
-    precision: str,
+    precision: Precision,
     workspace_gb: float | None = None,
     timing_cache: str | Path | None = None,
 ) -> str:
     """A bash script that builds ``<name>.engine`` from each ``<name>.onnx`` with ``trtexec``:
     the same profile, workspace, timing cache and strongly typed precision as
-    :func:`build_engine`. It first checks every file of ``checksums`` (name -> SHA-256: the graphs
-    and their external weights) and refuses to build from a file that changed.
+    :func:`build_engine` (the header says what ``precision``'s record notes for TensorRT). It first
+    checks every file of ``checksums`` (name -> SHA-256: the graphs and their external weights)
+    and refuses to build from a file that changed.
 
     User-given values (the timing cache path) appear once, as a single-quoted variable
     assignment, and nowhere in comments: no value can break out into a command."""
@@ -187,17 +192,12 @@ def build_script(
     builds = "\n".join(
         f"build {shlex.quote(name)} {shlex.quote(Path(name).with_suffix('.engine').name)}" for name in onnx_files
     )
-    int8_note = (
-        "\n#   int8: the QuantizeLinear/DequantizeLinear pairs are TensorRT's explicit quantization, built\n"
-        "#   strongly typed with no precision flag (TensorRT's documentation: no --int8 with Q/DQ)"
-        if precision == "int8"
-        else ""
-    )
+    note = "".join(f"\n#   {line}" for line in precision.tensorrt_note)
     return f"""#!/usr/bin/env bash
 # Build the TensorRT engine(s) of this export on the machine that will run them: an engine
 # is specific to its GPU model and TensorRT version. Written by corp-deploy export.
 #   input {INPUT_NAME}: batch profile MIN:OPT:MAX = {batch} of {dims} images
-#   precision {precision}: taken from the ONNX graph (strongly typed build), TF32 off{int8_note}
+#   precision {precision.name}: taken from the ONNX graph (strongly typed build), TF32 off{note}
 # Usage: bash {SCRIPT_NAME}     (trtexec from TensorRT >= 10 on PATH, or TRTEXEC=/path/to/trtexec)
 # The same build with Polygraphy instead, per file (TIMING_CACHE as set below):
 #   polygraphy convert model.onnx --convert-to trt -o model.engine --strongly-typed {" ".join(polygraphy)}

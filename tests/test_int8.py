@@ -22,13 +22,13 @@ from corp_deploy import (
     save_artifact,
 )
 from corp_deploy import compress as compress_model
-from exporters import ExportOptions, ParityError, export_artifact
+from exporters import ExportOptions, Int8Options, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
 from exporters.keep_float import HeldBack, keep_float_ladder, linear_sensitivity, quantize_keeping_float
 from exporters.manifest import read_manifest
 from exporters.onnx_export import export_onnx
-from exporters.parity import Tolerance
 from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
+from exporters.precision import PRECISIONS
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
 from tests.helpers import SMALL_VIT_CLI_ARGS
 
@@ -310,7 +310,10 @@ def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path, 
     dense = load_base_model(artifact)
     _plant_outlier(dense.blocks[0].mlp.fc1, 0, dense.blocks[0].mlp.fc2, 0)
     result = export_artifact(
-        artifact, tmp_path / "out", ExportOptions(precision="int8", dense=True, int8_smoothing=None), dense_model=dense
+        artifact,
+        tmp_path / "out",
+        ExportOptions(precision="int8", dense=True, int8=Int8Options(smoothing=None)),
+        dense_model=dense,
     )
     models = result.manifest["models"]
     assert models["dense"]["int8"]["kept_float"] == ["blocks.0.mlp.fc2"]
@@ -337,7 +340,7 @@ def test_auto_keep_float_stops_at_a_quarter_of_the_layers_and_the_gate_fails(tmp
         export_artifact(
             artifact,
             tmp_path / "out",
-            ExportOptions(precision="int8", dense=True, int8_smoothing=None),
+            ExportOptions(precision="int8", dense=True, int8=Int8Options(smoothing=None)),
             dense_model=dense,
             log=messages.append,
         )
@@ -371,7 +374,7 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
     import onnxruntime.quantization.calibrate as ort_calibrate
     from onnxruntime.quantization import CalibrationMethod
 
-    from exporters import quantize
+    from exporters import onnx_nodes, quantize
 
     model = load_compressed(tiny_artifact)
     export_onnx(model, tmp_path / "m.onnx", (3, 32, 32))
@@ -407,8 +410,8 @@ def test_ranges_are_collected_a_chunk_at_a_time_and_equal_the_inputs_extremes(tm
     weights = {t.name for t in graph.initializer}
     checked = 0
     for node in graph.node:
-        name = quantize.module_path(node)
-        if node.op_type in quantize.QUANTIZED_OPS and name in linears and node.input[1] in weights:
+        name = onnx_nodes.module_path(node)
+        if node.op_type in onnx_nodes.MATMUL_OPS and name in linears and node.input[1] in weights:
             low, high = (np.asarray(v, dtype=np.float64).reshape(-1) for v in ranges[node.input[0]].range_value)
             assert low.size == high.size == 1  # one range per tensor
             np.testing.assert_allclose([low[0], high[0]], extremes[linears[name]], rtol=1e-5, atol=1e-5)
@@ -502,7 +505,7 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
     grey.mkdir()
     Image.new("RGB", (224, 224), (128, 128, 128)).save(grey / "grey.png")
     with pytest.raises(ParityError, match="parity gate failed"):
-        export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", calib=grey))
+        export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", int8=Int8Options(calib=grey)))
     assert not (tmp_path / "out").exists()
 
 
@@ -521,7 +524,7 @@ def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_pat
     transform, _ = model_transform(dense)
     batches = list(CalibrationImages.from_builtin(transform, count=32, batch_size=32, seed=0))
     export_onnx(dense, tmp_path / "fp32.onnx", (3, 224, 224), precision="fp32")
-    tolerance = Tolerance.for_precision("int8")
+    tolerance = PRECISIONS["int8"].tolerance
     images = parity_images(dense, sum(PARITY_BATCHES), held_out=True)
     reference = TorchRunner(dense)
 

@@ -9,7 +9,8 @@ import torch
 
 from corp_deploy import CompressConfig, compress
 from exporters.onnx_export import export_onnx
-from exporters.parity import Comparison, Tolerance, compare_outputs
+from exporters.parity import Comparison, compare_outputs
+from exporters.precision import PRECISIONS
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner
 
 SIZE = (3, 32, 32)
@@ -107,7 +108,7 @@ def test_fp16_keeps_layernorm_and_softmax_in_fp32_and_stays_close(tmp_path, prun
             assert all(types[i] == float16 for i in node.input), node.name
     assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 5  # 2 blocks x 2 + final
     result = ort_parity(pruned, tmp_path / "m.onnx", 5)
-    assert not Tolerance.for_precision("fp16").violations(result), result
+    assert not PRECISIONS["fp16"].tolerance.violations(result), result
     assert result.max_abs > 1e-6  # it really computed in fp16
 
 
@@ -143,15 +144,15 @@ def test_compare_outputs_on_known_inputs():
 
 def test_tolerance_names_each_violation():
     result = Comparison(max_abs=2e-3, max_rel=0.1, cosine=0.998, top1_agreement=0.5)
-    assert Tolerance.for_precision("fp32").violations(result) == [
+    assert PRECISIONS["fp32"].tolerance.violations(result) == [
         "max abs error 0.002 > atol 0.0001",
         "cosine 0.998000 < 0.99999",
     ]
-    assert Tolerance.for_precision("fp16").violations(result) == [
+    assert PRECISIONS["fp16"].tolerance.violations(result) == [
         "cosine 0.998000 < 0.999",
         "top-1 agreement 0.500 < 0.85",
     ]
-    assert Tolerance.for_precision("fp16", atol=1e-2, min_cosine=0.99).violations(result) == [
+    assert PRECISIONS["fp16"].tolerance.with_limits(atol=1e-2, min_cosine=0.99).violations(result) == [
         "top-1 agreement 0.500 < 0.85"
     ]
-    assert Tolerance.for_precision("bf16").violations(replace(result, top1_agreement=None)) == []
+    assert PRECISIONS["bf16"].tolerance.violations(replace(result, top1_agreement=None)) == []

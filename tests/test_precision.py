@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from corp_deploy import CompressConfig, CorpError, compress, standard_form
-from exporters.precision import Float32Island, Float32SoftmaxAttention, for_export
+from exporters.reduced_precision import Float32Island, Float32SoftmaxAttention, for_export
 
 
 @pytest.fixture(scope="module")

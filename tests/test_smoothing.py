@@ -10,8 +10,10 @@ from onnx import numpy_helper
 
 from exporters.keep_float import quantize_keeping_float
 from exporters.onnx_export import export_onnx
-from exporters.parity import Tolerance, compare_outputs
-from exporters.quantize import QUANTIZED_OPS, module_path, quantize_int8
+from exporters.onnx_nodes import MATMUL_OPS, module_path
+from exporters.parity import compare_outputs
+from exporters.precision import PRECISIONS
+from exporters.quantize import quantize_int8
 from exporters.smoothing import SCALE_LIMIT, linear_input_peaks, linear_input_scales, smooth_graph, smoothing_scale
 
 
@@ -23,7 +25,7 @@ def _weighted_linear_nodes(path) -> tuple[dict, dict]:
     """``({module path: MatMul/Gemm node with a weight}, {initializer name: array})`` of a graph."""
     graph = onnx.load(str(path)).graph
     arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    nodes = {module_path(n): n for n in graph.node if n.op_type in QUANTIZED_OPS and n.input[1] in arrays}
+    nodes = {module_path(n): n for n in graph.node if n.op_type in MATMUL_OPS and n.input[1] in arrays}
     return nodes, arrays
 
 
@@ -104,7 +106,7 @@ def test_smoothing_lets_int8_hold_an_outlier_channel(small_vit, image_batches, t
     _plant_used_outliers(model)
     export_onnx(model, tmp_path / "fp32.onnx", (3, 32, 32))
     calibration, held_out = image_batches(4, 8, seed=1), image_batches(2, 8, seed=2)
-    tolerance = Tolerance.for_precision("int8")
+    tolerance = PRECISIONS["int8"].tolerance
     with torch.no_grad():
         reference = torch.cat([model(b) for b in held_out]).numpy()
     cosines = {}
@@ -134,7 +136,7 @@ def _activation_scales(path) -> dict[str, float]:
     return {
         module_path(n): float(arrays[dequantized[n.input[0]].input[1]])
         for n in graph.node
-        if n.op_type in QUANTIZED_OPS and n.input[0] in dequantized and n.input[1] in dequantized
+        if n.op_type in MATMUL_OPS and n.input[0] in dequantized and n.input[1] in dequantized
     }
 
 

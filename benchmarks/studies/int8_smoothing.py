@@ -25,8 +25,8 @@ from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
 from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
 from exporters.keep_float import AUTO, quantize_keeping_float
-from exporters.parity import Tolerance
 from exporters.pipeline import PARITY_BATCHES, parity_images
+from exporters.precision import PRECISIONS
 from exporters.quantize import CALIBRATION_METHODS, DEFAULT_CALIBRATION
 from exporters.runners import OnnxRuntimeRunner
 
@@ -60,7 +60,7 @@ def main() -> None:
                     calibration,
                     keep,
                     args.calibration,
-                    Tolerance.for_precision("int8"),
+                    PRECISIONS["int8"].tolerance,
                     smoothing=alpha,
                 )
                 runners[name] = runner = OnnxRuntimeRunner(path, "cpu", args.threads)

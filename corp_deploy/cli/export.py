@@ -7,15 +7,27 @@ from pathlib import Path
 
 import click
 
+from exporters.int8_options import Int8Options
 from exporters.onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
-from exporters.precision import EXPORT_PRECISIONS
-from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS, DEFAULT_ACTIVATIONS, DEFAULT_CALIBRATION
+from exporters.precision import PRECISIONS
+from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
 from ..errors import CorpError
 from .common import check_apart, given_on_command_line
 from .group import cli
 from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
+
+INT8_DEFAULTS = Int8Options()
+
+
+def default_limits(limit: str) -> str:
+    """What ``--help`` says of the default of one parity limit (a :class:`exporters.parity.Tolerance`
+    field, ``atol`` or ``min_cosine``): each precision record's value, or that it is not checked."""
+    values = {name: getattr(precision.tolerance, limit) for name, precision in PRECISIONS.items()}
+    unchecked = [name for name, value in values.items() if value is None]
+    said = [f"{value:g} {name}" for name, value in values.items() if value is not None]
+    return ", ".join(said + ([f"not checked for {'/'.join(unchecked)}"] if unchecked else []))
 
 
 @cli.command()
@@ -40,7 +52,7 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 )
 @click.option(
     "--precision",
-    type=click.Choice(EXPORT_PRECISIONS),
+    type=click.Choice(tuple(PRECISIONS)),
     default="fp32",
     show_default=True,
     help="Precision written into the graph; LayerNorm, softmax and the patch embedding stay fp32 "
@@ -49,13 +61,13 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 @click.option(
     "--int8-calibration",
     type=click.Choice(tuple(CALIBRATION_METHODS)),
-    default=DEFAULT_CALIBRATION,
+    default=INT8_DEFAULTS.calibration,
     show_default=True,
     help="int8: how activation ranges are set from the calibration images.",
 )
 @click.option(
     "--int8-keep-float",
-    default="auto",
+    default=str(INT8_DEFAULTS.keep_float),
     show_default=True,
     metavar="auto|N",
     callback=keep_float_count,
@@ -65,7 +77,7 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 )
 @click.option(
     "--int8-smoothing",
-    default="0.5",
+    default=str(INT8_DEFAULTS.smoothing),
     show_default=True,
     metavar="ALPHA|none",
     callback=smoothing_strength,
@@ -75,7 +87,7 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 @click.option(
     "--int8-activations",
     type=click.Choice(ACTIVATION_TYPES),
-    default=DEFAULT_ACTIVATIONS,
+    default=INT8_DEFAULTS.activations,
     show_default=True,
     help="int8: the Linear layers' inputs as signed int8 with symmetric ranges (every runtime, "
     "TensorRT included) or unsigned with asymmetric ranges (ONNX Runtime on x86 CPUs: faster; "
@@ -111,13 +123,13 @@ from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
     "--atol",
     type=float,
     default=None,
-    help="Parity gate: max abs error vs the reference. [default: 1e-4 for fp32, not checked for fp16/bf16]",
+    help=f"Parity gate: max abs error vs the reference. [default: {default_limits('atol')}]",
 )
 @click.option(
     "--min-cosine",
     type=float,
     default=None,
-    help="Parity gate: smallest per-image cosine. [default: 0.99999 fp32, 0.999 fp16, 0.99 bf16, 0.98 int8]",
+    help=f"Parity gate: smallest per-image cosine. [default: {default_limits('min_cosine')}]",
 )
 @click.option(
     "-o",
@@ -134,17 +146,12 @@ def export(
     exporter,
     batch,
     precision,
-    int8_calibration,
-    int8_keep_float,
-    int8_smoothing,
-    int8_activations,
-    calib,
-    calib_samples,
     workspace_gb,
     timing_cache,
     atol,
     min_cosine,
     output,
+    **int8_options,
 ):
     """Export a compressed artifact to ONNX (and TensorRT), with parity gates.
 
@@ -166,17 +173,18 @@ def export(
     """
     from rich.console import Console
 
-    from exporters.parity import Tolerance
-    from exporters.pipeline import EXIT_INCOMPLETE, ExportOptions, default_export_dir, export_artifact
+    from exporters.options import ExportOptions
+    from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
     from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
 
     from ..artifact import latest_artifact
     from ..outputs import resolve
 
-    int8_only = ("int8_calibration", "int8_keep_float", "int8_smoothing", "int8_activations", "calib", "calib_samples")
-    named = [name for name in int8_only if given_on_command_line(name)]
-    if named and precision != "int8":  # even at their default value: a script that names them expects them to matter
-        raise CorpError(f"{', '.join('--' + n.replace('_', '-') for n in named)} apply only with --precision int8")
+    record, fields = PRECISIONS[precision], Int8Options.keywords()
+    takes_int8 = record.options_class is Int8Options
+    named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
+    if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
+        raise CorpError(f"{', '.join(named)} apply only with --precision int8")
     if artifact is None:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
@@ -189,15 +197,11 @@ def export(
         batch=BatchProfile.parse(batch),
         workspace_gb=workspace_gb,
         timing_cache=timing_cache,
-        int8_calibration=int8_calibration,
-        int8_keep_float=int8_keep_float,
-        int8_smoothing=int8_smoothing,
-        int8_activations=int8_activations,
-        calib=calib,
-        calib_samples=calib_samples,
-        tolerance=Tolerance.for_precision(precision, atol=atol, min_cosine=min_cosine),
+        tolerance=record.tolerance.with_limits(atol=atol, min_cosine=min_cosine),
+        int8=Int8Options(**{fields[k]: v for k, v in int8_options.items()}) if takes_int8 else None,
     )
-    check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": options.calib})
+    calib = options.int8.calib if options.int8 is not None else None
+    check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     Console().print(result.summary_table())
     if result.incomplete:

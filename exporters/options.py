@@ -1,0 +1,118 @@
+"""What ``export_artifact`` is asked for (:class:`ExportOptions`): the settings every precision
+shares, checked together, and the precision's own options."""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, InitVar, dataclass
+from pathlib import Path
+
+from corp_deploy import CorpError
+
+from . import tensorrt as trt_backend
+from .int8_options import Int8Options
+from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings
+from .parity import Tolerance
+from .precision import precision_named
+
+#: The TensorRT workspace limits ``--workspace`` accepts, in GB (trtexec takes whole MiB).
+MIN_WORKSPACE_GB, MAX_WORKSPACE_GB = 1 / 1024, 1e6
+
+
+class _NotGiven:
+    """The default of ``ExportOptions``' flat int8 keywords (and what reading one as an attribute gives)."""
+
+    def __repr__(self) -> str:
+        return "<not given: the int8 options are ExportOptions.int8>"
+
+
+_NOT_GIVEN = _NotGiven()
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``export_artifact`` writes and how: the settings every precision shares, and the
+    precision's own options (``int8``: :class:`~exporters.int8_options.Int8Options`).
+
+    ``precision`` names a record of :data:`exporters.precision.PRECISIONS`; ``tolerance`` None
+    means that record's default limits; ``workspace_gb`` None leaves TensorRT's workspace
+    unbounded; ``timing_cache`` is read if it exists and updated. ``int8`` is for
+    ``precision="int8"`` only (None there: the defaults) and refused with any other.
+
+    The int8 options are also taken one by one by their names from before ``int8`` existed
+    (:meth:`Int8Options.keywords`: ``int8_calibration``, ``int8_keep_float``, ``int8_smoothing``,
+    ``int8_activations``, ``calib``, ``calib_samples``), as then: with another precision only at
+    their defaults. They make ``int8`` and are not attributes.
+    """
+
+    trt: bool = False
+    dense: bool = False
+    opset: int = DEFAULT_OPSET
+    exporter: str = DEFAULT_EXPORTER
+    precision: str = "fp32"
+    batch: trt_backend.BatchProfile = trt_backend.BatchProfile()
+    workspace_gb: float | None = None
+    timing_cache: Path | None = None
+    tolerance: Tolerance | None = None
+    int8: Int8Options | None = None
+    _: KW_ONLY
+    int8_calibration: InitVar[str] = _NOT_GIVEN
+    int8_keep_float: InitVar[int | str] = _NOT_GIVEN
+    int8_smoothing: InitVar[float | None] = _NOT_GIVEN
+    int8_activations: InitVar[str] = _NOT_GIVEN
+    calib: InitVar[Path | None] = _NOT_GIVEN
+    calib_samples: InitVar[int | None] = _NOT_GIVEN
+
+    def __post_init__(
+        self, int8_calibration, int8_keep_float, int8_smoothing, int8_activations, calib, calib_samples
+    ) -> None:
+        check_settings(self.opset, self.exporter)
+        takes_int8 = precision_named(self.precision).options_class is Int8Options
+        self._take_legacy_int8_keywords(
+            dict(
+                int8_calibration=int8_calibration,
+                int8_keep_float=int8_keep_float,
+                int8_smoothing=int8_smoothing,
+                int8_activations=int8_activations,
+                calib=calib,
+                calib_samples=calib_samples,
+            ),
+            takes_int8,
+        )
+        if self.int8 is not None and not takes_int8:
+            raise CorpError(
+                f"the int8 options ({', '.join(Int8Options.flags().values())}) apply only with "
+                f"--precision int8, not {self.precision}"
+            )
+        if self.int8 is None and takes_int8:
+            object.__setattr__(self, "int8", Int8Options())
+        if self.int8 is not None:
+            self.int8.check(trt=self.trt)
+        if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
+            raise CorpError(
+                f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
+                f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}"
+            )
+        if self.timing_cache is not None:
+            cache = Path(self.timing_cache)
+            if cache.is_dir() or not cache.parent.is_dir():
+                raise CorpError(
+                    f"--timing-cache {cache}: "
+                    + ("a directory, not a file" if cache.is_dir() else f"its folder {cache.parent} does not exist")
+                )
+            object.__setattr__(self, "timing_cache", cache.resolve())
+        if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
+            raise CorpError("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
+
+    def _take_legacy_int8_keywords(self, values: dict[str, object], takes_int8: bool) -> None:
+        """Set ``int8`` from the flat keywords given (``values``: by keyword, unset ones
+        :data:`_NOT_GIVEN`); at their defaults they are ignored with a precision that does not
+        take them (``takes_int8`` False), as before."""
+        given = {key: value for key, value in values.items() if value is not _NOT_GIVEN}
+        if not given:
+            return
+        if self.int8 is not None:
+            raise CorpError(f"the int8 options are given twice, as int8=Int8Options(...) and as {', '.join(given)}")
+        fields = Int8Options.keywords()
+        int8 = Int8Options(**{fields[key]: value for key, value in given.items()})
+        if takes_int8 or int8 != Int8Options():
+            object.__setattr__(self, "int8", int8)
