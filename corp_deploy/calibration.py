@@ -287,6 +287,34 @@ class CalibrationSpec:
         if self.source is not None:
             object.__setattr__(self, "source", Path(self.source))
 
+    @classmethod
+    def recorded(
+        cls,
+        config: dict,
+        *,
+        source: Path | None = None,
+        samples: int | None = None,
+        batch_size: int | None = None,
+    ) -> CalibrationSpec:
+        """The calibration an artifact's ``config.json`` records (its directory, or the built-in
+        photos; how many images, the batch size and the seed), with ``source``, ``samples`` or
+        ``batch_size`` taking the place of the recorded value where given. CorpError when the
+        recorded directory is not there any more."""
+        recorded, settings = config.get("calibration", {}), config.get("settings", {})
+        if source is None and recorded.get("source") == "directory":
+            source = Path(recorded["path"])
+            if not source.is_dir():
+                raise CorpError(
+                    f"the artifact was calibrated on {source}, which is not there any more; "
+                    "pass the calibration images with --calib DIR"
+                )
+        return cls(
+            source,
+            samples or settings.get("calib_samples", DEFAULT_IMAGES),
+            batch_size or settings.get("batch_size", DEFAULT_BATCH),
+            settings.get("seed", 0),
+        )
+
     def images(self, transform: Callable) -> CalibrationImages:
         """The images, preprocessed by ``transform`` (:func:`model_transform`)."""
         return CalibrationImages.from_source(

@@ -315,8 +315,8 @@ def recover(
                 )
                 if not torch.isfinite(loss):
                     raise CorpError(
-                        f"recovery stopped at step {step} of {config.steps}: the loss is not finite ({float(loss.detach())}); "
-                        "nothing was written (try a lower --recover-lr)"
+                        f"recovery stopped at step {step} of {config.steps}: the loss is not finite "
+                        f"({float(loss.detach())}); nothing was written (try a lower --recover-lr)"
                     )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

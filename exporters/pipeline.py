@@ -30,7 +30,7 @@ from corp_deploy import (
     read_config,
 )
 from corp_deploy.artifact import recorded_checksums
-from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
+from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
@@ -255,24 +255,15 @@ def int8_calibration_images(
     """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
     step (one batch in memory at a time), and their summary: ``int8.calib`` or the artifact's own
     calibration source (a directory, or the built-in photos with the same seed)."""
-    recorded, settings = config.get("calibration", {}), config.get("settings", {})
-    directory = int8.calib
-    if directory is None and recorded.get("source") == "directory":
-        directory = Path(recorded["path"])
-        if not directory.is_dir():
-            raise CorpError(
-                f"the artifact was calibrated on {directory}, which is not there any more; "
-                "pass the int8 calibration images with --calib DIR"
-            )
+    spec = CalibrationSpec.recorded(config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH)
     transform, data_config = model_transform(model)
-    limit = int8.calib_samples or settings.get("calib_samples", 256)
     check_disk(
-        f"decoding {limit} int8 calibration images",
-        limit * FLOAT32 * math.prod(data_config["input_size"]),
+        f"decoding {spec.samples} int8 calibration images",
+        spec.samples * FLOAT32 * math.prod(data_config["input_size"]),
         folder,
         "use fewer --calib-samples, or point TMPDIR at a larger disk",
     )
-    images = CalibrationImages.from_source(directory, transform, limit=limit, seed=settings.get("seed", 0))
+    images = spec.images(transform)
     return SpooledBatches(images, folder), images.summary()
 
 
