@@ -42,7 +42,7 @@ from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 from .parts import PARTS
-from .recovery import recover
+from .recovery import recover, recovery_table
 
 
 def compress(
@@ -313,4 +313,5 @@ def summary_tables(report: dict, path) -> list:
             comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
             table.add_row(f"{part.error_label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
     table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
-    return [table, *METHODS[report["method"]].report_tables(report)]
+    recovery = [recovery_table(report["recovery"])] if "recovery" in report else []
+    return [table, *METHODS[report["method"]].report_tables(report), *recovery]

@@ -414,3 +414,23 @@ class _Progress:
     def validated(self, cosine: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, cosine=f"{cosine:.4f}")
+
+
+def recovery_table(report: dict, path=None):
+    """A recovery's report (:func:`recover`) as a rich table: steps run and why it stopped, the
+    best step, the validation cosine before and after, and the time."""
+    from rich.table import Table
+
+    cosine = report["validation_cosine"]
+    table = Table(title="recovery" + (f" -> {path}" if path else ""))
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_row("steps run", f"{report['steps_run']} ({report['stopped']})")
+    table.add_row("weights kept from step", str(report["best_step"]))
+    images = report["images"]
+    table.add_row(
+        f"validation output cosine ({images['validation']} held-out images)",
+        f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}",
+    )
+    table.add_row("recovery wall time (s)", f"{report['time_s']:.1f}")
+    return table

@@ -1,8 +1,10 @@
-"""The compress workflow, one home for ``corp-deploy compress``, ``sweep`` and library callers: a
-dense model, a :class:`~corp_deploy.config.CompressConfig` and a
-:class:`~corp_deploy.calibration.CalibrationSpec` in, an artifact out.
+"""The workflow, one home for ``corp-deploy compress``, ``recover``, ``sweep`` and library callers:
+a dense model, a :class:`~corp_deploy.config.CompressConfig` and a
+:class:`~corp_deploy.calibration.CalibrationSpec` in, an artifact out; or an artifact and a
+:class:`~corp_deploy.recovery.RecoveryConfig` in, a recovered artifact out.
 
     result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), CalibrationSpec(samples=128), "out/deit")
+    result = recover_artifact("out/deit", RecoveryConfig(steps=200), "out/deit-recovered")
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 from torch import nn
 
 from . import distributed
-from .artifact import base_model_spec, save_artifact
+from .artifact import base_model_spec, load_base_model, load_compressed, read_config, read_report, save_artifact
 from .calibration import CalibrationSpec, model_transform
 from .config import CompressConfig
-from .engine import compress
+from .engine import compress, resolve_device
+from .errors import CorpError
+from .recovery import RecoveryConfig, recover
 from .resources import check_fits, compress_bytes
 
 
@@ -119,3 +123,45 @@ def compress_to_artifact(
         plots=plots,
     )
     return CompressedArtifact(path, model, report, summary)
+
+
+def recover_artifact(
+    artifact: str | Path,
+    recovery: RecoveryConfig,
+    out_dir: str | Path,
+    *,
+    calibration: CalibrationSpec | None = None,
+    device: str = "cpu",
+    progress: bool = False,
+) -> CompressedArtifact:
+    """Recover the compressed model of ``artifact`` (:func:`corp_deploy.recovery.recover`) from the
+    dense model it was compressed from (rebuilt from its record and checked against it) on the
+    calibration images it records (``calibration`` instead where given), and write the result to
+    ``out_dir`` as a new artifact: the same structure, the settings and report of ``artifact``
+    with the recovery's added. An artifact that was already recovered is refused (its teacher
+    and starting point would be ambiguous); recover the one compress wrote again instead."""
+    config = read_config(artifact)
+    settings = config["settings"]
+    if settings.get("recover_steps"):
+        raise CorpError(
+            f"{artifact} was already recovered ({settings['recover_steps']} steps); recover the artifact "
+            "compress wrote, with more --steps if needed"
+        )
+    calibration = calibration or CalibrationSpec.recorded(config)
+    student, teacher = load_compressed(artifact), load_base_model(artifact)
+    images = calibration.images(model_transform(student)[0])
+    torch_device = resolve_device(device)
+    report = recover(student.to(torch_device), teacher, images, recovery, progress=progress)
+    student = student.cpu().eval()
+    compress_report = {**read_report(artifact), "recovery": report}
+    if distributed.rank() != 0:
+        return CompressedArtifact(None, student, compress_report, images.summary())
+    path = save_artifact(
+        student,
+        out_dir,
+        base_model=config["base_model"],
+        settings={**settings, **calibration.settings(), **recovery.to_settings()},
+        calibration=images.summary(),
+        report=compress_report,
+    )
+    return CompressedArtifact(path, student, compress_report, images.summary())

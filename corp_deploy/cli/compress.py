@@ -28,7 +28,8 @@ from .options import method_options, model_source_options, recovery_options
 def default_output_dir(model: str, config: CompressConfig) -> Path:
     """``./corp-deploy/<model>[-<method>]-<tag>``: the tag is ``macs<F>`` or ``x<speedup>`` for a
     budget, else ``s<S>`` (prefixed by the target unless it is ``both``), or the sparsity of each
-    part when they differ (``mlp0.5-attn0.3``)."""
+    part when they differ (``mlp0.5-attn0.3``); ``-nocomp`` without compensation, ``-rec<N>`` with
+    a recovery of N steps."""
     if config.has_budget:
         options = config.options
         tag = f"macs{options.macs:g}" if options.macs is not None else f"x{options.speedup:g}"
@@ -41,7 +42,9 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
         else:
             tag = "-".join(f"{part.tag}{config.sparsity_of(part):g}" for part in config.pruned_parts)
     method = "" if config.method == "corp" else f"-{config.method}"
-    suffix = "" if config.compensation else "-nocomp"
+    suffix = ("" if config.compensation else "-nocomp") + (
+        f"-rec{config.recovery.steps}" if config.recovery.enabled else ""
+    )
     return DEFAULT_OUTPUT_ROOT / f"{model.replace('/', '_')}{method}-{tag}{suffix}"
 
 

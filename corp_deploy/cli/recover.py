@@ -1,0 +1,85 @@
+"""``corp-deploy recover``: the label-free recovery of an artifact compress wrote, into a new artifact."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, warn
+from .group import cli
+from .options import IMAGE_COUNT, recovery_options
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path), required=False)
+@recovery_options
+@click.option(
+    "--calib",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory of unlabelled images. [default: those the artifact was calibrated on]",
+)
+@click.option(
+    "--calib-samples", type=IMAGE_COUNT, default=None, help="Number of images. [default: as many as compress used]"
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The recovered artifact. [default: ./corp-deploy/<artifact name>-rec<STEPS>]",
+)
+def recover(artifact, calib, calib_samples, device, output, **recovery_settings):
+    """Distil a compressed artifact from the dense model it was compressed from, on unlabelled images.
+
+    The same as `compress --recover-steps N`, on an artifact compress already wrote (the latest
+    one by default): the compressed model keeps its structure, so export and bench work as
+    before. The dense model is rebuilt from the artifact's record (its patch embedding must match).
+    Recovery stops early when its validation images stop improving and never leaves the model
+    worse there than compression did.
+
+    \b
+    Examples:
+      corp-deploy recover                                   # the latest artifact
+      corp-deploy recover corp-deploy/deit_small-s0.5 --recover-steps 500 -o out/deit-rec
+    """
+    from ..artifact import latest_artifact, read_config, record_latest
+    from ..calibration import CalibrationSpec
+    from ..engine import resolve_device
+    from ..outputs import check_output_dir
+    from ..recovery import RecoveryConfig, recovery_table
+    from ..workflow import recover_artifact
+
+    if not given_on_command_line("recover_steps"):
+        recovery_settings["recover_steps"] = DEFAULT_STEPS
+    elif recovery_settings["recover_steps"] == 0:
+        raise click.UsageError("--recover-steps 0 recovers nothing; give a number of steps, or leave it out")
+    recovery = RecoveryConfig.from_settings(recovery_settings)
+    artifact = input_dir(artifact, "ARTIFACT") if artifact is not None else latest_artifact()
+    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.name}-rec{recovery.steps}", "artifact")
+    calib = input_dir(calib, "--calib")
+    check_apart([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
+    resolve_device(device)
+    calibration = None
+    if calib is not None or calib_samples is not None:
+        calibration = CalibrationSpec.recorded(read_config(artifact), source=calib, samples=calib_samples)
+    result = recover_artifact(
+        artifact,
+        recovery,
+        out_dir,
+        calibration=calibration,
+        device=device,
+        progress=sys.stderr.isatty(),
+    )
+    for message in result.calibration_warnings():
+        warn(message)
+    warn(record_latest(result.path))
+    Console().print(recovery_table(result.report["recovery"], result.path))
+
+
+#: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off).
+DEFAULT_STEPS = 200
