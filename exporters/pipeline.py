@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,13 +31,14 @@ from corp_deploy import (
 )
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import HELD_OUT_PHOTOS, SpooledBatches
+from corp_deploy.documents import timestamp
 from corp_deploy.files import existing_dir, sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
 
 from . import tensorrt as trt_backend
 from .keep_float import AUTO, quantize_keeping_float
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
+from .manifest import MANIFEST, MANIFEST_FORMAT, versions
 from .onnx_export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_settings, export_onnx
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
 from .precision import EXPORT_PRECISIONS
@@ -482,9 +482,8 @@ def _manifest(
     trt_missing: str | None,
 ) -> dict:
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **MANIFEST_FORMAT.header(),
+        "created": timestamp(),
         "artifact": {
             "path": str(artifact.resolve()),
             "base_model": config["base_model"]["name"],
