@@ -95,11 +95,6 @@ class SweepSpec:
         """The sparsities, or the budgets."""
         return self.sparsities or self.budgets
 
-    @property
-    def point_key(self) -> str:
-        """The row key that holds a run's point: ``sparsity`` or ``budget``."""
-        return "sparsity" if self.sparsities else "budget"
-
     def run_name(self, method: str, point: float) -> str:
         return f"{method}-{'s' if self.sparsities else 'macs'}{point:g}"
 

@@ -138,12 +138,13 @@ def read_json(path: str | Path, what: str, expected: str = "a JSON file") -> Any
         raise CorpError(f"cannot read {what} {path}: {exc}") from None
 
 
+#: The field metadata that marks an :func:`optional_entry`.
+_OPTIONAL = "corp_deploy.documents.optional"
+
+
 def optional_entry() -> Any:
     """A record field (default None) whose entry the JSON object has only while it is not None."""
     return field(default=None, metadata={_OPTIONAL: True})
-
-
-_OPTIONAL = "corp_deploy.documents.optional"
 
 
 class Record:
