@@ -7,19 +7,19 @@ is a failure in its own right, and a measured NaN fails every limit on it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from corp_deploy import CorpError
+from corp_deploy.documents import read_json
 
-from .harness import FORMAT
+from .results import BenchReport, Int8Result, Int8Row
 
 #: The int8 graph a baseline's int8 numbers are compared on (:mod:`benchmarks.int8`).
 INT8_GRAPH = "compressed-int8"
 
-#: The absolute fidelity limits: option, key in the report's ``fidelity``, label, number format, bound side.
+#: The absolute fidelity limits: option, the number in the report's ``fidelity``, label, number format, bound side.
 _FIDELITY_LIMITS = (
     ("min_agreement", "top1_agreement", "top-1 agreement", ".4f", "min"),
     ("max_kl", "kl_mean", "mean KL", ".4g", "max"),
@@ -79,83 +79,59 @@ class GateLimits:
         return asdict(self)
 
 
-def read_report(path: str | Path) -> dict:
-    """A bench JSON report (a baseline), validated: every number the gate reads is there and usable."""
+def read_baseline(path: str | Path) -> BenchReport:
+    """A bench JSON report to compare with (:class:`~benchmarks.results.BenchReport`), checked:
+    every number the gate reads is there and usable, and the run it records passed its own gate."""
     path = Path(path)
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CorpError(f"baseline {path} not found") from None
-    except IsADirectoryError:
-        raise CorpError(f"baseline {path} is a directory, not a bench JSON report") from None
-    except (OSError, ValueError) as exc:
-        raise CorpError(f"cannot read baseline {path}: {exc}") from None
-    if not isinstance(report, dict) or report.get("format") != FORMAT:
-        raise CorpError(f"{path} is not a corp-deploy bench report")
+    report = BenchReport.from_dict(read_json(path, "baseline", "a bench JSON report"), f"baseline {path}")
     problem = _baseline_problem(report)
     if problem is not None:
         raise CorpError(f"baseline {path} is malformed: {problem}")
     return report
 
 
-def _baseline_problem(report: dict) -> str | None:
-    rows, fidelity = report.get("latency"), report.get("fidelity")
-    if not isinstance(rows, list) or not isinstance(fidelity, dict):
-        return "it needs a 'latency' list and a 'fidelity' object"
-    if not rows:
+def _baseline_problem(report: BenchReport) -> str | None:
+    """What makes a well-formed report unusable as a baseline, or None."""
+    if not report.latency:
         return "it timed nothing (no latency rows), so there is nothing to compare against"
-    if (report.get("gate") or {}).get("passed") is False:
+    if report.gate is not None and not report.gate.passed:
         return "its own regression gate failed; a baseline must be a run that passed"
-    for i, row in enumerate(rows):
-        try:
-            numbers = (row["compressed"]["p50_s"], row["speedup"]["median"])
-            ok = isinstance(row["backend"], str) and isinstance(row["batch"], int)
-        except (KeyError, TypeError):
-            return f"latency row {i} lacks backend, batch, compressed.p50_s or speedup.median"
-        if not ok or not all(_positive(v) for v in numbers):
+    for i, row in enumerate(report.latency):
+        if not (_positive(row.compressed.p50_s) and _positive(row.speedup.median)):
             return f"latency row {i} needs a backend name, a batch size and positive finite times and speedup"
-    for key in ("top1_agreement", "feature_cosine"):
-        if fidelity.get(key) is not None and not _finite(fidelity[key]):
-            return f"fidelity.{key} is not a number"
-    accuracy = fidelity.get("accuracy")
-    if accuracy is not None and not (
-        isinstance(accuracy, dict)
-        and all(isinstance(accuracy.get(m), dict) and _finite(accuracy[m].get("top1")) for m in accuracy)
-    ):
+    accuracy = report.fidelity.accuracy or {}
+    if not all(_finite(numbers.top1) for numbers in accuracy.values()):
         return "fidelity.accuracy needs a numeric top1 per model"
-    int8 = report.get("int8")
-    if int8 is not None and "skipped" not in int8:
-        try:
-            usable = all(
-                isinstance(row["batch"], int) and _positive(_int8_speedup(row)) for row in int8["latency"]
-            ) and _finite(int8["fidelity"][INT8_GRAPH]["cosine_mean"])
-        except (KeyError, TypeError):
-            usable = False
+    int8 = report.int8
+    if int8 is not None and int8.skipped is None:
+        usable = (
+            int8.latency is not None
+            and all(_positive(_int8_speedup(row)) for row in int8.latency)
+            and INT8_GRAPH in (int8.fidelity or {})
+            and _finite(int8.fidelity[INT8_GRAPH].cosine_mean)
+        )
         if not usable:
             return f"int8 needs latency rows with a batch and the {INT8_GRAPH} speedup, and its fidelity's cosine_mean"
     return None
 
 
-def regressions(report: dict, limits: GateLimits, baseline: dict | None = None) -> list[str]:
+def regressions(report: BenchReport, limits: GateLimits, baseline: BenchReport | None = None) -> list[str]:
     """Every way ``report`` breaks ``limits``, regresses against ``baseline``, or leaves something the
     gate was asked to check unmeasured, in words."""
     found = _absolute(report, limits)
     if baseline is not None:
         found += _against_baseline(report, baseline, limits.max_regression)
-        found += _int8_against_baseline(report.get("int8"), baseline.get("int8"), limits.max_regression)
-    if (baseline is not None or limits.requested) and not report["latency"]:
-        skipped = "; ".join(
-            f"{name}: {v['reason']}" for name, v in report["backends"].items() if v["status"] == "skipped"
-        )
+        found += _int8_against_baseline(report.int8, baseline.int8, limits.max_regression)
+    if (baseline is not None or limits.requested) and not report.latency:
+        skipped = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_backends().items())
         found.append(f"nothing was timed: every requested backend was skipped ({skipped or 'none requested'})")
     return found
 
 
-def _absolute(report: dict, limits: GateLimits) -> list[str]:
+def _absolute(report: BenchReport, limits: GateLimits) -> list[str]:
     found = []
-    fid = report["fidelity"]
-    for option, key, label, spec, side in _FIDELITY_LIMITS:
-        limit, value = getattr(limits, option), fid.get(key)
+    for option, number, label, spec, side in _FIDELITY_LIMITS:
+        limit, value = getattr(limits, option), getattr(report.fidelity, number)
         if limit is None:
             continue
         if value is None:
@@ -169,86 +145,90 @@ def _absolute(report: dict, limits: GateLimits) -> list[str]:
     if limits.min_parity_cosine is not None:
         measured = [
             (model, backend, numbers)
-            for model, backends in report["parity"].items()
+            for model, backends in report.parity.items()
             for backend, numbers in backends.items()
         ]
         if not measured and limits.parity_requested:
             found.append("parity: --min-parity-cosine was given but no backend other than torch-cpu ran")
         for model, backend, numbers in measured:
-            if not numbers["cosine"] >= limits.min_parity_cosine:
+            if not numbers.cosine >= limits.min_parity_cosine:
                 found.append(
-                    f"parity: {model} on {backend} vs torch-cpu: cosine {numbers['cosine']:.6f} "
+                    f"parity: {model} on {backend} vs torch-cpu: cosine {numbers.cosine:.6f} "
                     f"< {limits.min_parity_cosine}"
                 )
     return found
 
 
-def _against_baseline(report: dict, baseline: dict, tolerance: float) -> list[str]:
+def _against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
     found = []
-    measured = {(row["backend"], row["batch"]): row for row in report["latency"]}
-    for old in baseline["latency"]:
-        where = f"{old['backend']}, batch {old['batch']}"
-        row = measured.get((old["backend"], old["batch"]))
+    measured = {(row.backend, row.batch): row for row in report.latency}
+    for old in baseline.latency:
+        where = f"{old.backend}, batch {old.batch}"
+        row = measured.get((old.backend, old.batch))
         if row is None:
-            reason = report["backends"].get(old["backend"], {}).get("reason", "not requested in this run")
+            status = report.backends.get(old.backend)
+            reason = status.reason if status is not None and status.reason else "not requested in this run"
             found.append(f"latency: {where} is in the baseline but was not measured ({reason})")
             continue
-        new_t, old_t = row["compressed"]["p50_s"], old["compressed"]["p50_s"]
+        new_t, old_t = row.compressed.p50_s, old.compressed.p50_s
         if not new_t <= old_t * (1 + tolerance):
             found.append(
                 f"latency: {where}: compressed p50 {new_t * 1e3:.2f} ms vs baseline {old_t * 1e3:.2f} ms "
                 f"(+{(new_t / old_t - 1) * 100:.1f}% > {tolerance * 100:g}%)"
             )
-        new_s, old_s = row["speedup"]["median"], old["speedup"]["median"]
+        new_s, old_s = row.speedup.median, old.speedup.median
         if not new_s >= old_s * (1 - tolerance):
             found.append(
                 f"speedup: {where}: {new_s:.3f}x vs baseline {old_s:.3f}x "
                 f"(-{(1 - new_s / old_s) * 100:.1f}% > {tolerance * 100:g}%)"
             )
-    new_f, old_f = report["fidelity"], baseline["fidelity"]
-    for key, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
-        if old_f.get(key) is None:
+    new_f, old_f = report.fidelity, baseline.fidelity
+    for number, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
+        new, old = getattr(new_f, number), getattr(old_f, number)
+        if old is None:
             continue
-        if new_f.get(key) is None:
+        if new is None:
             found.append(f"fidelity: {label} is in the baseline but was not measured")
-        elif not new_f[key] >= old_f[key] * (1 - tolerance):
-            found.append(f"fidelity: {label} {new_f[key]:.4f} vs baseline {old_f[key]:.4f}")
-    for model, old in (old_f.get("accuracy") or {}).items():
-        new = ((new_f.get("accuracy") or {}).get(model) or {}).get("top1")
+        elif not new >= old * (1 - tolerance):
+            found.append(f"fidelity: {label} {new:.4f} vs baseline {old:.4f}")
+    for model, old in (old_f.accuracy or {}).items():
+        new = (new_f.accuracy or {}).get(model)
         if new is None:
             found.append(f"accuracy: {model} top-1 is in the baseline but was not measured (no labelled --data)")
-        elif not new >= old["top1"] * (1 - tolerance):
-            found.append(f"accuracy: {model} top-1 {new:.4f} vs baseline {old['top1']:.4f}")
+        elif not new.top1 >= old.top1 * (1 - tolerance):
+            found.append(f"accuracy: {model} top-1 {new.top1:.4f} vs baseline {old.top1:.4f}")
     return found
 
 
-def _int8_against_baseline(new: dict | None, old: dict | None, tolerance: float) -> list[str]:
+def _int8_against_baseline(new: Int8Result | None, old: Int8Result | None, tolerance: float) -> list[str]:
     """The compressed int8 graph's speedup over dense fp32 (per batch) and its cosine to dense fp32
     may not shrink by more than ``tolerance``; a baseline's int8 numbers must be measured again."""
-    if old is None or "skipped" in old:
+    if old is None or old.skipped is not None:
         return []
-    if new is None or "skipped" in new:
-        why = new["skipped"] if new else "no export-int8/ beside export-fp32/, or ort not among the backends"
+    if new is None or new.skipped is not None:
+        why = new.skipped if new else "no export-int8/ beside export-fp32/, or ort not among the backends"
         return [f"int8: in the baseline but not measured ({why})"]
     found = []
-    rows = {row["batch"]: row for row in new["latency"]}
-    for old_row in old["latency"]:
-        row = rows.get(old_row["batch"])
+    rows = {row.batch: row for row in new.latency}
+    for old_row in old.latency:
+        row = rows.get(old_row.batch)
         if row is None:
-            found.append(f"int8: batch {old_row['batch']} is in the baseline but was not measured")
+            found.append(f"int8: batch {old_row.batch} is in the baseline but was not measured")
         elif not _int8_speedup(row) >= _int8_speedup(old_row) * (1 - tolerance):
             found.append(
-                f"int8: batch {row['batch']}: {INT8_GRAPH} {_int8_speedup(row):.3f}x over dense fp32 vs "
+                f"int8: batch {row.batch}: {INT8_GRAPH} {_int8_speedup(row):.3f}x over dense fp32 vs "
                 f"baseline {_int8_speedup(old_row):.3f}x"
             )
-    new_cos, old_cos = new["fidelity"][INT8_GRAPH]["cosine_mean"], old["fidelity"][INT8_GRAPH]["cosine_mean"]
+    new_cos, old_cos = new.fidelity[INT8_GRAPH].cosine_mean, old.fidelity[INT8_GRAPH].cosine_mean
     if not new_cos >= old_cos * (1 - tolerance):
         found.append(f"int8: {INT8_GRAPH} cosine to dense fp32 {new_cos:.4f} vs baseline {old_cos:.4f}")
     return found
 
 
-def _int8_speedup(row: dict) -> float:
-    return row["speedup_over_dense_fp32"][INT8_GRAPH]["median"]
+def _int8_speedup(row: Int8Row) -> float | None:
+    """The compressed int8 graph's median speedup over dense fp32 in ``row`` (None: not recorded)."""
+    ratio = row.speedup_over_dense_fp32.get(INT8_GRAPH)
+    return ratio.median if ratio is not None else None
 
 
 def _finite(value) -> bool:

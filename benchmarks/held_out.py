@@ -21,7 +21,6 @@ from PIL import Image, ImageDraw, ImageOps
 from torch import nn
 
 from benchmarks.real_weights import build_dinov2
-from corp_deploy.artifact import library_versions
 from corp_deploy.calibration import (
     HELD_OUT_PHOTOS,
     builtin_photo_paths,
@@ -29,6 +28,7 @@ from corp_deploy.calibration import (
     model_transform,
     split_builtin_images,
 )
+from corp_deploy.documents import library_versions
 from exporters.metrics import tensor_cosine
 
 

@@ -21,8 +21,8 @@ from exporters.metrics import as_rows, cosine, top1_matches
 from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
 
 from .data import EvalImages
-from .harness import BenchSettings
 from .latency import interleaved, speedup, summarize
+from .results import BenchSettings, Int8Fidelity, Int8Result, Int8Row, Ratio, Timing
 from .targets import check_made_from
 
 #: The four graphs, in timing order; the first is the reference of every speedup.
@@ -67,7 +67,7 @@ def run_int8_bench(
     eval_set: EvalImages,
     settings: BenchSettings,
     log: Callable[[str], None] = lambda message: None,
-) -> dict:
+) -> Int8Result:
     """Latency rows (one per batch size: percentiles of each graph, and per-round speedups over
     dense fp32 and of int8 over fp32 for each model), fidelity of every graph against ``dense``
     (PyTorch, float32), the graphs' file sizes, and how many Linear layers each int8 graph keeps
@@ -88,28 +88,29 @@ def run_int8_bench(
                 min_rounds=settings.min_rounds,
             )
             rows.append(
-                {
-                    "batch": batch,
-                    **{name: summarize(samples[name], batch) for name in VARIANTS},
-                    "speedup_over_dense_fp32": {
-                        name: speedup(samples["dense-fp32"], samples[name]) for name in VARIANTS[1:]
+                Int8Row(
+                    batch=batch,
+                    timings={name: Timing(**summarize(samples[name], batch)) for name in VARIANTS},
+                    speedup_over_dense_fp32={
+                        name: Ratio(**speedup(samples["dense-fp32"], samples[name])) for name in VARIANTS[1:]
                     },
-                    "int8_over_fp32": {
-                        model: speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"]) for model in _MODEL_KEYS
+                    int8_over_fp32={
+                        model: Ratio(**speedup(samples[f"{model}-fp32"], samples[f"{model}-int8"]))
+                        for model in _MODEL_KEYS
                     },
-                }
+                )
             )
         log("int8 fidelity on the evaluation images ...")
         fidelity = _fidelity(runners, dense, eval_set)
-    return {
-        "latency": rows,
-        "fidelity": fidelity,
-        "bytes": {name: _graph_bytes(path) for name, path in graphs.items()},
-        "kept_float": {name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")},
-    }
+    return Int8Result(
+        latency=rows,
+        fidelity=fidelity,
+        bytes={name: _graph_bytes(path) for name, path in graphs.items()},
+        kept_float={name: _kept_float(path) for name, path in graphs.items() if name.endswith("int8")},
+    )
 
 
-def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: EvalImages) -> dict:
+def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: EvalImages) -> dict[str, Int8Fidelity]:
     """Per graph against dense fp32 PyTorch: mean and min per-image output cosine and, for
     classifiers, top-1 agreement."""
     classifier = dense.num_classes > 0
@@ -126,11 +127,11 @@ def _fidelity(runners: dict[str, Runner], dense: torch.nn.Module, eval_set: Eval
     if not any(len(c) for c in cosines["dense-fp32"]):
         raise CorpError("no evaluation images for the int8 fidelity")
     return {
-        name: {
-            "cosine_mean": float(np.concatenate(cosines[name]).mean()),
-            "cosine_min": float(np.concatenate(cosines[name]).min()),
-            "top1_agreement": float(np.concatenate(agree[name]).mean()) if classifier else None,
-        }
+        name: Int8Fidelity(
+            cosine_mean=float(np.concatenate(cosines[name]).mean()),
+            cosine_min=float(np.concatenate(cosines[name]).min()),
+            top1_agreement=float(np.concatenate(agree[name]).mean()) if classifier else None,
+        )
         for name in runners
     }
 

@@ -11,9 +11,10 @@ from corp_deploy import model_transform
 from corp_deploy.resources import check_fits, inference_bytes
 
 from .data import check_labels, eval_images
-from .gate import GateLimits, read_report, regressions
-from .harness import BenchSettings, run_bench
+from .gate import GateLimits, read_baseline, regressions
+from .harness import run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
+from .results import BenchReport, BenchSettings, GateResult, Int8Result
 from .targets import calibration_overlap, load_models, resolve_target
 
 
@@ -27,14 +28,14 @@ def bench_target(
     baseline: Path | None,
     log: Callable[[str], None],
     warn: Callable[[str], None],
-) -> dict:
+) -> BenchReport:
     """The bench report of ``target`` (an artifact or an export folder; None: the most recent
     artifact) on ``data`` (held-out images; None: the bundled photos kept out of calibration),
-    with its ``gate`` entry: ``passed`` and the ``regressions`` found against ``limits`` and the
-    ``baseline`` report. ``log`` says what is being done, ``warn`` what the user should know
-    (evaluation images that overlap calibration, unreadable files). CorpError before any timing
-    for a bad baseline, target or data."""
-    previous = read_report(baseline) if baseline is not None else None
+    with the gate's verdict (:class:`~benchmarks.results.GateResult`): whether it passed and the
+    regressions found against ``limits`` and the ``baseline`` report. ``log`` says what is being
+    done, ``warn`` what the user should know (evaluation images that overlap calibration,
+    unreadable files). CorpError before any timing for a bad baseline, target or data."""
+    previous = read_baseline(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     log(
         f"benchmarking {artifact}"
@@ -54,21 +55,16 @@ def bench_target(
         warn("the evaluation images overlap the calibration images; fidelity is not held out")
     int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
-    evaluated = report["fidelity"]["data"]
+    evaluated = report.fidelity.data
     if evaluated.get("files_skipped"):
         warn(
             f"skipped {evaluated['files_skipped']} unreadable evaluation files "
             f"({'; '.join(evaluated['skipped_examples'][:3])})"
         )
     if int8.skipped is not None:
-        report["int8"] = {"skipped": int8.skipped}
+        report.int8 = Int8Result(skipped=int8.skipped)
     elif int8.graphs:
-        report["int8"] = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
+        report.int8 = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
     found = regressions(report, limits, previous)
-    report["gate"] = {
-        "baseline": str(baseline) if baseline else None,
-        "limits": limits.to_dict(),
-        "passed": not found,
-        "regressions": found,
-    }
+    report.gate = GateResult(str(baseline) if baseline else None, limits.to_dict(), not found, found)
     return report

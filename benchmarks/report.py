@@ -8,7 +8,7 @@ from pathlib import Path
 from corp_deploy import CorpError
 from corp_deploy.files import json_text
 
-from .harness import FORMAT
+from .results import BENCH_FORMAT, BenchReport, Int8Result
 
 #: How a bench Markdown report begins (a later run replaces a file that begins so, and no other).
 MARKDOWN_TITLE = "<!-- written by corp-deploy bench; its next run may replace this file -->\n# corp-deploy bench"
@@ -18,26 +18,28 @@ def _fmt(value, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def latency_rows(report: dict) -> list[list[str]]:
+def _spread(ratio, spec: str = ".3f") -> str:
+    """A ratio's median with its 10th-90th percentile spread: ``1.234 (1.100-1.300)``."""
+    return f"{ratio.median:{spec}} ({ratio.p10:{spec}}-{ratio.p90:{spec}})"
+
+
+def latency_rows(report: BenchReport) -> list[list[str]]:
     """One row per backend and batch size: latencies, throughputs, speedup with its spread."""
-    rows = []
-    for r in report["latency"]:
-        s = r["speedup"]
-        rows.append(
-            [
-                r["backend"],
-                str(r["batch"]),
-                f"{r['dense']['p50_s'] * 1e3:.2f}",
-                f"{r['compressed']['p50_s'] * 1e3:.2f}",
-                f"{r['compressed']['p90_s'] * 1e3:.2f} / {r['compressed']['p99_s'] * 1e3:.2f}",
-                f"{r['dense']['throughput_ips']:.1f}",
-                f"{r['compressed']['throughput_ips']:.1f}",
-                f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})",
-                f"{r['ideal_speedup']:.3f}",
-                f"{r['efficiency'] * 100:.1f}%",
-            ]
-        )
-    return rows
+    return [
+        [
+            r.backend,
+            str(r.batch),
+            f"{r.dense.p50_s * 1e3:.2f}",
+            f"{r.compressed.p50_s * 1e3:.2f}",
+            f"{r.compressed.p90_s * 1e3:.2f} / {r.compressed.p99_s * 1e3:.2f}",
+            f"{r.dense.throughput_ips:.1f}",
+            f"{r.compressed.throughput_ips:.1f}",
+            _spread(r.speedup),
+            f"{r.ideal_speedup:.3f}",
+            f"{r.efficiency * 100:.1f}%",
+        ]
+        for r in report.latency
+    ]
 
 
 LATENCY_HEADER = [
@@ -54,38 +56,35 @@ LATENCY_HEADER = [
 ]
 
 
-def fidelity_summary(report: dict) -> str:
-    f = report["fidelity"]
+def fidelity_summary(report: BenchReport) -> str:
+    f = report.fidelity
     text = (
-        f"{f['images']} images ({f['data']['source']}{', held out' if f['held_out'] else ', NOT held out'}): "
-        f"top-1 agreement {_fmt(f['top1_agreement'])}, mean KL {_fmt(f['kl_mean'], '.4g')}, "
-        f"feature cosine {_fmt(f['feature_cosine'])}"
+        f"{f.images} images ({f.data['source']}{', held out' if f.held_out else ', NOT held out'}): "
+        f"top-1 agreement {_fmt(f.top1_agreement)}, mean KL {_fmt(f.kl_mean, '.4g')}, "
+        f"feature cosine {_fmt(f.feature_cosine)}"
     )
-    if f["accuracy"]:
-        a = f["accuracy"]
+    if f.accuracy:
+        dense, compressed = f.accuracy["dense"], f.accuracy["compressed"]
         text += (
-            f"; accuracy top-1/top-5: dense {a['dense']['top1']:.4f}/{a['dense']['top5']:.4f}, "
-            f"compressed {a['compressed']['top1']:.4f}/{a['compressed']['top5']:.4f}"
+            f"; accuracy top-1/top-5: dense {dense.top1:.4f}/{dense.top5:.4f}, "
+            f"compressed {compressed.top1:.4f}/{compressed.top5:.4f}"
         )
     return text
 
 
-def to_markdown(report: dict) -> str:
-    m, machine = report["models"], report["machine"]
+def to_markdown(report: BenchReport) -> str:
+    m, machine = report.models, report.machine
     lines = [
         MARKDOWN_TITLE,
         "",
-        f"{report['created']} on {machine['cpu']} ({machine['cpu_count']} CPUs, {machine['torch_threads']} "
-        f"threads{', GPU ' + machine['gpu'] if machine['gpu'] else ''}).",
+        f"{report.created} on {machine.cpu} ({machine.cpu_count} CPUs, {machine.torch_threads} "
+        f"threads{', GPU ' + machine.gpu if machine.gpu else ''}).",
         "",
         "| model | params (M) | GMACs / image |",
         "|---|---|---|",
-        *[
-            f"| {name} | {m[name]['params'] / 1e6:.2f} | {m[name]['macs'] / 1e9:.3f} |"
-            for name in ("dense", "compressed")
-        ],
+        *[f"| {name} | {m[name].params / 1e6:.2f} | {m[name].macs / 1e9:.3f} |" for name in ("dense", "compressed")],
         "",
-        f"MAC-ideal speedup: {report['ideal_speedup']:.3f}x.",
+        f"MAC-ideal speedup: {report.ideal_speedup:.3f}x.",
         "",
         "## Latency (dense and compressed timed interleaved)",
         "",
@@ -94,9 +93,9 @@ def to_markdown(report: dict) -> str:
         *["| " + " | ".join(row) + " |" for row in latency_rows(report)],
         "",
     ]
-    skipped = {k: v for k, v in report["backends"].items() if v["status"] == "skipped"}
+    skipped = report.skipped_backends()
     if skipped:
-        lines += ["Skipped backends:", "", *[f"- {name}: {v['reason']}" for name, v in skipped.items()], ""]
+        lines += ["Skipped backends:", "", *[f"- {name}: {reason}" for name, reason in skipped.items()], ""]
     lines += [
         "## Parity against PyTorch on the CPU",
         "",
@@ -104,51 +103,51 @@ def to_markdown(report: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {model} | {backend} | {n['max_abs']:.2e} | {n['max_rel']:.2e} | {n['cosine']:.6f} | "
-        f"{_fmt(n['top1_agreement'], '.3f')} |"
-        for model, backends in report["parity"].items()
+        f"| {model} | {backend} | {n.max_abs:.2e} | {n.max_rel:.2e} | {n.cosine:.6f} | "
+        f"{_fmt(n.top1_agreement, '.3f')} |"
+        for model, backends in report.parity.items()
         for backend, n in backends.items()
     ]
     lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
-    lines += int8_markdown(report.get("int8"))
-    if report.get("gate"):
-        gate = report["gate"]
+    lines += int8_markdown(report.int8)
+    if report.gate:
+        gate = report.gate
         lines += [
             "## Regression gate",
             "",
-            "passed" if gate["passed"] else "**failed**:",
+            "passed" if gate.passed else "**failed**:",
             "",
-            *[f"- {item}" for item in gate["regressions"]],
+            *[f"- {item}" for item in gate.regressions],
             "",
         ]
     return "\n".join(lines)
 
 
-def int8_markdown(int8: dict | None) -> list[str]:
+def int8_markdown(int8: Int8Result | None) -> list[str]:
     """The int8 section (:mod:`benchmarks.int8`): latency of the four graphs and their fidelity."""
     if int8 is None:
         return []
     lines = ["## INT8 (ONNX Runtime CPU; the four graphs timed interleaved)", ""]
-    if "skipped" in int8:
-        return lines + [f"Not measured: {int8['skipped']}", ""]
-    variants = list(int8["bytes"])
+    if int8.skipped is not None:
+        return lines + [f"Not measured: {int8.skipped}", ""]
+    variants = list(int8.bytes)
     lines += [
         "| batch | "
         + " | ".join(f"{v} p50 (ms)" for v in variants)
         + " | compressed-int8 over dense-fp32 | int8 over fp32: compressed | int8 over fp32: dense |",
         "|" + "---|" * (len(variants) + 4),
     ]
-    for r in int8["latency"]:
+    for r in int8.latency:
         ratios = [
-            r["speedup_over_dense_fp32"]["compressed-int8"],
-            r["int8_over_fp32"]["compressed"],
-            r["int8_over_fp32"]["dense"],
+            r.speedup_over_dense_fp32["compressed-int8"],
+            r.int8_over_fp32["compressed"],
+            r.int8_over_fp32["dense"],
         ]
         lines.append(
-            f"| {r['batch']} | "
-            + " | ".join(f"{r[v]['p50_s'] * 1e3:.2f}" for v in variants)
+            f"| {r.batch} | "
+            + " | ".join(f"{r.timings[v].p50_s * 1e3:.2f}" for v in variants)
             + " | "
-            + " | ".join(f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})" for s in ratios)
+            + " | ".join(_spread(s) for s in ratios)
             + " |"
         )
     lines += [
@@ -157,14 +156,14 @@ def int8_markdown(int8: dict | None) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {v} | {int8['bytes'][v] / 1e6:.1f} | {int8['kept_float'].get(v, 'all')} | {f['cosine_mean']:.4f} | "
-        f"{f['cosine_min']:.4f} | {_fmt(f['top1_agreement'])} |"
-        for v, f in int8["fidelity"].items()
+        f"| {v} | {int8.bytes[v] / 1e6:.1f} | {int8.kept_float.get(v, 'all')} | {f.cosine_mean:.4f} | "
+        f"{f.cosine_min:.4f} | {_fmt(f.top1_agreement)} |"
+        for v, f in int8.fidelity.items()
     ]
     return lines + [""]
 
 
-def plot(report: dict, path: str | Path) -> None:
+def plot(report: BenchReport, path: str | Path) -> None:
     """Throughput of both models and measured vs MAC-ideal speedup, per backend and batch size."""
     import matplotlib
 
@@ -172,23 +171,23 @@ def plot(report: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    backends = sorted({r["backend"] for r in report["latency"]})
+    backends = sorted({r.backend for r in report.latency})
     for i, backend in enumerate(backends):
-        rows = sorted((r for r in report["latency"] if r["backend"] == backend), key=lambda r: r["batch"])
-        batches = [r["batch"] for r in rows]
+        rows = sorted((r for r in report.latency if r.backend == backend), key=lambda r: r.batch)
+        batches = [r.batch for r in rows]
         color = f"C{i}"
-        left.plot(batches, [r["dense"]["throughput_ips"] for r in rows], "--o", color=color, label=f"{backend} dense")
+        left.plot(batches, [r.dense.throughput_ips for r in rows], "--o", color=color, label=f"{backend} dense")
         left.plot(
-            batches, [r["compressed"]["throughput_ips"] for r in rows], "-o", color=color, label=f"{backend} compressed"
+            batches, [r.compressed.throughput_ips for r in rows], "-o", color=color, label=f"{backend} compressed"
         )
-        medians = [r["speedup"]["median"] for r in rows]
+        medians = [r.speedup.median for r in rows]
         spread = [
-            [m - r["speedup"]["p10"] for m, r in zip(medians, rows)],
-            [r["speedup"]["p90"] - m for m, r in zip(medians, rows)],
+            [m - r.speedup.p10 for m, r in zip(medians, rows)],
+            [r.speedup.p90 - m for m, r in zip(medians, rows)],
         ]
         right.errorbar(batches, medians, yerr=spread, fmt="-o", color=color, capsize=3, label=backend)
-    right.axhline(report["ideal_speedup"], color="black", linestyle=":", label="MAC-ideal")
-    all_batches = sorted({r["batch"] for r in report["latency"]})
+    right.axhline(report.ideal_speedup, color="black", linestyle=":", label="MAC-ideal")
+    all_batches = sorted({r.batch for r in report.latency})
     for ax, ylabel in ((left, "images / s"), (right, "speedup (dense / compressed)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(all_batches, [str(b) for b in all_batches])
@@ -204,49 +203,45 @@ def plot(report: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-def print_terminal(report: dict) -> None:
+def print_terminal(report: BenchReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report['ideal_speedup']:.3f}x)")
+    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x)")
     for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
         table.add_column(column, justify="left" if column == "backend" else "right")
-    for r in report["latency"]:
-        s = r["speedup"]
+    for r in report.latency:
         table.add_row(
-            r["backend"],
-            str(r["batch"]),
-            f"{r['dense']['p50_s'] * 1e3:.1f}",
-            f"{r['compressed']['p50_s'] * 1e3:.1f}",
-            f"{s['median']:.2f} ({s['p10']:.2f}-{s['p90']:.2f})",
-            f"{r['efficiency'] * 100:.0f}%",
+            r.backend,
+            str(r.batch),
+            f"{r.dense.p50_s * 1e3:.1f}",
+            f"{r.compressed.p50_s * 1e3:.1f}",
+            _spread(r.speedup, ".2f"),
+            f"{r.efficiency * 100:.0f}%",
         )
     console.print(table)
-    for name, v in report["backends"].items():
-        if v["status"] == "skipped":
-            console.print(f"skipped {name}: {v['reason']}", style="yellow")
-    worst = [
-        (n["cosine"], f"{model} on {backend}") for model, b in report["parity"].items() for backend, n in b.items()
-    ]
+    for name, reason in report.skipped_backends().items():
+        console.print(f"skipped {name}: {reason}", style="yellow")
+    worst = [(n.cosine, f"{model} on {backend}") for model, b in report.parity.items() for backend, n in b.items()]
     if worst:
         cosine, where = min(worst)
         console.print(f"parity vs torch-cpu: worst cosine {cosine:.6f} ({where})")
     console.print("fidelity: " + fidelity_summary(report))
-    int8 = report.get("int8")
-    if int8 is not None and "skipped" in int8:
-        console.print(f"int8 not measured: {int8['skipped']}", style="yellow")
+    int8 = report.int8
+    if int8 is not None and int8.skipped is not None:
+        console.print(f"int8 not measured: {int8.skipped}", style="yellow")
     elif int8 is not None:
-        for r in int8["latency"]:
-            over_dense, over_fp32 = r["speedup_over_dense_fp32"]["compressed-int8"], r["int8_over_fp32"]["compressed"]
+        for r in int8.latency:
+            over_dense, over_fp32 = r.speedup_over_dense_fp32["compressed-int8"], r.int8_over_fp32["compressed"]
             console.print(
-                f"int8, batch {r['batch']}: compressed-int8 {over_dense['median']:.2f}x over dense-fp32, "
-                f"{over_fp32['median']:.2f}x over compressed-fp32"
+                f"int8, batch {r.batch}: compressed-int8 {over_dense.median:.2f}x over dense-fp32, "
+                f"{over_fp32.median:.2f}x over compressed-fp32"
             )
-        f = int8["fidelity"]["compressed-int8"]
+        f = int8.fidelity["compressed-int8"]
         console.print(
-            f"int8 fidelity: compressed-int8 vs dense fp32 cosine {f['cosine_mean']:.4f} "
-            f"(compressed-fp32 {int8['fidelity']['compressed-fp32']['cosine_mean']:.4f})"
+            f"int8 fidelity: compressed-int8 vs dense fp32 cosine {f.cosine_mean:.4f} "
+            f"(compressed-fp32 {int8.fidelity['compressed-fp32'].cosine_mean:.4f})"
         )
 
 
@@ -319,7 +314,7 @@ def check_report_outputs(
 def _written_by_bench(path: Path, rendering: str) -> bool:
     try:
         if rendering == "json":
-            return json.loads(path.read_text()).get("format") == FORMAT
+            return json.loads(path.read_text()).get("format") == BENCH_FORMAT.name
         if rendering == "markdown":
             return path.read_text().startswith(MARKDOWN_TITLE)
         from PIL import Image
@@ -330,14 +325,14 @@ def _written_by_bench(path: Path, rendering: str) -> bool:
         return False
 
 
-def write_outputs(report: dict, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
+def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
     from corp_deploy.files import atomic_files
     from corp_deploy.outputs import staged_output
 
     writers = {
-        "json": lambda p: p.write_text(json_text(report)),
+        "json": lambda p: p.write_text(json_text(report.to_dict())),
         "markdown": lambda p: p.write_text(to_markdown(report)),
         "plot": lambda p: plot(report, p),
     }

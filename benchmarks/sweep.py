@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,17 +29,20 @@ from corp_deploy import (
     model_transform,
 )
 from corp_deploy.calibration import DEFAULT_IMAGES
+from corp_deploy.documents import Document, DocumentFormat, Machine, Record, optional_entry, timestamp
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
 
 from .backends import ModelFiles
 from .data import EvalImages, eval_images, folders_overlap
-from .harness import BenchSettings, run_bench
+from .harness import run_bench
 from .report import fidelity_summary
+from .results import BenchReport, BenchSettings, Fidelity, LatencyRow, ModelEntry
 
-FORMAT, FORMAT_VERSION = "corp-deploy-sweep", 3
 SWEEP_FILE = "sweep.json"
+#: 3: a run's point is a sparsity or a MAC ``budget`` (both entries in every row).
+SWEEP_FORMAT = DocumentFormat("corp-deploy-sweep", 3, "sweep", "run the sweep again", file=SWEEP_FILE)
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
 #: The methods a sweep runs under torch.distributed (``uncompensated`` is CORP's selection).
@@ -94,11 +96,6 @@ class SweepSpec:
         """The sparsities, or the budgets."""
         return self.sparsities or self.budgets
 
-    @property
-    def point_key(self) -> str:
-        """The row key that holds a run's point: ``sparsity`` or ``budget``."""
-        return "sparsity" if self.sparsities else "budget"
-
     def run_name(self, method: str, point: float) -> str:
         return f"{method}-{'s' if self.sparsities else 'macs'}{point:g}"
 
@@ -119,13 +116,64 @@ class SweepSpec:
         return out
 
 
+@dataclass
+class PerModel(Record):
+    """One number of the dense model and of the compressed one (parameters, MACs per image)."""
+
+    dense: int
+    compressed: int
+
+
+@dataclass
+class SweepRow(Record):
+    """One run of a sweep: the ``method`` at a ``sparsity`` or a MAC ``budget`` (the other None), the
+    artifact's folder name in the sweep, the target it pruned, both models' parameters and MACs, the
+    MAC-ideal speedup, and its bench report (whose latency rows and fidelity the row repeats)."""
+
+    method: str
+    sparsity: float | None
+    budget: float | None
+    artifact: str
+    target: str | None
+    params: PerModel
+    macs: PerModel
+    ideal_speedup: float
+    latency: list[LatencyRow]
+    fidelity: Fidelity
+    bench: BenchReport
+
+    @property
+    def point(self) -> float:
+        """The run's sparsity, or its budget."""
+        return self.sparsity if self.sparsity is not None else self.budget
+
+
+@dataclass(kw_only=True)
+class SweepResult(Document):
+    """``sweep.json``: when, the dense model (``base_model``, as ``config.json`` records it), the
+    spec, the machine and library versions the runs were timed with, whether the model is a
+    classifier, how calibration was shared under torchrun (``distributed``, only then), one row per
+    run in the order of the spec's methods and points."""
+
+    FORMAT = SWEEP_FORMAT
+
+    created: str
+    base_model: dict
+    spec: SweepSpec
+    machine: Machine
+    versions: dict[str, str | None]
+    classifier: bool
+    distributed: dict | None = optional_entry()
+    rows: list[SweepRow]
+
+
 def run_sweep(
     dense: nn.Module,
     base_model: dict,
     spec: SweepSpec,
     out_dir: str | Path,
     log: Callable[[str], None] = lambda message: None,
-) -> dict | None:
+) -> SweepResult | None:
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
     ``sweep.md`` and ``sweep.png``.
@@ -182,39 +230,37 @@ def run_sweep(
                         held_out=held_out,
                         log=log,
                     )
-                _paths_relative_to(bench["models"], tmp)
+                _paths_relative_to(bench.models, tmp)
                 rows.append(
-                    {
-                        "method": method,
-                        "sparsity": point if spec.sparsities else None,
-                        "budget": point if spec.budgets else None,
-                        "artifact": name,
-                        "target": config.target,
-                        "params": report["params"],
-                        "macs": report["macs"],
-                        "ideal_speedup": bench["ideal_speedup"],
-                        "latency": bench["latency"],
-                        "fidelity": bench["fidelity"],
-                        "bench": bench,
-                    }
+                    SweepRow(
+                        method=method,
+                        sparsity=point if spec.sparsities else None,
+                        budget=point if spec.budgets else None,
+                        artifact=name,
+                        target=config.target,
+                        params=PerModel(**report["params"]),
+                        macs=PerModel(**report["macs"]),
+                        ideal_speedup=bench.ideal_speedup,
+                        latency=bench.latency,
+                        fidelity=bench.fidelity,
+                        bench=bench,
+                    )
                 )
                 log(f"{name}: " + fidelity_summary(bench))
                 distributed.barrier()
         if not first:
             return None
-        result = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "base_model": base_model,
-            "spec": spec.to_dict(),
-            "machine": rows[0]["bench"]["machine"],
-            "versions": rows[0]["bench"]["versions"],
-            "classifier": dense.num_classes > 0,
-            **({"distributed": report["distributed"]} if "distributed" in report else {}),
-            "rows": rows,
-        }
-        write_json(tmp / SWEEP_FILE, result)
+        result = SweepResult(
+            created=timestamp(),
+            base_model=base_model,
+            spec=spec,
+            machine=rows[0].bench.machine,
+            versions=rows[0].bench.versions,
+            classifier=dense.num_classes > 0,
+            distributed=report.get("distributed"),
+            rows=rows,
+        )
+        write_json(tmp / SWEEP_FILE, result.to_dict())
         (tmp / "sweep.md").write_text(to_markdown(result))
         plot(result, tmp / "sweep.png")
     return result
@@ -235,45 +281,50 @@ def _timing_threads(settings: BenchSettings):
         torch.set_num_threads(calibration_threads)
 
 
-def _paths_relative_to(models: dict, root: Path) -> None:
+def _paths_relative_to(models: dict[str, ModelEntry], root: Path) -> None:
     """Rewrite a bench report's model file paths (inside the sweep's staging directory, which is
     renamed when the sweep completes) relative to the sweep directory, in place."""
     for files in models.values():
-        for key in ("onnx", "engine"):
-            if files[key] is not None:
-                files[key] = str(Path(files[key]).relative_to(root))
+        if files.onnx is not None:
+            files.onnx = str(Path(files.onnx).relative_to(root))
+        if files.engine is not None:
+            files.engine = str(Path(files.engine).relative_to(root))
 
 
-def headline(row: dict) -> float:
+def headline(row: SweepRow) -> float:
     """The one fidelity number a sweep compares: accuracy when labelled, else top-1 agreement
     (classifiers), else feature cosine."""
-    f = row["fidelity"]
-    if f.get("accuracy"):
-        return f["accuracy"]["compressed"]["top1"]
-    return f["top1_agreement"] if f["top1_agreement"] is not None else f["feature_cosine"]
+    f = row.fidelity
+    if f.accuracy:
+        return f.accuracy["compressed"].top1
+    return f.top1_agreement if f.top1_agreement is not None else f.feature_cosine
 
 
-def headline_name(result: dict) -> str:
-    first = result["rows"][0]["fidelity"]
-    if first.get("accuracy"):
+def headline_name(result: SweepResult) -> str:
+    if result.rows[0].fidelity.accuracy:
         return "top-1 accuracy"
-    return "top-1 agreement with dense" if result["classifier"] else "feature cosine to dense"
+    return "top-1 agreement with dense" if result.classifier else "feature cosine to dense"
 
 
-def point_axis(result: dict) -> tuple[str, str]:
-    """The row key of a sweep's points and their label: sparsity ``s`` or MAC ``budget``."""
-    return ("sparsity", "s") if result["spec"]["sparsities"] else ("budget", "MAC budget")
+def point_label(result: SweepResult) -> str:
+    """What a sweep's points are (:attr:`SweepRow.point`): sparsity ``s`` or MAC ``budget``."""
+    return "s" if result.spec.sparsities else "MAC budget"
 
 
-def by_method(result: dict) -> dict[str, list[dict]]:
+def by_method(result: SweepResult) -> dict[str, list[SweepRow]]:
     """Rows grouped by method, in the sweep's order."""
-    return {m: [row for row in result["rows"] if row["method"] == m] for m in result["spec"]["methods"]}
+    return {m: [row for row in result.rows if row.method == m] for m in result.spec.methods}
 
 
-def at_macs(rows: list[dict], macs: int) -> float | None:
-    """A method's fidelity at ``macs``: exact at a measured point, else linear in MACs between
-    the two measured points around it; None outside the measured range."""
-    points = sorted((row["macs"]["compressed"], headline(row)) for row in rows)
+def fidelity_curve(rows: list[SweepRow]) -> list[tuple[int, float]]:
+    """A method's runs as ``(compressed MACs, headline fidelity)`` points."""
+    return [(row.macs.compressed, headline(row)) for row in rows]
+
+
+def at_macs(curve: list[tuple[int, float]], macs: int) -> float | None:
+    """A method's fidelity (its :func:`fidelity_curve`) at ``macs``: exact at a measured point, else
+    linear in MACs between the two measured points around it; None outside the measured range."""
+    points = sorted(curve)
     exact = [f for m, f in points if m == macs]
     if exact:
         return exact[0]
@@ -283,13 +334,13 @@ def at_macs(rows: list[dict], macs: int) -> float | None:
     return None
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: SweepResult) -> str:
     name = headline_name(result)
     groups = by_method(result)
     methods = list(groups)
-    batches = result["spec"]["bench"]["batches"]
-    backends = sorted({r["backend"] for row in result["rows"] for r in row["latency"]})
-    key, label = point_axis(result)
+    batches = result.spec.bench.batches
+    backends = sorted({r.backend for row in result.rows for r in row.latency})
+    label = point_label(result)
     header = [
         "method",
         "target",
@@ -300,33 +351,33 @@ def to_markdown(result: dict) -> str:
         *[f"{b} speedup b{n} (of ideal)" for b in backends for n in batches],
         name,
     ]
-    f = result["rows"][0]["fidelity"]
+    f = result.rows[0].fidelity
     lines = [
-        f"# corp-deploy sweep: {result['base_model']['name']}",
+        f"# corp-deploy sweep: {result.base_model['name']}",
         "",
-        f"{result['created']}; machine {result['machine']['cpu']}, {result['machine']['torch_threads']} "
-        f"threads. Fidelity on {f['images']} images ({f['data'].get('path', 'bundled photos')}, "
-        f"{'held out' if f['held_out'] else 'NOT held out'} from calibration).",
+        f"{result.created}; machine {result.machine.cpu}, {result.machine.torch_threads} "
+        f"threads. Fidelity on {f.images} images ({f.data.get('path', 'bundled photos')}, "
+        f"{'held out' if f.held_out else 'NOT held out'} from calibration).",
         "",
         "## Every run",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
-    for row in result["rows"]:
+    for row in result.rows:
         cells = [
-            row["method"],
-            row["target"],
-            f"{row[key]:g}",
-            f"{row['params']['compressed'] / 1e6:.2f}",
-            f"{row['macs']['compressed'] / 1e9:.4g}",
-            f"{row['ideal_speedup']:.3f}",
+            row.method,
+            row.target,
+            f"{row.point:g}",
+            f"{row.params.compressed / 1e6:.2f}",
+            f"{row.macs.compressed / 1e9:.4g}",
+            f"{row.ideal_speedup:.3f}",
         ]
-        by_key = {(r["backend"], r["batch"]): r for r in row["latency"]}
+        by_key = {(r.backend, r.batch): r for r in row.latency}
         for b in backends:
             for n in batches:
                 r = by_key.get((b, n))
-                cells.append(f"{r['speedup']['median']:.3f} ({r['efficiency'] * 100:.0f}%)" if r else "-")
+                cells.append(f"{r.speedup.median:.3f} ({r.efficiency * 100:.0f}%)" if r else "-")
         cells.append(f"{headline(row):.4f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
@@ -336,8 +387,8 @@ def to_markdown(result: dict) -> str:
         f"| {label} | " + " | ".join(methods) + " |",
         "|" + "---|" * (len(methods) + 1),
     ]
-    for point in result["spec"]["sparsities"] or result["spec"]["budgets"]:
-        cells = [f"{headline(next(r for r in groups[m] if r[key] == point)):.4f}" for m in methods]
+    for point in result.spec.points:
+        cells = [f"{headline(next(r for r in groups[m] if r.point == point)):.4f}" for m in methods]
         lines.append(f"| {point:g} | " + " | ".join(cells) + " |")
     reference = methods[0]
     lines += [
@@ -351,13 +402,13 @@ def to_markdown(result: dict) -> str:
         "|" + "---|" * (len(methods) + 1),
     ]
     for row in groups[reference]:
-        macs = row["macs"]["compressed"]
-        cells = [at_macs(groups[m], macs) for m in methods]
+        macs = row.macs.compressed
+        cells = [at_macs(fidelity_curve(groups[m]), macs) for m in methods]
         lines.append(f"| {macs / 1e9:.4g} | " + " | ".join("-" if c is None else f"{c:.4f}" for c in cells) + " |")
-    first = result["rows"][0]
+    first = result.rows[0]
     lines += [
         "",
-        f"Dense: {first['params']['dense'] / 1e6:.2f} M parameters, {first['macs']['dense'] / 1e9:.3f} "
+        f"Dense: {first.params.dense / 1e6:.2f} M parameters, {first.macs.dense / 1e9:.3f} "
         "GMACs. Per-run bench reports (latency percentiles, parity, all fidelity numbers) are in "
         "sweep.json.",
         "",
@@ -365,7 +416,7 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: str | Path) -> None:
+def plot(result: SweepResult, path: str | Path) -> None:
     """Per method: fidelity vs sparsity (or budget), fidelity vs MACs, measured speedup vs sparsity."""
     import matplotlib
 
@@ -373,31 +424,25 @@ def plot(result: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (fid, cost, speed) = plt.subplots(1, 3, figsize=(15, 4.2))
-    backend = next((r["backend"] for r in result["rows"][0]["latency"]), None)
-    batch = max((r["batch"] for r in result["rows"][0]["latency"] if r["backend"] == backend), default=None)
-    key, label = point_axis(result)
+    backend = next((r.backend for r in result.rows[0].latency), None)
+    batch = max((r.batch for r in result.rows[0].latency if r.backend == backend), default=None)
+    label = point_label(result)
     for method, rows in by_method(result).items():
-        s = [row[key] for row in rows]
+        s = [row.point for row in rows]
         fid.plot(s, [headline(row) for row in rows], "-o", label=method)
-        cost.plot(
-            [row["macs"]["compressed"] / 1e9 for row in rows], [headline(row) for row in rows], "-o", label=method
-        )
+        cost.plot([row.macs.compressed / 1e9 for row in rows], [headline(row) for row in rows], "-o", label=method)
         if backend is not None:
             (line,) = speed.plot(
                 s,
                 [
-                    next(
-                        r["speedup"]["median"]
-                        for r in row["latency"]
-                        if r["backend"] == backend and r["batch"] == batch
-                    )
+                    next(r.speedup.median for r in row.latency if r.backend == backend and r.batch == batch)
                     for row in rows
                 ],
                 "-o",
                 label=f"{method}, measured",
             )
             speed.plot(
-                s, [row["ideal_speedup"] for row in rows], ":", color=line.get_color(), label=f"{method}, MAC-ideal"
+                s, [row.ideal_speedup for row in rows], ":", color=line.get_color(), label=f"{method}, MAC-ideal"
             )
     fid.set(xlabel=label, ylabel=headline_name(result), title=f"Fidelity at matched {label}")
     cost.set(xlabel="GMACs per image", ylabel=headline_name(result), title="Fidelity at matched MACs")
@@ -410,7 +455,7 @@ def plot(result: dict, path: str | Path) -> None:
     for ax in (fid, cost, speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(result["base_model"]["name"])
+    fig.suptitle(result.base_model["name"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -20,6 +20,7 @@ _API = {
     "load_base_model": "artifact",
     "load_compressed": "artifact",
     "read_config": "artifact",
+    "read_report": "artifact",
     "save_artifact": "artifact",
     "CalibrationImages": "calibration",
     "CalibrationSpec": "calibration",

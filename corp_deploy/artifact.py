@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .documents import DocumentFormat, library_versions, timestamp
 from .errors import CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
@@ -26,30 +25,24 @@ from .layers import BlockDims, block_dims, reshape_block
 from .models import base_skeleton, create_base_model
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
-FORMAT = "corp-deploy-artifact"
-#: 2: the artifact has a record with every file's SHA-256 (version 1 had none and is not read).
-FORMAT_VERSION = 2
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
+#: ``config.json``'s format (also the weights file's ``format`` metadata). 2: the artifact has a record
+#: with every file's SHA-256 (version 1 had none and is not read).
+CONFIG_FORMAT = DocumentFormat("corp-deploy-artifact", 2, "artifact", "compress the model again", file=CONFIG_FILE)
+#: ``report.json``'s format. 1: the report names its format; before, it held the compress report alone
+#: (still read).
+REPORT_FORMAT = DocumentFormat(
+    "corp-deploy-compress-report",
+    1,
+    "artifact",
+    "compress the model again",
+    file=REPORT_FILE,
+    also_reads=(None,),
+    reads_unnamed=True,
+)
 ALLOCATION_PLOT = "allocation.png"
 #: The record of the most recent artifact, in :func:`state_dir`.
 LATEST_FILE = "latest.json"
-
-
-def library_versions() -> dict[str, str]:
-    import numpy
-    import safetensors
-    import timm
-
-    from . import __version__
-
-    return {
-        "corp_deploy": __version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": numpy.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def base_model_spec(
@@ -128,8 +121,7 @@ def save_artifact(
     if base_model is None:
         base_model = base_model_spec(model)
     config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        **CONFIG_FORMAT.header(),
         "base_model": base_model,
         "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
         "blocks": [block_dims(b).to_dict() for b in blocks_of(model)],
@@ -139,15 +131,15 @@ def save_artifact(
         "settings": settings or {},
         "calibration": calibration or {},
         "versions": library_versions(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "created": timestamp(),
     }
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
 
     with staged_output(out_dir, "artifact") as tmp:
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": CONFIG_FORMAT.name})
         write_json(tmp / CONFIG_FILE, config)
-        write_json(tmp / REPORT_FILE, report or {})
+        write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})
         if plots and config["allocation"]:
             from .plots import plot_allocation
 
@@ -162,11 +154,19 @@ def read_config(path: str | Path) -> dict:
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
         raise CorpError(f"{path} is not a corp-deploy artifact (no {CONFIG_FILE})")
-    config = read_recorded_json(path, CONFIG_FILE, "artifact", FORMAT, FORMAT_VERSION, "compress the model again")
+    config = read_recorded_json(path, "artifact", CONFIG_FORMAT)
     problem = _config_problem(config)
     if problem is not None:
         raise CorpError(f"{path / CONFIG_FILE} is malformed: {problem}")
     return config
+
+
+def read_report(path: str | Path) -> dict:
+    """The ``report.json`` of an artifact directory (the compress report: :func:`corp_deploy.compress`'s
+    diagnostics), checked against the artifact's record and its format; one written before the report
+    named its format is read as it is."""
+    read_config(path)
+    return read_recorded_json(path, "artifact", REPORT_FORMAT)
 
 
 def _config_problem(config: dict) -> str | None:
@@ -284,9 +284,7 @@ def record_latest(path: str | Path) -> str | None:
     try:
         folder = state_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(
-            folder / LATEST_FILE, {"artifact": str(Path(path).resolve()), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        )
+        write_json(folder / LATEST_FILE, {"artifact": str(Path(path).resolve()), "time": timestamp()})
     except OSError as exc:
         return f"could not record {path} as the latest artifact in {state_dir() / LATEST_FILE}: {exc}"
     return None

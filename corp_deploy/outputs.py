@@ -33,11 +33,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .documents import DocumentFormat, timestamp
 from .errors import CorpError
 from .files import NAME_IN_TEMP, current_umask, sha256_file, signals_deferred, write_json
 
 RECORD_FILE = "corp-deploy-record.json"
-RECORD_FORMAT, RECORD_VERSION = "corp-deploy-record", 1
+RECORD = DocumentFormat("corp-deploy-record", 1, "output", "write it again", file=RECORD_FILE)
 #: The kinds of output and what they are called in messages.
 KINDS = {"artifact": "an artifact", "export": "an export", "sweep": "a sweep", "bench": "a bench report"}
 
@@ -129,13 +130,7 @@ def write_record(folder: Path, kind: str) -> dict:
                 raise CorpError(f"{entry} is a folder without a corp-deploy record inside an output")
             continue
         files[entry.name] = {"bytes": entry.stat().st_size, "sha256": sha256_file(entry)}
-    record = {
-        "format": RECORD_FORMAT,
-        "format_version": RECORD_VERSION,
-        "kind": kind,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "files": files,
-    }
+    record = {**RECORD.header(), "kind": kind, "created": timestamp(), "files": files}
     write_json(folder / RECORD_FILE, record)
     return record
 
@@ -154,8 +149,7 @@ def read_record(folder: Path) -> dict | None:
         return None
     files = record.get("files")
     if (
-        record.get("format") != RECORD_FORMAT
-        or record.get("format_version") != RECORD_VERSION
+        RECORD.problem(record, path) is not None
         or record.get("kind") not in KINDS
         or not isinstance(files, dict)
         or not all(
@@ -198,29 +192,23 @@ def read_verified(folder: str | Path, kind: str, name: str) -> bytes:
     return data
 
 
-def read_recorded_json(folder: str | Path, name: str, kind: str, format_name: str, version: int, again: str) -> dict:
-    """The JSON file ``name`` of the output ``folder`` of ``kind``, checked against its record and
-    of format ``format_name`` at ``version``. ``again`` tells the user what to do with another
-    version (``compress the model again``). CorpError naming the file otherwise."""
+def read_recorded_json(folder: str | Path, kind: str, document: DocumentFormat) -> dict:
+    """The JSON file ``document.file`` of the output ``folder`` of ``kind``, checked against the
+    output's record, of ``document``'s format in a version read here; CorpError naming the file
+    otherwise."""
     folder = Path(folder)
-    path = folder / name
-    try:  # a first look for the version, so that an older output gets the message that helps
+    path = folder / document.file
+    try:  # a first look for the version, so that an older output (without a record) gets the message that helps
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
         earlier = None
-    found = earlier.get("format_version") if isinstance(earlier, dict) else None
-    if isinstance(earlier, dict) and earlier.get("format") == format_name and found != version:
-        raise CorpError(
-            f"{folder}: {kind} format version {found} is not supported by this corp-deploy (reads "
-            f"version {version}); {again}"
-        )
+    if isinstance(earlier, dict) and earlier.get("format") == document.name:
+        document.check(earlier, path)
     try:
-        data = json.loads(read_verified(folder, kind, name))  # what is used is what was checked
+        data = json.loads(read_verified(folder, kind, document.file))  # what is used is what was checked
     except ValueError:
         data = None
-    if not isinstance(data, dict) or data.get("format") != format_name:
-        raise CorpError(f"{path} is not the {name} of a corp-deploy {kind}")
-    return data
+    return document.check(data, path)
 
 
 def _record_of(folder: Path, kind: str) -> dict:

@@ -6,40 +6,20 @@ names inside the export folder."""
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 from corp_deploy import CorpError
+from corp_deploy.documents import DocumentFormat, library_versions
 from corp_deploy.outputs import read_recorded_json, verify_files
 
 MANIFEST = "export.json"
-FORMAT = "corp-deploy-export"
 #: 2: the export folder has a record of every file (version 1 had none and is not read).
-FORMAT_VERSION = 2
+MANIFEST_FORMAT = DocumentFormat("corp-deploy-export", 2, "export", "export the artifact again", file=MANIFEST)
 
 
 def versions() -> dict:
     """Versions of the libraries an export depends on (``tensorrt`` is None where it is missing)."""
-    import onnx
-    import onnxruntime
-    import polygraphy
-    import timm
-    import torch
-
-    import corp_deploy
-
-    from .tensorrt import tensorrt_version
-
-    return {
-        "corp_deploy": corp_deploy.__version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "polygraphy": polygraphy.__version__,
-        "tensorrt": tensorrt_version(),
-        "python": platform.python_version(),
-    }
+    return library_versions(("torch", "timm", "onnx", "onnxruntime", "polygraphy"), optional=("tensorrt",))
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -48,7 +28,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
         raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
-    manifest = read_recorded_json(folder, MANIFEST, "export", FORMAT, FORMAT_VERSION, "export the artifact again")
+    manifest = read_recorded_json(folder, "export", MANIFEST_FORMAT)
     problem = _manifest_problem(manifest)
     if problem is not None:
         raise CorpError(f"{path} is malformed: {problem}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,6 +30,7 @@ from corp_deploy import (
 )
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
+from corp_deploy.documents import timestamp
 from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
@@ -38,7 +38,7 @@ from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_byt
 from . import tensorrt as trt_backend
 from .int8_options import Int8Options
 from .keep_float import AUTO, quantize_keeping_float
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, versions
+from .manifest import MANIFEST, MANIFEST_FORMAT, versions
 from .onnx_export import export_onnx
 from .options import ExportOptions
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
@@ -389,9 +389,8 @@ def _manifest(
     trt_missing: str | None,
 ) -> dict:
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **MANIFEST_FORMAT.header(),
+        "created": timestamp(),
         "artifact": {
             "path": str(artifact.resolve()),
             "base_model": config["base_model"]["name"],

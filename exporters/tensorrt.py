@@ -78,14 +78,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def tensorrt_version() -> str | None:
-    try:
-        import tensorrt
-    except Exception:
-        return None
-    return tensorrt.__version__
-
-
 @dataclass(frozen=True)
 class EngineBuild:
     """How long an engine took to build (seconds, rounded to 0.01) and on which GPU."""

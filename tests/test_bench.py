@@ -15,6 +15,7 @@ from benchmarks import latency
 from benchmarks.data import eval_images, folders_overlap
 from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
+from benchmarks.results import BenchReport
 from benchmarks.targets import resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
 
@@ -125,20 +126,21 @@ def test_interleaving_alternates_and_cancels_drift(monkeypatch):
 
 def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run, artifact, tmp_path, run_cli):
     report, _, _ = bench_run
+    typed = BenchReport.from_dict
     limits = GateLimits(max_regression=0.05, min_parity_cosine=0.999)
-    assert regressions(report, limits, copy.deepcopy(report)) == []
+    assert regressions(typed(report), limits, typed(copy.deepcopy(report))) == []
     doctored = copy.deepcopy(report)
     ort_rows = {row["batch"]: row for row in doctored["latency"] if row["backend"] == "ort-cpu"}
     ort_rows[1]["compressed"]["p50_s"] /= 2  # the baseline was "twice as fast"
     ort_rows[3]["speedup"]["median"] *= 1.5
     doctored["fidelity"]["feature_cosine"] = report["fidelity"]["feature_cosine"] / 0.9
-    found = regressions(report, limits, doctored)
+    found = regressions(typed(report), limits, typed(doctored))
     assert found[0].startswith("latency: ort-cpu, batch 1: compressed p50") and "+100.0% > 5%" in found[0]
     assert found[1].startswith("speedup: ort-cpu, batch 3:")
     assert any(f.startswith("fidelity: feature cosine") for f in found)
     worse = copy.deepcopy(report)
     worse["fidelity"].update(top1_agreement=0.5, kl_mean=0.25, feature_cosine=0.75)
-    assert regressions(worse, GateLimits(min_agreement=0.9, max_kl=0.1, min_cosine=0.8)) == [
+    assert regressions(typed(worse), GateLimits(min_agreement=0.9, max_kl=0.1, min_cosine=0.8)) == [
         "fidelity: top-1 agreement 0.5000 < 0.9",
         "fidelity: mean KL 0.25 > 0.1",
         "fidelity: feature cosine 0.7500 < 0.8",

@@ -1060,40 +1060,45 @@ def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work)
 
 def test_a_baseline_int8_regression_fails_the_gate():
     from benchmarks.gate import GateLimits, regressions
+    from benchmarks.results import BenchReport
+
+    def typed(report: dict) -> BenchReport:  # the report as bench reads it: its format's name, then its entries
+        return BenchReport.from_dict({"format": "corp-deploy-bench", **report})
 
     row = {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.5}}
     report = {"latency": [row], "backends": {"ort-cpu": {"status": "ran"}}, "parity": {}, "fidelity": {}}
     baseline = {"latency": [row], "fidelity": {}}
     _with_int8(report)
     _with_int8(baseline)
-    assert regressions(report, GateLimits(), baseline) == []
+    assert regressions(typed(report), GateLimits(), typed(baseline)) == []
     report["int8"]["latency"][0]["speedup_over_dense_fp32"]["compressed-int8"]["median"] = 1.5
     report["int8"]["fidelity"]["compressed-int8"]["cosine_mean"] = 0.9
-    assert regressions(report, GateLimits(max_regression=0.05), baseline) == [
+    assert regressions(typed(report), GateLimits(max_regression=0.05), typed(baseline)) == [
         "int8: batch 1: compressed-int8 1.500x over dense fp32 vs baseline 2.000x",
         "int8: compressed-int8 cosine to dense fp32 0.9000 vs baseline 0.9900",
     ]
     report["int8"] = {"skipped": "no export-int8/"}
-    assert regressions(report, GateLimits(), baseline) == ["int8: in the baseline but not measured (no export-int8/)"]
+    assert regressions(typed(report), GateLimits(), typed(baseline)) == [
+        "int8: in the baseline but not measured (no export-int8/)"
+    ]
 
 
 def test_reports_write_null_for_nan_never_bare_nan(tmp_path):
     from benchmarks.report import write_outputs
+    from benchmarks.results import BenchReport
 
-    report = {
-        "format": "corp-deploy-bench",
-        "fidelity": {"kl_mean": float("nan"), "feature_cosine": math.inf},
-        "latency": [{"speedup": {"median": -math.inf, "p10": 1.5}}],
-    }
+    row = {"backend": "ort-cpu", "batch": 1, "compressed": {"p50_s": 0.01}, "speedup": {"median": 1.0, "p10": 1.5}}
+    report = BenchReport.from_dict({"format": "corp-deploy-bench", "fidelity": {}, "latency": [row]})
+    report.fidelity.kl_mean, report.fidelity.feature_cosine = float("nan"), math.inf
+    report.latency[0].speedup.median = -math.inf
+    expected = report.to_dict()
+    expected["fidelity"].update(kl_mean=None, feature_cosine=None)
+    expected["latency"][0]["speedup"].update(median=None, p10=1.5)
     write_outputs(report, {"json": tmp_path / "r.json"})  # what bench --json writes
     write_json(tmp_path / "state.json", {"a": float("nan")})  # every other JSON the tool writes
     text = (tmp_path / "r.json").read_text() + (tmp_path / "state.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads((tmp_path / "r.json").read_text()) == {
-        "format": "corp-deploy-bench",
-        "fidelity": {"kl_mean": None, "feature_cosine": None},
-        "latency": [{"speedup": {"median": None, "p10": 1.5}}],
-    }
+    assert json.loads((tmp_path / "r.json").read_text()) == expected
 
 
 def test_the_build_script_quotes_a_timing_cache_path_with_a_newline(work):

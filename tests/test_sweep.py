@@ -82,10 +82,10 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
 
 
 def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
-    rows = [{"macs": {"compressed": m}, "fidelity": {"top1_agreement": f}} for m, f in ((100, 0.5), (200, 0.9))]
-    assert at_macs(rows, 150) == pytest.approx(0.7)
-    assert at_macs(rows, 200) == 0.9
-    assert at_macs(rows, 99) is None and at_macs(rows, 201) is None
+    curve = [(200, 0.9), (100, 0.5)]  # (compressed MACs, fidelity) of each run, in any order
+    assert at_macs(curve, 150) == pytest.approx(0.7)
+    assert at_macs(curve, 200) == 0.9
+    assert at_macs(curve, 99) is None and at_macs(curve, 201) is None
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, model_transform
-from corp_deploy.artifact import library_versions
+from corp_deploy.documents import library_versions
 
 
 def timed_compress(model, batches, config):

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from corp_deploy import create_base_model
-from corp_deploy.artifact import library_versions, load_compressed
+from corp_deploy.artifact import load_compressed, read_report
 from corp_deploy.calibration import held_out_images, model_transform
+from corp_deploy.documents import library_versions
 from corp_deploy.families import blocks_of
 from corp_deploy.layers import head_dims
 from corp_deploy.methods.corp.qk_statistics import images_worth_the_sums
@@ -115,7 +116,7 @@ def main() -> None:
                     stdout=subprocess.DEVNULL,
                 )
                 seconds = time.perf_counter() - start
-                report = json.loads((out / "report.json").read_text())
+                report = read_report(out)
                 artifacts[processes] = out
                 rows.append(
                     {
@@ -128,7 +129,7 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            reports = [json.loads((artifacts[p] / "report.json").read_text()) for p in (1, args.processes)]
+            reports = [read_report(artifacts[p]) for p in (1, args.processes)]
             dims = [[layer["dims"] for layer in r["layers"]] for r in reports]
             rows[-1]["blocks_with_other_dims"] = sum(a != b for a, b in zip(*dims))
             one, many = (load_compressed(artifacts[p]).eval() for p in (1, args.processes))

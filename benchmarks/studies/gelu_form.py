@@ -19,9 +19,9 @@ import numpy as np
 import onnx
 import torch
 
-from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
 from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
+from corp_deploy.documents import Machine
 from exporters.fusable_forms import is_fusable_gelu, scalar_initializers
 from exporters.quantize import quantize_int8
 from exporters.runners import OnnxRuntimeRunner
@@ -100,7 +100,7 @@ def main() -> None:
                 "held_out_images": args.images,
                 "batch": args.batch,
                 "threads": args.threads,
-                "machine": machine(),
+                "machine": Machine.here().to_dict(),
                 "fp32_forms_max_abs_difference_optimized": fp32_difference,
                 "rows": rows,
             },

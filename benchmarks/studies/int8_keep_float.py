@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import machine
 from benchmarks.latency import interleaved, speedup
 from benchmarks.studies.int8_common import cosines, int8_study_parser, load_int8_study
+from corp_deploy.documents import Machine
 from exporters.keep_float import linear_sensitivity
 from exporters.quantize import quantize_int8
 from exporters.runners import OnnxRuntimeRunner
@@ -77,7 +77,7 @@ def main() -> None:
                 "held_out_images": args.images,
                 "batch": args.batch,
                 "threads": args.threads,
-                "machine": machine(),
+                "machine": Machine.here().to_dict(),
                 "fp32_p50_s": float(np.median(samples["fp32"])),
                 "rows": rows,
             },

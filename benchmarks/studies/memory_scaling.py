@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corp_deploy.artifact import library_versions
+from corp_deploy.documents import library_versions
 
 POINT = r"""
 import json, resource, sys, time

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, engine, model_transform
-from corp_deploy.artifact import library_versions
+from corp_deploy.documents import library_versions
 
 
 def resident_mib() -> float:

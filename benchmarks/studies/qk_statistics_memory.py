@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corp_deploy.artifact import library_versions
+from corp_deploy.documents import library_versions
 from corp_deploy.methods.corp.qk_statistics import images_worth_the_sums
 
 POINT = r"""

@@ -32,7 +32,7 @@ import timm
 import torch
 
 from corp_deploy import CompressConfig, compress, save_artifact
-from corp_deploy.artifact import library_versions
+from corp_deploy.documents import library_versions
 
 SMALL = dict(depth=2, embed_dim=192, num_heads=3, num_classes=10)
 

@@ -92,9 +92,9 @@ def bench(
     """
     from benchmarks.backends import parse_families
     from benchmarks.gate import GateLimits
-    from benchmarks.harness import BenchSettings
     from benchmarks.pipeline import bench_target
     from benchmarks.report import check_report_outputs, print_terminal, write_outputs
+    from benchmarks.results import BenchSettings
 
     settings = BenchSettings(
         backends=parse_families(backends),
@@ -130,8 +130,8 @@ def bench(
     print_terminal(report)
     for path in written:
         click.echo(f"wrote {path}", err=True)
-    if not report["gate"]["passed"]:
+    if not report.gate.passed:
         click.secho("regression gate FAILED:", fg="red", err=True)
-        for item in report["gate"]["regressions"]:
+        for item in report.gate.regressions:
             click.echo(f"  {item}", err=True)
         sys.exit(4)

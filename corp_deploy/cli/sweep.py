@@ -87,7 +87,7 @@ def sweep(
       torchrun --nproc-per-node 4 --no-python -- corp-deploy sweep deit_base --s 0.3,0.5 -o sweep-deit
     """
     from benchmarks.backends import parse_families
-    from benchmarks.harness import BenchSettings
+    from benchmarks.results import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
     from .. import distributed
