@@ -132,7 +132,8 @@ class CalibrationImages:
       and horizontal flips of a few bundled photos (by default the ten of
       ``CALIBRATION_PHOTOS``; ``HELD_OUT_PHOTOS`` are kept for evaluation).
     Each full iteration yields the same images in the same order. ``summary()``
-    describes what the last iteration used.
+    describes what the last iteration used, ``image_sources`` the file each of its images came
+    from (a bundled photo once per crop), in order.
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class CalibrationImages:
         self._description = description
         self.used = 0
         self.skipped: list[str] = []
+        self.image_sources: list[Path] = []
 
     @classmethod
     def from_directory(
@@ -220,7 +222,7 @@ class CalibrationImages:
         return cls.from_directory(directory, transform, limit=limit, batch_size=batch_size, seed=seed)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        self.used, self.skipped = 0, []
+        self.used, self.skipped, self.image_sources = 0, [], []
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
         for path in self._sources:
@@ -231,6 +233,7 @@ class CalibrationImages:
                 if self._crop_seed is not None:
                     im = _random_crop_flip(im, rng)
                 batch.append(self._transform(im))
+                self.image_sources.append(path)
             except UNREADABLE as exc:
                 self.skipped.append(unreadable_reason(path, exc))
                 continue

@@ -72,7 +72,8 @@ def compress(
     check_finite(model, "the model to compress")
     teacher = None
     if config.recovery.enabled:  # recovery distils from the dense model and passes over the images again
-        calibration_batches = list(calibration_batches)
+        if iter(calibration_batches) is calibration_batches:  # an iterator: read it once, keep the batches
+            calibration_batches = list(calibration_batches)
         teacher = copy.deepcopy(model)
     model = standard_form(model if in_place else copy.deepcopy(model)).eval()
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in

@@ -6,8 +6,10 @@ teacher) block by block: the loss is the mean over blocks of ``1 - cosine`` betw
 and the teacher's residual stream after the block, per token, plus ``final_weight`` times the same
 for the final features (``forward_features``). Only the blocks and the final norm learn; the
 embeddings and the head stay as they are (so the teacher can be checked against the student: their
-patch embeddings must be equal). AdamW, a linear warmup and a cosine decay; the images are
-augmented (horizontal flips, and random resized crops when ``crop_scale < 1``).
+patch embeddings must be equal). AdamW, a linear warmup and a cosine decay. Each step trains on
+fresh augmented views of the calibration images' files (:class:`RecoveryImages`): the images
+compression was fitted on are matched closely already, and views it has not seen carry the
+signal.
 
 A share of the images is held out for validation: the student is measured there before the first
 step and every ``eval_every`` steps (the mean cosine of the model's outputs, pooled features or
@@ -27,12 +29,14 @@ import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
+from .calibration import load_rgb, model_transform
 from .errors import CorpError, SettingError
 from .families import blocks_of
 from .methods.base import option
@@ -54,8 +58,8 @@ class RecoveryConfig:
         validation: the fraction of the images held out for validation (at least one image).
         eval_every: steps between two validation measurements.
         patience: measurements in a row without improvement after which recovery stops.
-        crop_scale: the smallest area of a random resized crop, as a fraction of the image; 1 keeps
-            the whole image (flips only).
+        crop_scale: the smallest area of a random resized crop, as a fraction of the image.
+        color: augment with colour jitter, greyscale and blur too (:class:`RecoveryImages`).
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
@@ -69,7 +73,8 @@ class RecoveryConfig:
     validation: float = option(0.125, "recovery: fraction of the calibration images held out for validation.")
     eval_every: int = option(25, "recovery: steps between two validation measurements.")
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
-    crop_scale: float = option(1.0, "recovery: smallest random crop, as a fraction of the image (1: flips only).")
+    crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
+    color: bool = True
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
@@ -159,30 +164,6 @@ def distillation_loss(
     return blocks + final_weight * distance(student_features, teacher_features)
 
 
-def augment(images: torch.Tensor, crop_scale: float, generator: torch.Generator) -> torch.Tensor:
-    """Each image of ``images`` ``(B, C, H, W)`` (preprocessed) mirrored with probability 1/2 and,
-    when ``crop_scale < 1``, a random crop of ``crop_scale``-100 % of its area (aspect 3/4-4/3)
-    resized back to ``H x W`` (bilinear, antialiased). Draws from ``generator`` only."""
-    batch, _, height, width = images.shape
-    out = images.clone()
-    for i in range(batch):
-        image = images[i : i + 1]
-        if crop_scale < 1:
-            u = torch.rand(4, generator=generator, dtype=torch.float64).tolist()
-            area = height * width * (crop_scale + (1 - crop_scale) * u[0])
-            ratio = math.exp(math.log(3 / 4) + math.log(16 / 9) * u[1])
-            w = min(width, max(1, round(math.sqrt(area * ratio))))
-            h = min(height, max(1, round(math.sqrt(area / ratio))))
-            top, left = int(u[2] * (height - h + 1)), int(u[3] * (width - w + 1))
-            image = F.interpolate(
-                image[..., top : top + h, left : left + w], (height, width), mode="bilinear", antialias=True
-            )
-        if torch.rand(1, generator=generator).item() < 0.5:
-            image = image.flip(-1)
-        out[i] = image[0]
-    return out
-
-
 def _lr_factor(step: int, config: RecoveryConfig) -> float:
     """The learning rate at ``step`` (0-based) as a fraction of ``config.lr``: linear warmup, then cosine."""
     warmup = round(config.warmup * config.steps)
@@ -215,15 +196,86 @@ def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
         )
 
 
-def split_validation(images: torch.Tensor, config: RecoveryConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(train, validation)``: a seeded random ``config.validation`` share of ``images`` (at least
-    one image, at most 256) held out, the rest to train on."""
-    count = len(images)
-    held = min(256, max(1, round(config.validation * count)))
-    if count - held < 1:
-        raise CorpError(f"recovery needs at least 2 calibration images (one to train on, one to validate); got {count}")
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed))
-    return images[order[held:]], images[order[:held]]
+class RecoveryImages:
+    """What recovery trains and validates on, made from the calibration images.
+
+    The images' sources (the file each came from, when the batches say so with an
+    ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
+    image is its own source) are split, seeded: a ``validation`` share of the sources (at least
+    one, at most 256) is held out, and the validation images are the calibration images of those
+    sources, as compression saw them. Training draws fresh augmented views of the other sources:
+    random resized crops of the whole file (of the image itself for a bare tensor), mirrored, and
+    with ``color`` colour jitter, greyscale and blur, as self-supervised training augments
+    (SimCLR, DINO).
+
+    Args:
+        batches: preprocessed images ``(B, 3, H, W)``.
+        data_config: the model's timm data config (``mean``, ``std``, ``input_size``).
+    """
+
+    def __init__(self, batches: Iterable[torch.Tensor], data_config: dict, config: RecoveryConfig) -> None:
+        images = torch.cat([batch.to(torch.float32) for batch in batches])
+        sources = list(getattr(batches, "image_sources", None) or range(len(images)))
+        distinct = list(dict.fromkeys(sources))
+        held = min(256, max(1, round(config.validation * len(distinct))))
+        if len(distinct) - held < 1:
+            raise CorpError(
+                f"recovery needs calibration images from at least 2 sources (one to train on, one to "
+                f"validate); got {len(distinct)}"
+            )
+        order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        validation = {distinct[i] for i in order[:held]}
+        self.validation = images[[i for i, source in enumerate(sources) if source in validation]]
+        self.mean = torch.tensor(data_config["mean"]).view(3, 1, 1)
+        self.std = torch.tensor(data_config["std"]).view(3, 1, 1)
+        self._train = [
+            source if isinstance(source, Path) else (images[source] * self.std + self.mean).clamp(0, 1)
+            for source in (distinct[i] for i in order[held:])
+        ]
+        self._augment = _augmentation(tuple(data_config["input_size"][1:]), config)
+        self._seed = config.seed
+
+    @property
+    def sources(self) -> tuple[int, int]:
+        """``(training, validation)`` source counts."""
+        return len(self._train), len(self.validation)
+
+    def views(self, indices: list[int], step: int) -> torch.Tensor:
+        """Augmented views ``(len(indices), 3, H, W)`` of the training sources ``indices``,
+        preprocessed; the same for the same ``step`` in every process."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._seed * 1_000_003 + step)
+            views = torch.stack([self._augment(self._pixels(self._train[i])) for i in indices])
+        return (views - self.mean) / self.std
+
+    def _pixels(self, source: Path | torch.Tensor) -> torch.Tensor:
+        """A training source as ``(3, h, w)`` floats in [0, 1]."""
+        if isinstance(source, torch.Tensor):
+            return source
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        return pil_to_tensor(load_rgb(source)).float() / 255
+
+
+def _augmentation(size: tuple[int, int], config: RecoveryConfig):
+    """The training views' transform, on ``(3, h, w)`` images in [0, 1], ending normalised."""
+    from torchvision.transforms import v2
+
+    color = []
+    if config.color:
+        blur = 2 * round(0.05 * max(size)) + 1  # an odd kernel of a tenth of the image (SimCLR)
+        color = [
+            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+            v2.RandomApply([v2.GaussianBlur(blur, sigma=(0.1, 2.0))], p=0.5),
+        ]
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, scale=(config.crop_scale, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            *color,
+        ]
+    )
 
 
 @torch.no_grad()
@@ -261,8 +313,7 @@ def recover(
     device = next(student.parameters()).device
     student.eval()  # dropout and drop-path off: the function inference computes is the one trained
     teacher = teacher.to(device).eval()
-    images = torch.cat([batch.to(torch.float32) for batch in calibration_batches])
-    train_images, val_images = split_validation(images, config)
+    images = RecoveryImages(calibration_batches, model_transform(student)[1], config)
     world = distributed.world_size()
     if config.batch_size % world:
         raise SettingError(
@@ -290,17 +341,16 @@ def recover(
     generator = torch.Generator().manual_seed(config.seed + 1)
     teacher_blocks, student_blocks = _BlockOutputs(teacher), _BlockOutputs(student)
 
-    start_cosine = _validate(student, teacher, val_images, config.batch_size, autocast)
+    start_cosine = _validate(student, teacher, images.validation, config.batch_size, autocast)
     best = {"step": 0, "cosine": start_cosine, "weights": _copy(trained)}
     curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "lr": 0.0}]
     stop, running, stale, step = "steps done", None, 0, 0
     started = time.perf_counter()
     try:
         with _Progress(progress, config.steps, start_cosine) as bar:
-            order = _Batches(len(train_images), config.batch_size, generator)
+            order = _Batches(images.sources[0], config.batch_size, generator)
             for step in range(1, config.steps + 1):
-                x = augment(train_images[order.next()], config.crop_scale, generator)
-                x = x[distributed.rank() :: world].to(device)
+                x = images.views(order.next(), step)[distributed.rank() :: world].to(device)
                 teacher_blocks.clear(), student_blocks.clear()
                 with torch.no_grad(), autocast():
                     teacher_features = teacher.forward_features(x)
@@ -327,7 +377,7 @@ def recover(
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
                     continue
-                cosine = _validate(student, teacher, val_images, config.batch_size, autocast)
+                cosine = _validate(student, teacher, images.validation, config.batch_size, autocast)
                 curve.append(
                     {"step": step, "loss": running, "validation_cosine": cosine, "lr": schedule.get_last_lr()[0]}
                 )
@@ -349,7 +399,7 @@ def recover(
     student.eval()
     return {
         "settings": asdict(config),
-        "images": {"train": len(train_images), "validation": len(val_images)},
+        "images": {"training_sources": images.sources[0], "validation": images.sources[1]},
         "steps_run": step,
         "stopped": stop,
         "best_step": best["step"],
@@ -372,11 +422,11 @@ class _Batches:
         self._count, self._batch, self._generator = count, batch, generator
         self._order: list[int] = []
 
-    def next(self) -> torch.Tensor:
+    def next(self) -> list[int]:
         while len(self._order) < self._batch:
             self._order += torch.randperm(self._count, generator=self._generator).tolist()
         taken, self._order = self._order[: self._batch], self._order[self._batch :]
-        return torch.tensor(taken)
+        return taken
 
 
 class _Progress:

@@ -9,17 +9,15 @@ a dense model, a :class:`~corp_deploy.config.CompressConfig` and a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import distributed
 from .artifact import base_model_spec, load_base_model, load_compressed, read_config, read_report, save_artifact
-from .calibration import CalibrationSpec, model_transform
+from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
 from .engine import compress, resolve_device
 from .errors import CorpError
@@ -62,11 +60,13 @@ class CompressedArtifact:
 
 class HeldImages:
     """Calibration batches read once and held in memory, for work that compresses one model
-    several times (a sweep): iterating gives the same batches, ``summary()`` that of the read."""
+    several times (a sweep): iterating gives the same batches, ``summary()`` and
+    ``image_sources`` those of the read (:class:`~corp_deploy.calibration.CalibrationImages`)."""
 
-    def __init__(self, images: Iterable[torch.Tensor]) -> None:
+    def __init__(self, images: CalibrationImages) -> None:
         self._batches = list(images)
         self._summary = images.summary()
+        self.image_sources = list(images.image_sources)
 
     def __iter__(self):
         return iter(self._batches)

@@ -11,11 +11,9 @@ from corp_deploy import CompressConfig, compress
 from corp_deploy.errors import CorpError, SettingError
 from corp_deploy.recovery import (
     RecoveryConfig,
-    augment,
     check_teacher,
     distillation_loss,
     recover,
-    split_validation,
     trainable_parameters,
 )
 
@@ -55,7 +53,7 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
     assert losses[-1] < losses[0]
     cosine = recovery["validation_cosine"]
     assert recovery["best_step"] > 0 and cosine["recovered"] > cosine["compressed"]
-    assert recovery["images"] == {"train": 28, "validation": 4} and report["params"]["compressed"] == sum(
+    assert recovery["images"] == {"training_sources": 28, "validation": 4} and report["params"]["compressed"] == sum(
         p.numel() for p in model.parameters()
     )
     for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight"):  # never trained
@@ -115,23 +113,46 @@ def test_the_loss_is_zero_for_equal_streams_and_the_cosine_distance_otherwise():
     assert float(got) == pytest.approx(1.5 * float(expected), rel=1e-5)
 
 
-def test_augmentation_flips_and_crops_with_its_own_generator():
-    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
-    flips = augment(x, 1.0, torch.Generator().manual_seed(0))
-    for i in range(2):
-        assert torch.equal(flips[i], x[i]) or torch.equal(flips[i], x[i].flip(-1))
-    crops = augment(x, 0.3, torch.Generator().manual_seed(0))
-    assert crops.shape == x.shape and torch.equal(crops, augment(x, 0.3, torch.Generator().manual_seed(0)))
+DATA_CONFIG = {"mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3), "input_size": (3, 8, 8)}
 
 
-def test_the_validation_split_is_seeded_and_disjoint():
-    x = torch.arange(40, dtype=torch.float32).reshape(40, 1, 1, 1)
-    train, val = split_validation(x, RecoveryConfig(validation=0.25, seed=3))
-    assert len(val) == 10 and len(train) == 30
-    assert sorted(torch.cat([train, val]).flatten().tolist()) == list(range(40))
-    assert torch.equal(val, split_validation(x, RecoveryConfig(validation=0.25, seed=3))[1])
-    with pytest.raises(CorpError, match="at least 2 calibration images"):
-        split_validation(x[:1], RecoveryConfig())
+def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
+    """Images of one source (crops of one file) are all held out or all trained on; views of the
+    same step are the same, normalised as the calibration images are."""
+    from PIL import Image
+
+    from corp_deploy.recovery import RecoveryImages
+
+    paths = []
+    for i in range(8):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray((torch.rand(12, 16, 3, generator=torch.Generator().manual_seed(i)) * 255).byte().numpy()).save(
+            paths[-1]
+        )
+
+    class Batches(list):
+        image_sources = [paths[i // 2] for i in range(16)]  # two crops of each file
+
+    batches = Batches([torch.arange(16.0).view(16, 1, 1, 1).expand(16, 3, 8, 8)])
+    images = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3))
+    assert images.sources == (6, 4)  # 2 of 8 files held out, with both their crops
+    held = sorted(images.validation[:, 0, 0, 0].tolist())
+    assert len(held) == 4 and all(held[i] // 2 == held[i + 1] // 2 for i in (0, 2))
+    one, again = images.views([0, 5, 5], step=7), images.views([0, 5, 5], step=7)
+    assert one.shape == (3, 3, 8, 8) and torch.equal(one, again) and not torch.equal(one, images.views([0, 5, 5], 8))
+    pixels = one * torch.tensor(DATA_CONFIG["std"]).view(3, 1, 1) + torch.tensor(DATA_CONFIG["mean"]).view(3, 1, 1)
+    assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
+
+
+def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
+    from corp_deploy.recovery import RecoveryImages
+
+    x = torch.rand(40, 3, 8, 8)
+    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3))
+    assert images.sources == (30, 10) and images.validation.shape == (10, 3, 8, 8)
+    assert all(any(torch.equal(v, row) for row in x) for v in images.validation)
+    with pytest.raises(CorpError, match="at least 2 sources"):
+        RecoveryImages([x[:1]], DATA_CONFIG, RecoveryConfig())
 
 
 def test_only_the_blocks_and_the_final_norm_learn(small_vit):
