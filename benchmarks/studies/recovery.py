@@ -1,0 +1,133 @@
+"""Label-free recovery (corp_deploy/recovery.py) on the real DINOv2 ViT-S/14: fidelity on held-out
+photos and on images unlike the calibration set, against the number of steps, started from CORP
+(uniform and budgeted), from the uncompensated slice and from VBP.
+
+    python -m benchmarks.studies.recovery --calib 128 --held-out 64 --unlike 64 \\
+        --starts corp-s0.5,budget-s0.5 --steps 0,100,200 --out benchmarks/results/recovery.json
+
+Every start is compressed once on ``--calib`` crops of the calibration photos (budget rows at the
+MACs of uniform CORP at that s); every step count is a separate recovery of a copy of it (its own
+warmup and cosine schedule, early stopping as configured), on the same calibration images. Each
+row: mean cosine to the dense model of the pooled output and of all output tokens on the held-out
+photos and the unlike images, the recovery's own validation cosine before and after, the steps
+run, why it stopped, and the wall times. ``--set KEY=VALUE`` changes a RecoveryConfig field for
+every row (e.g. ``--set lr=5e-5 --set color=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from benchmarks.held_out import feature_cosine, unlike_images, write_dinov2_study
+from benchmarks.real_weights import build_dinov2
+from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
+from corp_deploy.calibration import split_builtin_images
+from corp_deploy.recovery import RecoveryConfig, recover
+
+
+def start_config(label: str, dense, calib) -> CompressConfig:
+    """``corp-s<S>``, ``budget-s<S>`` (a MAC budget equal to uniform CORP's at S), ``slice-s<S>``
+    (CORP's channels, uncompensated) or ``vbp-s<S>``."""
+    kind, s = label.rsplit("-s", 1)
+    s = float(s)
+    if kind == "corp":
+        return CompressConfig.from_settings(sparsity=s)
+    if kind == "slice":
+        return CompressConfig.from_settings(sparsity=s, compensation=False)
+    if kind == "vbp":
+        return CompressConfig.from_settings(method="vbp", sparsity=s)
+    if kind == "budget":
+        uniform, _ = compress(dense, calib, CompressConfig.from_settings(sparsity=s, refit="none"))
+        size = calib_size(dense)
+        return CompressConfig.from_settings(macs=count_macs(uniform, size) / count_macs(dense, size))
+    raise SystemExit(f"unknown start {label!r}")
+
+
+def calib_size(model) -> tuple[int, ...]:
+    return tuple(model_transform(model)[1]["input_size"])
+
+
+def parse_value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calib", type=int, default=128)
+    parser.add_argument("--held-out", type=int, default=64)
+    parser.add_argument("--unlike", type=int, default=64)
+    parser.add_argument("--starts", default="corp-s0.5")
+    parser.add_argument("--steps", default="0,100,200")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    known = {field.name for field in fields(RecoveryConfig)}
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in known:
+            raise SystemExit(f"--set {key}: not a RecoveryConfig field ({', '.join(sorted(known))})")
+        overrides[key] = parse_value(value)
+
+    dense = build_dinov2()
+    transform, _ = model_transform(dense)
+    calibration, held_images = split_builtin_images(transform, args.calib, args.held_out)
+    calib, held = HeldImages(calibration), list(held_images)
+    unlike = unlike_images(transform, args.unlike)
+    rows = []
+    for start in args.starts.split(","):
+        config = start_config(start, dense, calib)
+        began = time.perf_counter()
+        compressed, report = compress(dense, calib, config)
+        compress_s = time.perf_counter() - began
+        for steps in (int(n) for n in args.steps.split(",")):
+            student = copy.deepcopy(compressed)
+            recovery = None
+            if steps:
+                recovery = recover(student, dense, calib, RecoveryConfig(steps=steps, **overrides))
+            photos, other = feature_cosine(dense, student, held), feature_cosine(dense, student, unlike)
+            row = {
+                "start": start,
+                "steps": steps,
+                "photos_output": photos["output_cosine"],
+                "photos_tokens": photos["token_cosine"],
+                "unlike_output": other["output_cosine"],
+                "unlike_tokens": other["token_cosine"],
+                "macs_fraction": report["macs"]["compressed"] / report["macs"]["dense"],
+                "compress_s": round(compress_s, 1),
+                "recovery": None if recovery is None else {k: v for k, v in recovery.items() if k != "settings"},
+            }
+            printed = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "recovery"}
+            if recovery:
+                printed.update(
+                    steps_run=recovery["steps_run"],
+                    best=recovery["best_step"],
+                    validation=[round(v, 4) for v in recovery["validation_cosine"].values()],
+                    recover_s=recovery["time_s"],
+                )
+            print(json.dumps(printed), flush=True)
+            rows.append(row)
+            write_dinov2_study(
+                args.out,
+                f"python -m benchmarks.studies.recovery --calib {args.calib} --held-out {args.held_out} "
+                f"--unlike {args.unlike} --starts {args.starts} --steps {args.steps} "
+                + "".join(f"--set {item} " for item in args.set)
+                + f"--out {args.out}",
+                recovery_settings={**vars(RecoveryConfig(**overrides)), "steps": "per row"},
+                rows=rows,
+            )
+
+
+if __name__ == "__main__":
+    main()
