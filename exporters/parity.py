@@ -132,7 +132,7 @@ class Tolerance:
 
 #: fp32 must match to float32 round-off. Reduced precision changes every intermediate
 #: result, so it is judged by direction (cosine) and decisions (top-1), not by 1e-5. int8
-#: rounds every Linear input to 255 levels: looser again (README, "INT8").
+#: rounds every Linear input to 255 levels: looser again (docs/export.md "Parity gates", docs/int8.md).
 DEFAULT_TOLERANCES = {
     "fp32": Tolerance(atol=1e-4, min_cosine=0.99999),
     "fp16": Tolerance(min_cosine=0.999, min_top1=0.85),

@@ -299,9 +299,9 @@ def test_swin_refuses_toast_and_keeps_bias_and_mask_when_pruned():
             assert torch.equal(block.windows.mask, timm_block.attn_mask)
 
 
-def test_readme_table_of_supported_models_is_the_registry_s():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert supported_table() in readme
+def test_docs_table_of_supported_models_is_the_registry_s():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    assert supported_table() in page
 
 
 def test_every_family_module_is_registered_and_its_examples_belong_to_it():

@@ -121,7 +121,7 @@ def compress(
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     Under torchrun every process calibrates on its share of the images and the statistics are
-    summed over the processes (README "Scaling out"); the first process writes the artifact.
+    summed over the processes (docs/scaling.md); the first process writes the artifact.
 
     \b
     Examples:
