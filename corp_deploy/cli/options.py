@@ -227,7 +227,7 @@ evaluation_options = options(
         type=click.Path(path_type=Path),
         default=None,
         help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
-        "labelled (ImageFolder layout, see README). [default: 5 bundled photos kept out of "
+        "labelled (ImageFolder layout, see docs/bench.md). [default: 5 bundled photos kept out of "
         "calibration]",
     ),
     click.option(

@@ -6,7 +6,7 @@ Each module (:mod:`.vit`, :mod:`.hybrid`, :mod:`.relpos`, :mod:`.beit`, :mod:`.e
 matches, why a structure it cannot compress is refused, the exact rewrite of its blocks into the
 standard pre-norm block the engine compresses (docs/method.md §9), the MAC formula of its
 attentions, which parts can be pruned and why the others cannot, how its blocks group their tokens
-for attention where they do not attend over one whole sequence, its rows of README's table, and
+for attention where they do not attend over one whole sequence, its rows of the table in docs/models.md, and
 its small test models. Everything below is driven by :data:`FAMILIES`: adding a family is one
 module and one entry there.
 """
@@ -195,7 +195,7 @@ def supported_summary() -> str:
 
 
 def supported_table() -> str:
-    """README's table of supported models (Markdown), one row per family row and a last row of
+    """The table of supported models in docs/models.md (Markdown), one row per family row and a last row of
     what is refused."""
     lines = ["| family (timm class) | example models | pruned | compensated |", "|---|---|---|---|"]
     lines += [f"| {' | '.join(row)} |" for family in FAMILIES for row in family.rows]

@@ -26,7 +26,7 @@ class Example(NamedTuple):
 
 
 class SupportRow(NamedTuple):
-    """One row of README's table of supported models (Markdown cells)."""
+    """One row of the table of supported models in docs/models.md (Markdown cells)."""
 
     family: str
     examples: str
@@ -111,7 +111,7 @@ class Family:
         matches: whether a timm model (dense, or already in standard form) belongs to it.
         problem: why a model of the family cannot be compressed (a phrase naming the class or
             structure that is not supported), or None.
-        rows: its rows of README's table of supported models; none for a family refused as a whole.
+        rows: its rows of the table of supported models (docs/models.md); none for a family refused as a whole.
         refused: variants refused as a whole, for the table's last row.
         examples: small test models by test id.
         blocks: its transformer blocks in forward order (default ``model.blocks``).
