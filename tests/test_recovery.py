@@ -191,3 +191,43 @@ def test_recover_works_on_an_already_compressed_model(small_vit, images):
     report = recover(student, small_vit(), images, QUICK)
     assert report["validation_cosine"]["recovered"] > report["validation_cosine"]["compressed"]
     assert [p.requires_grad for p in student.parameters()] == flags and not student.training
+
+
+def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tiny_artifact, tmp_path, run_cli):
+    """``compress --recover-steps`` and ``recover ARTIFACT`` write artifacts of the compressed
+    structure, recording the recovery; export takes them as any other; a recovered artifact is not
+    recovered again."""
+    from corp_deploy.artifact import read_config, read_report
+    from tests.helpers import SMALL_VIT_CLI_ARGS
+
+    quick = ["--recover-steps", 3, "--recover-batch-size", 2, "--recover-eval-every", 1]
+    state = tmp_path / "state"
+    result, text = run_cli(
+        [
+            "compress",
+            "deit_tiny",
+            "--no-pretrained",
+            *SMALL_VIT_CLI_ARGS,
+            "--calib-samples",
+            8,
+            *quick,
+            "-o",
+            tmp_path / "c",
+        ],
+        state,
+    )
+    assert result.exit_code == 0, text
+    result, text = run_cli(["recover", tiny_artifact, *quick, "-o", tmp_path / "r"], state)
+    assert result.exit_code == 0, text
+    assert "validation output cosine" in text
+    for out in (tmp_path / "c", tmp_path / "r"):
+        config, report = read_config(out), read_report(out)
+        assert config["settings"]["recover_steps"] == 3 and 1 <= report["recovery"]["steps_run"] <= 3
+        assert config["blocks"] == read_config(tiny_artifact)["blocks"]
+    assert read_report(tmp_path / "r")["layers"] == read_report(tiny_artifact)["layers"]
+    result, text = run_cli(["recover", tmp_path / "r", "-o", tmp_path / "again"], state)
+    assert result.exit_code == 1 and "already recovered" in text and not (tmp_path / "again").exists()
+    result, text = run_cli(["recover", tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
+    assert result.exit_code == 2 and "recovers nothing" in text
+    result, text = run_cli(["export", tmp_path / "r", "-o", tmp_path / "x"], state)
+    assert result.exit_code == 0, text

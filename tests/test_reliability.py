@@ -1207,6 +1207,22 @@ FAULTS = {
     "compress-sigterm-while-the-output-is-swapped": Fault(
         "os", "rename", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
+    "compress-sigterm-while-recovering": Fault(
+        "corp_deploy.recovery",
+        "distillation_loss",
+        2,
+        "SIGTERM",
+        lambda w: [*BASE, "--recover-steps", 4, "--recover-batch-size", 2, "-o", w / "art"],
+        "art",
+    ),
+    "recover-sigint-while-recovering": Fault(
+        "corp_deploy.recovery",
+        "distillation_loss",
+        2,
+        "SIGINT",
+        lambda w: ["recover", w / "art", "--recover-steps", 4, "--recover-batch-size", 2, "-o", w / "rec"],
+        "rec",
+    ),
     "export-sigterm-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGTERM", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
     ),
