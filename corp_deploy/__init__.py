@@ -53,6 +53,9 @@ _API = {
     "CompressedArtifact": "workflow",
     "HeldImages": "workflow",
     "compress_to_artifact": "workflow",
+    "recover_artifact": "workflow",
+    "RecoveryConfig": "recovery",
+    "recover": "recovery",
 }
 __all__ = sorted(_API)
 

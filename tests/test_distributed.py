@@ -138,6 +138,7 @@ def _compress_on_my_share(config: CompressConfig, x: torch.Tensor, sizes: tuple[
             "budget": report.get("budget"),
             "distributed": report["distributed"],
             "images": report["calibration"]["images"],
+            "recovered_from_step": report.get("recovery", {}).get("best_step"),
         }
 
 
@@ -160,8 +161,22 @@ PAST_THE_GRAMS = (32, 32, 16)
         (dict(s_mlp=0.5, s_attn=0.5), PAST_THE_GRAMS),
         (dict(macs=0.5), PAST_THE_GRAMS),
         (dict(method="vbp", s_mlp=0.5), (8, 8, 8, 5)),
+        (
+            dict(s_mlp=0.75, s_attn=0.75, compensation=False, recover_steps=4, recover_batch_size=4, recover_lr=3e-3)
+            | dict(recover_eval_every=2),
+            (8, 8, 8, 5),
+        ),
     ],
-    ids=["uniform", "budget", "budget-probes-on-one-process", "sequential", "uniform-qk-sums", "budget-qk-sums", "vbp"],
+    ids=[
+        "uniform",
+        "budget",
+        "budget-probes-on-one-process",
+        "sequential",
+        "uniform-qk-sums",
+        "budget-qk-sums",
+        "vbp",
+        "recovery",
+    ],
 )
 def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes):
     """The same kept dims (uniform and budget: the budget's curves, probes and allocation see the
@@ -169,7 +184,8 @@ def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes)
     variance ranking sees the merged moments) and the same outputs up to float summation order.
     With 80 images the query/key statistics are past the images worth their Kronecker sums (72 at
     the small ViT's head dim 16), though neither process's share is: each folds its Grams at the
-    reduction."""
+    reduction. A recovery after compression (DistributedDataParallel, each process running half of
+    every batch) gives the one-process weights."""
     if sizes == PAST_THE_GRAMS:
         assert sum(sizes) > images_worth_the_sums(16) > max(sum(sizes[0::2]), sum(sizes[1::2]))
     config = CompressConfig.from_settings(**settings)
@@ -184,6 +200,8 @@ def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes)
         assert result["dims"] == [layer["dims"] for layer in report["layers"]]
         if "macs" in settings:
             assert [u["kept"] for u in result["budget"]["units"]] == [u["kept"] for u in report["budget"]["units"]]
+        if "recover_steps" in settings:  # weights the recovery trained, not compression's kept
+            assert result["recovered_from_step"] == report["recovery"]["best_step"] > 0
         # observed 2e-7 (outputs ~0.9); without the reduction of the statistics 3e-4
         torch.testing.assert_close(result["output"], expected, rtol=1e-5, atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""The drift-correcting refit (docs/method.md §11) against independent computations: the shrunk
+"""The drift-correcting refit (docs/method.md §10) against independent computations: the shrunk
 ridge solve against lstsq on raw samples, and the refitted layers of a compressed model against
 the same fit on that model's own activations."""
 
