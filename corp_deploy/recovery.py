@@ -278,21 +278,85 @@ def _augmentation(size: tuple[int, int], config: RecoveryConfig):
     )
 
 
-@torch.no_grad()
-def _validate(student: nn.Module, teacher: nn.Module, images: torch.Tensor, batch: int, autocast) -> float:
-    """Mean over ``images`` of the cosine between the two models' outputs (pooled features or
-    logits), summed over the processes of torch.distributed (each measures its share)."""
-    cosines, count = 0.0, 0
-    device = next(student.parameters()).device
-    share = images[distributed.rank() :: distributed.world_size()]
-    for start in range(0, len(share), batch):
-        x = share[start : start + batch].to(device)
-        with autocast():
-            s, t = student(x), teacher(x)
-        cosines += float(F.cosine_similarity(s.float().flatten(1), t.float().flatten(1), dim=1).double().sum())
-        count += len(x)
-    cosines, count = distributed.sum_floats(cosines, count)
-    return cosines / count
+class _Distillation:
+    """One recovery's training state: the student's trained parameters (the others frozen, their
+    ``requires_grad`` given back by :meth:`close`), the optimiser and schedule, the hooks on both
+    models' blocks, and the student behind DistributedDataParallel under torch.distributed."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, config: RecoveryConfig) -> None:
+        self.student, self.teacher, self.config = student, teacher, config
+        device = next(student.parameters()).device
+        self.bf16 = config.autocast_bf16 and device.type == "cuda"
+        for parameter in teacher.parameters():
+            parameter.requires_grad_(False)
+        self.trained = trainable_parameters(student)
+        self._requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
+        for name, parameter in student.named_parameters():
+            parameter.requires_grad_(name in self.trained)
+        self._features = _Features(student)
+        if distributed.active():
+            self._features = nn.parallel.DistributedDataParallel(self._features)
+        self.optimizer = torch.optim.AdamW(list(self.trained.values()), lr=config.lr, weight_decay=config.weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: _lr_factor(step, config))
+        self._teacher_blocks, self._student_blocks = _BlockOutputs(teacher), _BlockOutputs(student)
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    def step(self, x: torch.Tensor, step: int) -> float:
+        """One optimisation step on this process's share ``x`` of the batch; the loss, averaged
+        over the processes. CorpError if it is not finite."""
+        self._teacher_blocks.clear(), self._student_blocks.clear()
+        with torch.no_grad(), self.autocast():
+            teacher_features = self.teacher.forward_features(x)
+        with self.autocast():
+            student_features = self._features(x)
+        loss = distillation_loss(
+            self._student_blocks.outputs,
+            self._teacher_blocks.outputs,
+            student_features,
+            teacher_features,
+            self.config.final_weight,
+        )
+        if not torch.isfinite(loss):
+            raise CorpError(
+                f"recovery stopped at step {step} of {self.config.steps}: the loss is not finite "
+                f"({float(loss.detach())}); nothing was written (try a lower --recover-lr)"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.schedule.step()
+        return distributed.sum_floats(float(loss.detach()))[0] / distributed.world_size()
+
+    @torch.no_grad()
+    def validate(self, images: torch.Tensor) -> float:
+        """Mean over ``images`` of the cosine between the two models' outputs (pooled features or
+        logits); under torch.distributed each process measures its share and the sums are added."""
+        cosines, count = 0.0, 0
+        device = next(self.student.parameters()).device
+        share = images[distributed.rank() :: distributed.world_size()]
+        for start in range(0, len(share), self.config.batch_size):
+            x = share[start : start + self.config.batch_size].to(device)
+            with self.autocast():
+                s, t = self.student(x), self.teacher(x)
+            cosines += float(F.cosine_similarity(s.float().flatten(1), t.float().flatten(1), dim=1).double().sum())
+            count += len(x)
+        cosines, count = distributed.sum_floats(cosines, count)
+        return cosines / count
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the trained parameters."""
+        return {name: p.detach().clone() for name, p in self.trained.items()}
+
+    def close(self, weights: dict[str, torch.Tensor]) -> None:
+        """Put ``weights`` into the student, remove the hooks, give back ``requires_grad``."""
+        with torch.no_grad():
+            for name, parameter in self.trained.items():
+                parameter.copy_(weights[name])
+        self._teacher_blocks.remove(), self._student_blocks.remove()
+        for name, parameter in self.student.named_parameters():
+            parameter.requires_grad_(self._requires_grad[name])
 
 
 def recover(
@@ -308,95 +372,46 @@ def recover(
     ``calibration_batches`` ``(B, 3, H, W)``, as the module docstring says. Returns the recovery's
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
     step, the running training loss, the validation cosine and the learning rate; ``student``
-    holds the best weights, in eval mode."""
+    holds the best weights, in eval mode (also after a failure: compression's weights then)."""
     check_teacher(student, teacher)
-    device = next(student.parameters()).device
-    student.eval()  # dropout and drop-path off: the function inference computes is the one trained
-    teacher = teacher.to(device).eval()
-    images = RecoveryImages(calibration_batches, model_transform(student)[1], config)
     world = distributed.world_size()
     if config.batch_size % world:
         raise SettingError(
             f"{{setting}} {config.batch_size} must be a multiple of the {world} processes (each runs an equal share)",
             SETTING_PREFIX + "batch_size",
         )
-    use_bf16 = config.autocast_bf16 and device.type == "cuda"
-
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
-    trained = trainable_parameters(student)
-    requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
-    for parameter in trained.values():
-        parameter.requires_grad_(True)
-    features = _Features(student)
-    if distributed.active():
-        features = nn.parallel.DistributedDataParallel(features)
-    optimizer = torch.optim.AdamW(list(trained.values()), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    teacher_blocks, student_blocks = _BlockOutputs(teacher), _BlockOutputs(student)
-
-    start_cosine = _validate(student, teacher, images.validation, config.batch_size, autocast)
-    best = {"step": 0, "cosine": start_cosine, "weights": _copy(trained)}
+    device = next(student.parameters()).device
+    student.eval()  # dropout and drop-path off: the function inference computes is the one trained
+    teacher = teacher.to(device).eval()
+    images = RecoveryImages(calibration_batches, model_transform(student)[1], config)
+    run = _Distillation(student, teacher, config)
+    started = time.perf_counter()
+    start_cosine = run.validate(images.validation)
+    best = {"step": 0, "cosine": start_cosine, "weights": run.weights()}
     curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "lr": 0.0}]
     stop, running, stale, step = "steps done", None, 0, 0
-    started = time.perf_counter()
+    order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
     try:
         with _Progress(progress, config.steps, start_cosine) as bar:
-            order = _Batches(images.sources[0], config.batch_size, generator)
             for step in range(1, config.steps + 1):
-                x = images.views(order.next(), step)[distributed.rank() :: world].to(device)
-                teacher_blocks.clear(), student_blocks.clear()
-                with torch.no_grad(), autocast():
-                    teacher_features = teacher.forward_features(x)
-                with autocast():
-                    student_features = features(x)
-                loss = distillation_loss(
-                    student_blocks.outputs,
-                    teacher_blocks.outputs,
-                    student_features,
-                    teacher_features,
-                    config.final_weight,
-                )
-                if not torch.isfinite(loss):
-                    raise CorpError(
-                        f"recovery stopped at step {step} of {config.steps}: the loss is not finite "
-                        f"({float(loss.detach())}); nothing was written (try a lower --recover-lr)"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                value = distributed.sum_floats(float(loss.detach()))[0] / world
-                running = value if running is None else 0.9 * running + 0.1 * value
+                loss = run.step(images.views(order.next(), step)[distributed.rank() :: world].to(device), step)
+                running = loss if running is None else 0.9 * running + 0.1 * loss
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
                     continue
-                cosine = _validate(student, teacher, images.validation, config.batch_size, autocast)
+                cosine = run.validate(images.validation)
                 curve.append(
-                    {"step": step, "loss": running, "validation_cosine": cosine, "lr": schedule.get_last_lr()[0]}
+                    {"step": step, "loss": running, "validation_cosine": cosine, "lr": run.schedule.get_last_lr()[0]}
                 )
                 bar.validated(cosine)
+                stale = 0 if cosine > best["cosine"] else stale + 1
                 if cosine > best["cosine"]:
-                    best, stale = {"step": step, "cosine": cosine, "weights": _copy(trained)}, 0
-                else:
-                    stale += 1
+                    best = {"step": step, "cosine": cosine, "weights": run.weights()}
                 if stale >= config.patience:
                     stop = f"validation did not improve in {config.patience} measurements"
                     break
     finally:
-        teacher_blocks.remove(), student_blocks.remove()
-        for name, parameter in student.named_parameters():
-            parameter.requires_grad_(requires_grad[name])
-    with torch.no_grad():
-        for name, parameter in trained.items():
-            parameter.copy_(best["weights"][name])
-    student.eval()
+        run.close(best["weights"])
     return {
         "settings": asdict(config),
         "images": {"training_sources": images.sources[0], "validation": images.sources[1]},
@@ -405,14 +420,10 @@ def recover(
         "best_step": best["step"],
         "validation_cosine": {"compressed": start_cosine, "recovered": best["cosine"]},
         "curve": curve,
-        "trained_parameters": sum(p.numel() for p in trained.values()),
+        "trained_parameters": sum(p.numel() for p in run.trained.values()),
         "time_s": round(time.perf_counter() - started, 2),
-        "bf16_autocast": use_bf16,
+        "bf16_autocast": run.bf16,
     }
-
-
-def _copy(parameters: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in parameters.items()}
 
 
 class _Batches:
