@@ -11,11 +11,13 @@ fresh augmented views of the calibration images' files (:class:`RecoveryImages`)
 compression was fitted on are matched closely already, and views it has not seen carry the
 signal.
 
-A share of the images is held out for validation: the student is measured there before the first
-step and every ``eval_every`` steps (the mean cosine of the model's outputs, pooled features or
-logits, to the teacher's), recovery stops when ``patience`` measurements in a row did not improve,
-and the weights of the best measurement are kept, CORP's own if none beat them: a recovery never
-leaves the model worse on validation than compression left it.
+A share of the images' sources is held out for validation, one unseen view of each, as it is and
+distorted in colour and sharpness: the student is measured on both before the first step and every
+``eval_every`` steps (the mean cosine of the model's outputs, pooled features or logits, to the
+teacher's). A measurement counts as better when it beats the best so far on the views as they are
+without falling below compression on the distorted ones; recovery stops when ``patience``
+measurements in a row were not better, and the weights of the best are kept, CORP's own if none
+was: a recovery never leaves the model worse on either validation set than compression left it.
 
 Under torch.distributed the student is wrapped in ``DistributedDataParallel``: every process draws
 the same global batch and runs its share of it, torch averages the gradients, so the result equals
@@ -59,7 +61,8 @@ class RecoveryConfig:
         eval_every: steps between two validation measurements.
         patience: measurements in a row without improvement after which recovery stops.
         crop_scale: the smallest area of a random resized crop, as a fraction of the image.
-        color: augment with colour jitter, greyscale and blur too (:class:`RecoveryImages`).
+        color: the fraction of training views also distorted in colour and sharpness (colour
+            jitter, greyscale, blur; :class:`RecoveryImages`).
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
@@ -74,7 +77,7 @@ class RecoveryConfig:
     eval_every: int = option(25, "recovery: steps between two validation measurements.")
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
-    color: bool = True
+    color: float = 0.5
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
@@ -91,6 +94,7 @@ class RecoveryConfig:
             "warmup": (0.0, 1.0, True),
             "validation": (0.0, 1.0, False),
             "crop_scale": (0.0, 1.0, False),
+            "color": (0.0, 1.0, True),
             "final_weight": (0.0, 100.0, True),
         }
         for name, (low, high, low_included) in ranges.items():
@@ -202,11 +206,14 @@ class RecoveryImages:
     The images' sources (the file each came from, when the batches say so with an
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
     image is its own source) are split, seeded: a ``validation`` share of the sources (at least
-    one, at most 256) is held out, and the validation images are the calibration images of those
-    sources, as compression saw them. Training draws fresh augmented views of the other sources:
-    random resized crops of the whole file (of the image itself for a bare tensor), mirrored, and
-    with ``color`` colour jitter, greyscale and blur, as self-supervised training augments
-    (SimCLR, DINO).
+    one, at most 256) is held out. Its validation images are one view of each held-out source that
+    neither compression nor training saw (a random resized crop, mirrored or not, seeded:
+    compression matches its own calibration images closely, so they would flatter it), and the
+    same views distorted once in colour and sharpness: a recovery must not buy fidelity on the one
+    by losing it on the other. Training draws fresh augmented views of the other sources: random
+    resized crops of the whole file (of the image itself for a bare tensor), mirrored, and a
+    ``color`` share of them distorted too (colour jitter, greyscale, blur, as self-supervised
+    training augments: SimCLR, DINO).
 
     Args:
         batches: preprocessed images ``(B, 3, H, W)``.
@@ -224,16 +231,20 @@ class RecoveryImages:
                 f"validate); got {len(distinct)}"
             )
         order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        validation = {distinct[i] for i in order[:held]}
-        self.validation = images[[i for i, source in enumerate(sources) if source in validation]]
         self.mean = torch.tensor(data_config["mean"]).view(3, 1, 1)
         self.std = torch.tensor(data_config["std"]).view(3, 1, 1)
-        self._train = [
+        kept = [
             source if isinstance(source, Path) else (images[source] * self.std + self.mean).clamp(0, 1)
-            for source in (distinct[i] for i in order[held:])
+            for source in (distinct[i] for i in order)
         ]
-        self._augment = _augmentation(tuple(data_config["input_size"][1:]), config)
-        self._seed = config.seed
+        self._train = kept[held:]
+        self._crop, self._distort = _augmentations(tuple(data_config["input_size"][1:]), config)
+        self._seed, self._color = config.seed, config.color
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            views = torch.stack([self._crop(self._pixels(source)) for source in kept[:held]])
+            self.validation = (views - self.mean) / self.std
+            self.distorted = (torch.stack([self._distort(view) for view in views]) - self.mean) / self.std
 
     @property
     def sources(self) -> tuple[int, int]:
@@ -245,11 +256,12 @@ class RecoveryImages:
         preprocessed; the same for the same ``step`` in every process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self._seed * 1_000_003 + step)
-            views = torch.stack([self._augment(self._pixels(self._train[i])) for i in indices])
+            views = [self._crop(self._pixels(self._train[i])) for i in indices]
+            views = torch.stack([self._distort(v) if torch.rand(1).item() < self._color else v for v in views])
         return (views - self.mean) / self.std
 
     def _pixels(self, source: Path | torch.Tensor) -> torch.Tensor:
-        """A training source as ``(3, h, w)`` floats in [0, 1]."""
+        """A source (a file or an image) as ``(3, h, w)`` floats in [0, 1]."""
         if isinstance(source, torch.Tensor):
             return source
         from torchvision.transforms.v2.functional import pil_to_tensor
@@ -257,25 +269,23 @@ class RecoveryImages:
         return pil_to_tensor(load_rgb(source)).float() / 255
 
 
-def _augmentation(size: tuple[int, int], config: RecoveryConfig):
-    """The training views' transform, on ``(3, h, w)`` images in [0, 1], ending normalised."""
+def _augmentations(size: tuple[int, int], config: RecoveryConfig):
+    """The training views' transforms on ``(3, h, w)`` images in [0, 1]: the crop (random resized
+    crop to ``size``, mirrored) and the distortion (colour jitter, greyscale, blur)."""
     from torchvision.transforms import v2
 
-    color = []
-    if config.color:
-        blur = 2 * round(0.05 * max(size)) + 1  # an odd kernel of a tenth of the image (SimCLR)
-        color = [
+    blur = 2 * round(0.05 * max(size)) + 1  # an odd kernel of a tenth of the image (SimCLR)
+    crop = v2.Compose(
+        [v2.RandomResizedCrop(size, scale=(config.crop_scale, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+    )
+    distort = v2.Compose(
+        [
             v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
             v2.RandomGrayscale(p=0.2),
             v2.RandomApply([v2.GaussianBlur(blur, sigma=(0.1, 2.0))], p=0.5),
         ]
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(size, scale=(config.crop_scale, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(),
-            *color,
-        ]
     )
+    return crop, distort
 
 
 class _Distillation:
@@ -371,7 +381,7 @@ def recover(
     (the dense model it was compressed from, moved to the same device) on the images of
     ``calibration_batches`` ``(B, 3, H, W)``, as the module docstring says. Returns the recovery's
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
-    step, the running training loss, the validation cosine and the learning rate; ``student``
+    step, the running training loss and both validation cosines; ``student``
     holds the best weights, in eval mode (also after a failure: compression's weights then)."""
     check_teacher(student, teacher)
     world = distributed.world_size()
@@ -386,9 +396,9 @@ def recover(
     images = RecoveryImages(calibration_batches, model_transform(student)[1], config)
     run = _Distillation(student, teacher, config)
     started = time.perf_counter()
-    start_cosine = run.validate(images.validation)
-    best = {"step": 0, "cosine": start_cosine, "weights": run.weights()}
-    curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "lr": 0.0}]
+    start_cosine, start_distorted = run.validate(images.validation), run.validate(images.distorted)
+    best = {"step": 0, "cosine": start_cosine, "distorted": start_distorted, "weights": run.weights()}
+    curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "distorted_cosine": start_distorted}]
     stop, running, stale, step = "steps done", None, 0, 0
     order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
     try:
@@ -399,14 +409,15 @@ def recover(
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
                     continue
-                cosine = run.validate(images.validation)
+                cosine, distorted = run.validate(images.validation), run.validate(images.distorted)
                 curve.append(
-                    {"step": step, "loss": running, "validation_cosine": cosine, "lr": run.schedule.get_last_lr()[0]}
+                    {"step": step, "loss": running, "validation_cosine": cosine, "distorted_cosine": distorted}
                 )
                 bar.validated(cosine)
-                stale = 0 if cosine > best["cosine"] else stale + 1
-                if cosine > best["cosine"]:
-                    best = {"step": step, "cosine": cosine, "weights": run.weights()}
+                better = cosine > best["cosine"] and distorted >= start_distorted
+                stale = 0 if better else stale + 1
+                if better:
+                    best = {"step": step, "cosine": cosine, "distorted": distorted, "weights": run.weights()}
                 if stale >= config.patience:
                     stop = f"validation did not improve in {config.patience} measurements"
                     break
@@ -419,6 +430,7 @@ def recover(
         "stopped": stop,
         "best_step": best["step"],
         "validation_cosine": {"compressed": start_cosine, "recovered": best["cosine"]},
+        "distorted_validation_cosine": {"compressed": start_distorted, "recovered": best["distorted"]},
         "curve": curve,
         "trained_parameters": sum(p.numel() for p in run.trained.values()),
         "time_s": round(time.perf_counter() - started, 2),
@@ -492,6 +504,11 @@ def recovery_table(report: dict, path=None):
     table.add_row(
         f"validation output cosine ({images['validation']} held-out images)",
         f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}",
+    )
+    distorted = report["distorted_validation_cosine"]
+    table.add_row(
+        "the same images distorted (colour, greyscale, blur)",
+        f"{distorted['compressed']:.4f} -> {distorted['recovered']:.4f}",
     )
     table.add_row("recovery wall time (s)", f"{report['time_s']:.1f}")
     return table

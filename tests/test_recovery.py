@@ -117,40 +117,60 @@ DATA_CONFIG = {"mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3), "input_size": (
 
 
 def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
-    """Images of one source (crops of one file) are all held out or all trained on; views of the
-    same step are the same, normalised as the calibration images are."""
+    """Sources (files, each with two crops among the images) are held out whole: the validation
+    views are one unseen view of each held-out file, the training views never show one; views of
+    the same step are the same, normalised as the calibration images are."""
     from PIL import Image
 
     from corp_deploy.recovery import RecoveryImages
 
     paths = []
-    for i in range(8):
+    for i in range(8):  # file i is one flat grey, 30 * i: every view of it too
         paths.append(tmp_path / f"{i}.png")
-        Image.fromarray((torch.rand(12, 16, 3, generator=torch.Generator().manual_seed(i)) * 255).byte().numpy()).save(
-            paths[-1]
-        )
+        Image.new("RGB", (16, 12), (30 * i,) * 3).save(paths[-1])
 
     class Batches(list):
         image_sources = [paths[i // 2] for i in range(16)]  # two crops of each file
 
-    batches = Batches([torch.arange(16.0).view(16, 1, 1, 1).expand(16, 3, 8, 8)])
+    batches = Batches([torch.zeros(16, 3, 8, 8)])
     images = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3))
-    assert images.sources == (6, 4)  # 2 of 8 files held out, with both their crops
-    held = sorted(images.validation[:, 0, 0, 0].tolist())
-    assert len(held) == 4 and all(held[i] // 2 == held[i + 1] // 2 for i in (0, 2))
+    assert images.sources == (6, 2)  # 2 of 8 files held out
+    mean, std = torch.tensor(DATA_CONFIG["mean"]).view(3, 1, 1), torch.tensor(DATA_CONFIG["std"]).view(3, 1, 1)
+
+    def greys(views):
+        return {round(float((view * std + mean).mean()) * 255 / 30) for view in views}
+
+    held = greys(images.validation)
+    assert images.validation.shape == (2, 3, 8, 8) and len(held) == 2
+    trained = set().union(
+        *(
+            greys(
+                RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0)).views(
+                    range(6), step
+                )
+            )
+            for step in (1, 2)
+        )
+    )
+    assert trained == set(range(8)) - held
     one, again = images.views([0, 5, 5], step=7), images.views([0, 5, 5], step=7)
     assert one.shape == (3, 3, 8, 8) and torch.equal(one, again) and not torch.equal(one, images.views([0, 5, 5], 8))
-    pixels = one * torch.tensor(DATA_CONFIG["std"]).view(3, 1, 1) + torch.tensor(DATA_CONFIG["mean"]).view(3, 1, 1)
+    pixels = one * std + mean
     assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
 
 
 def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
     from corp_deploy.recovery import RecoveryImages
 
-    x = torch.rand(40, 3, 8, 8)
-    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3))
+    x = torch.arange(40.0).view(40, 1, 1, 1).expand(40, 3, 8, 8) / 40  # image i one flat value
+    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0))
     assert images.sources == (30, 10) and images.validation.shape == (10, 3, 8, 8)
-    assert all(any(torch.equal(v, row) for row in x) for v in images.validation)
+
+    def values(views):  # which image each view shows
+        return {round(float(view[0].mean()) * 40) for view in views}
+
+    held = values(images.validation)
+    assert len(held) == 10 and values(images.views(range(30), step=1)) == set(range(40)) - held
     with pytest.raises(CorpError, match="at least 2 sources"):
         RecoveryImages([x[:1]], DATA_CONFIG, RecoveryConfig())
 
