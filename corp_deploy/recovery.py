@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -376,13 +376,16 @@ def recover(
     config: RecoveryConfig,
     *,
     progress: bool = False,
+    on_measure: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Distil ``student`` (the compressed model, trained in place on its device) from ``teacher``
     (the dense model it was compressed from, moved to the same device) on the images of
     ``calibration_batches`` ``(B, 3, H, W)``, as the module docstring says. Returns the recovery's
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
     step, the running training loss and both validation cosines; ``student``
-    holds the best weights, in eval mode (also after a failure: compression's weights then)."""
+    holds the best weights, in eval mode (also after a failure: compression's weights then).
+    ``on_measure(step, student)``, if given, is called after each validation measurement (step 0
+    included) with the student's current weights (for studies and logging; it must not train)."""
     check_teacher(student, teacher)
     world = distributed.world_size()
     if config.batch_size % world:
@@ -399,6 +402,8 @@ def recover(
     start_cosine, start_distorted = run.validate(images.validation), run.validate(images.distorted)
     best = {"step": 0, "cosine": start_cosine, "distorted": start_distorted, "weights": run.weights()}
     curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "distorted_cosine": start_distorted}]
+    measured = on_measure or (lambda step, model: None)
+    measured(0, student)
     stop, running, stale, step = "steps done", None, 0, 0
     order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
     try:
@@ -414,6 +419,7 @@ def recover(
                     {"step": step, "loss": running, "validation_cosine": cosine, "distorted_cosine": distorted}
                 )
                 bar.validated(cosine)
+                measured(step, student)
                 better = cosine > best["cosine"] and distorted >= start_distorted
                 stale = 0 if better else stale + 1
                 if better:

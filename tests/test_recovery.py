@@ -72,6 +72,16 @@ def test_a_recovery_that_does_not_help_leaves_the_compressed_weights(small_vit, 
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
+def test_on_measure_sees_the_student_at_every_validation(small_vit, images):
+    """The callback runs at step 0 and at every measurement, on the student being trained."""
+    student, _ = compressed(small_vit(), images)
+    dense, seen = small_vit(), []
+    report = recover(
+        student, dense, images, QUICK, on_measure=lambda step, model: seen.append((step, model is student))
+    )
+    assert seen == [(row["step"], True) for row in report["curve"]] and len(seen) == 5
+
+
 def test_the_same_seed_gives_the_same_weights(small_vit, images):
     config = CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=RecoveryConfig(steps=6, lr=3e-3, batch_size=8))
     one, _ = compress(small_vit(), images, config)

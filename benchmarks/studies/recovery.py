@@ -10,8 +10,10 @@ MACs of uniform CORP at that s); every step count is a separate recovery of a co
 warmup and cosine schedule, early stopping as configured), on the same calibration images. Each
 row: mean cosine to the dense model of the pooled output and of all output tokens on the held-out
 photos and the unlike images, the recovery's own validation cosine before and after, the steps
-run, why it stopped, and the wall times. ``--set KEY=VALUE`` changes a RecoveryConfig field for
-every row (e.g. ``--set lr=5e-5 --set color=false``).
+run, why it stopped, and the wall times; with ``--trace``, also the held-out photos' and unlike
+images' output cosines at every validation measurement of the run (``trace``: the fidelity along
+one schedule, at the cost of measuring both sets each time). ``--set KEY=VALUE`` changes a
+RecoveryConfig field for every row (e.g. ``--set lr=5e-5 --set color=0``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import time
 from dataclasses import fields
 from pathlib import Path
+
+import torch
 
 from benchmarks.held_out import feature_cosine, unlike_images, write_dinov2_study
 from benchmarks.real_weights import build_dinov2
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--starts", default="corp-s0.5")
     parser.add_argument("--steps", default="0,100,200")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--trace", action="store_true", help="measure the held-out sets at every validation too")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     known = {field.name for field in fields(RecoveryConfig)}
@@ -93,9 +98,24 @@ def main() -> None:
         compress_s = time.perf_counter() - began
         for steps in (int(n) for n in args.steps.split(",")):
             student = copy.deepcopy(compressed)
-            recovery = None
+            recovery, trace = None, []
+
+            @torch.no_grad()
+            def measure(step, model, start=start, trace=trace):
+                photos, other = feature_cosine(dense, model, held), feature_cosine(dense, model, unlike)
+                trace.append(
+                    {"step": step, "photos_output": photos["output_cosine"], "unlike_output": other["output_cosine"]}
+                )
+                print(json.dumps({"start": start, **{k: round(v, 4) for k, v in trace[-1].items()}}), flush=True)
+
             if steps:
-                recovery = recover(student, dense, calib, RecoveryConfig(steps=steps, **overrides))
+                recovery = recover(
+                    student,
+                    dense,
+                    calib,
+                    RecoveryConfig(steps=steps, **overrides),
+                    on_measure=measure if args.trace else None,
+                )
             photos, other = feature_cosine(dense, student, held), feature_cosine(dense, student, unlike)
             row = {
                 "start": start,
@@ -107,6 +127,7 @@ def main() -> None:
                 "macs_fraction": report["macs"]["compressed"] / report["macs"]["dense"],
                 "compress_s": round(compress_s, 1),
                 "recovery": None if recovery is None else {k: v for k, v in recovery.items() if k != "settings"},
+                "trace": trace,
             }
             printed = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "recovery"}
             if recovery:
@@ -122,6 +143,7 @@ def main() -> None:
                 args.out,
                 f"python -m benchmarks.studies.recovery --calib {args.calib} --held-out {args.held_out} "
                 f"--unlike {args.unlike} --starts {args.starts} --steps {args.steps} "
+                + ("--trace " if args.trace else "")
                 + "".join(f"--set {item} " for item in args.set)
                 + f"--out {args.out}",
                 recovery_settings={**vars(RecoveryConfig(**overrides)), "steps": "per row"},
