@@ -66,6 +66,9 @@ class RecoveryConfig:
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
+        checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
+            activations are recomputed in the backward pass instead of kept, for models whose
+            training does not fit in memory otherwise.
     """
 
     steps: int = option(0, "label-free recovery: distillation steps after compression (0: off).")
@@ -81,6 +84,9 @@ class RecoveryConfig:
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
+    checkpointing: bool = option(
+        False, "recovery: recompute the blocks' activations in the backward pass (less memory)."
+    )
 
     def __post_init__(self) -> None:
         integers = {"steps": 0, "batch_size": 1, "eval_every": 1, "patience": 1, "seed": 0}
@@ -299,6 +305,8 @@ class _Distillation:
         self.bf16 = config.autocast_bf16 and device.type == "cuda"
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
+        if config.checkpointing:
+            student.set_grad_checkpointing(True)
         self.trained = trainable_parameters(student)
         self._requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
         for name, parameter in student.named_parameters():
@@ -365,6 +373,8 @@ class _Distillation:
             for name, parameter in self.trained.items():
                 parameter.copy_(weights[name])
         self._teacher_blocks.remove(), self._student_blocks.remove()
+        if self.config.checkpointing:
+            self.student.set_grad_checkpointing(False)
         for name, parameter in self.student.named_parameters():
             parameter.requires_grad_(self._requires_grad[name])
 

@@ -90,6 +90,18 @@ def test_the_same_seed_gives_the_same_weights(small_vit, images):
         assert torch.equal(two.state_dict()[name], tensor), name
 
 
+def test_activation_checkpointing_gives_the_same_weights(small_vit, images):
+    """Recomputing the blocks' activations in the backward pass changes memory, not the result."""
+    few = RecoveryConfig(steps=4, lr=3e-3, batch_size=8, eval_every=2, patience=10)
+    plain, _ = compressed(small_vit(), images, compensation=False)
+    checkpointed, _ = compressed(small_vit(), images, compensation=False)
+    recover(plain, small_vit(), images, few)
+    report = recover(checkpointed, small_vit(), images, RecoveryConfig(**{**vars(few), "checkpointing": True}))
+    assert report["best_step"] > 0 and not checkpointed.grad_checkpointing
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(checkpointed.state_dict()[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_non_finite_loss_stops_with_the_step(small_vit, images, monkeypatch):
     import corp_deploy.recovery as recovery
 
