@@ -11,13 +11,14 @@ fresh augmented views of the calibration images' files (:class:`RecoveryImages`)
 compression was fitted on are matched closely already, and views it has not seen carry the
 signal.
 
-A share of the images' sources is held out for validation, one unseen view of each, as it is and
-distorted in colour and sharpness: the student is measured on both before the first step and every
-``eval_every`` steps (the mean cosine of the model's outputs, pooled features or logits, to the
-teacher's). A measurement counts as better when it beats the best so far on the views as they are
-without falling below compression on the distorted ones; recovery stops when ``patience``
-measurements in a row were not better, and the weights of the best are kept, CORP's own if none
-was: a recovery never leaves the model worse on either validation set than compression left it.
+A share of the images' sources is held out for validation, unseen views of them (at least
+:data:`VALIDATION_VIEWS` in all) as they are and distorted in colour and sharpness: the student is
+measured on both before the first step and every ``eval_every`` steps (the mean cosine of the
+model's outputs, pooled features or logits, to the teacher's). A measurement counts as better
+when it beats the best so far on the views as they are without falling below compression on the
+distorted ones; recovery stops when ``patience`` measurements in a row were not better, and the
+weights of the best are kept, CORP's own if none was: a recovery never leaves the model worse on
+either validation set than compression left it.
 
 Under torch.distributed the student is wrapped in ``DistributedDataParallel``: every process draws
 the same global batch and runs its share of it, torch averages the gradients, so the result equals
@@ -45,6 +46,9 @@ from .methods.base import option
 
 #: The prefix of the recovery's settings where they sit beside the compression's (``recover_steps``).
 SETTING_PREFIX = "recover_"
+#: The fewest validation views: each held-out source gives ``ceil(VALIDATION_VIEWS / sources)``
+#: (a calibration set of a few photos cropped many times holds out one or two of them).
+VALIDATION_VIEWS = 32
 
 
 @dataclass(frozen=True)
@@ -212,9 +216,10 @@ class RecoveryImages:
     The images' sources (the file each came from, when the batches say so with an
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
     image is its own source) are split, seeded: a ``validation`` share of the sources (at least
-    one, at most 256) is held out. Its validation images are one view of each held-out source that
-    neither compression nor training saw (a random resized crop, mirrored or not, seeded:
-    compression matches its own calibration images closely, so they would flatter it), and the
+    one, at most 256) is held out. Its validation images are views of the held-out sources that
+    neither compression nor training saw (random resized crops, mirrored or not, seeded;
+    ``ceil(VALIDATION_VIEWS / sources)`` of each: compression matches its own calibration images
+    closely, so they would flatter it), and the
     same views distorted once in colour and sharpness: a recovery must not buy fidelity on the one
     by losing it on the other. Training draws fresh augmented views of the other sources: random
     resized crops of the whole file (of the image itself for a bare tensor), mirrored, and a
@@ -243,19 +248,20 @@ class RecoveryImages:
             source if isinstance(source, Path) else (images[source] * self.std + self.mean).clamp(0, 1)
             for source in (distinct[i] for i in order)
         ]
-        self._train = kept[held:]
+        self._train, self._held = kept[held:], held
         self._crop, self._distort = _augmentations(tuple(data_config["input_size"][1:]), config)
         self._seed, self._color = config.seed, config.color
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            views = torch.stack([self._crop(self._pixels(source)) for source in kept[:held]])
+            each = math.ceil(VALIDATION_VIEWS / held)
+            views = torch.stack([self._crop(self._pixels(source)) for source in kept[:held] for _ in range(each)])
             self.validation = (views - self.mean) / self.std
             self.distorted = (torch.stack([self._distort(view) for view in views]) - self.mean) / self.std
 
     @property
     def sources(self) -> tuple[int, int]:
         """``(training, validation)`` source counts."""
-        return len(self._train), len(self.validation)
+        return len(self._train), self._held
 
     def views(self, indices: list[int], step: int) -> torch.Tensor:
         """Augmented views ``(len(indices), 3, H, W)`` of the training sources ``indices``,
@@ -441,7 +447,11 @@ def recover(
         run.close(best["weights"])
     return {
         "settings": asdict(config),
-        "images": {"training_sources": images.sources[0], "validation": images.sources[1]},
+        "images": {
+            "training_sources": images.sources[0],
+            "validation_sources": images.sources[1],
+            "validation_views": len(images.validation),
+        },
         "steps_run": step,
         "stopped": stop,
         "best_step": best["step"],
@@ -518,7 +528,8 @@ def recovery_table(report: dict, path=None):
     table.add_row("weights kept from step", str(report["best_step"]))
     images = report["images"]
     table.add_row(
-        f"validation output cosine ({images['validation']} held-out images)",
+        f"validation output cosine ({images['validation_views']} views of "
+        f"{images['validation_sources']} held-out images)",
         f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}",
     )
     distorted = report["distorted_validation_cosine"]

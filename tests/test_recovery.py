@@ -53,9 +53,9 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
     assert losses[-1] < losses[0]
     cosine = recovery["validation_cosine"]
     assert recovery["best_step"] > 0 and cosine["recovered"] > cosine["compressed"]
-    assert recovery["images"] == {"training_sources": 28, "validation": 4} and report["params"]["compressed"] == sum(
-        p.numel() for p in model.parameters()
-    )
+    assert recovery["images"] == {"training_sources": 28, "validation_sources": 4, "validation_views": 32} and report[
+        "params"
+    ]["compressed"] == sum(p.numel() for p in model.parameters())
     for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight"):  # never trained
         assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
 
@@ -163,7 +163,7 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
         return {round(float((view * std + mean).mean()) * 255 / 30) for view in views}
 
     held = greys(images.validation)
-    assert images.validation.shape == (2, 3, 8, 8) and len(held) == 2
+    assert images.validation.shape == (32, 3, 8, 8) and len(held) == 2  # 16 views of each
     trained = set().union(
         *(
             greys(
@@ -186,7 +186,7 @@ def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
     x = torch.arange(40.0).view(40, 1, 1, 1).expand(40, 3, 8, 8) / 40  # image i one flat value
     images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0))
-    assert images.sources == (30, 10) and images.validation.shape == (10, 3, 8, 8)
+    assert images.sources == (30, 10) and images.validation.shape == (40, 3, 8, 8)  # 4 views of each
 
     def values(views):  # which image each view shows
         return {round(float(view[0].mean()) * 40) for view in views}
