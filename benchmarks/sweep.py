@@ -24,6 +24,7 @@ from corp_deploy import (
     CompressConfig,
     CorpError,
     HeldImages,
+    RecoveryConfig,
     compress_to_artifact,
     distributed,
     model_transform,
@@ -49,6 +50,8 @@ SWEEP_METHODS = (*METHODS, "uncompensated")
 DISTRIBUTED_METHODS = frozenset(
     {name for name, method in METHODS.items() if method.runs_distributed} | {"uncompensated"}
 )
+#: What joins a method's name and the recovery's steps in the name of its recovered runs: ``corp+rec200``.
+RECOVERED = "+rec"
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class SweepSpec:
 
     The points are either ``sparsities`` or MAC ``budgets`` (fractions of the dense MACs, CORP
     and its uncompensated ablation only), not both. ``target`` None lets each method prune what
-    it prunes by default (vbp: the MLP only; CORP with a budget: everything it can).
+    it prunes by default (vbp: the MLP only; CORP with a budget: everything it can). A
+    ``recovery`` with steps runs every method's points a second time, recovered, as the method
+    ``<method>+rec<steps>`` (:attr:`labels`), so the table and plot show what recovery adds.
     """
 
     sparsities: tuple[float, ...] = ()
@@ -70,6 +75,7 @@ class SweepSpec:
     data_samples: int = 256
     seed: int = 0
     bench: BenchSettings = field(default_factory=BenchSettings)
+    recovery: RecoveryConfig = RecoveryConfig()
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in SWEEP_METHODS]
@@ -80,35 +86,47 @@ class SweepSpec:
             )
         if bool(self.sparsities) == bool(self.budgets):
             raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
-        names = [self.run_name(method, point) for method in self.methods for point in self.points]
+        names = [self.run_name(label, point) for label in self.labels for point in self.points]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise CorpError(
                 f"{'--s' if self.sparsities else '--macs'} gives the same run twice ({repeated[0]}); "
                 "give distinct points"
             )
-        for method in self.methods:
+        for label in self.labels:
             for point in self.points:
-                self.config(method, point)  # CorpError for a value out of range or a bad combination
+                self.config(label, point)  # CorpError for a value out of range or a bad combination
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The methods as the rows name them: each method, then its recovered runs' name when
+        ``recovery`` has steps."""
+        if not self.recovery.enabled:
+            return self.methods
+        return tuple(label for m in self.methods for label in (m, f"{m}{RECOVERED}{self.recovery.steps}"))
 
     @property
     def points(self) -> tuple[float, ...]:
         """The sparsities, or the budgets."""
         return self.sparsities or self.budgets
 
-    def run_name(self, method: str, point: float) -> str:
-        return f"{method}-{'s' if self.sparsities else 'macs'}{point:g}"
+    def run_name(self, label: str, point: float) -> str:
+        return f"{label}-{'s' if self.sparsities else 'macs'}{point:g}"
 
     @property
     def calibration(self) -> CalibrationSpec:
         """The calibration images of every point."""
         return CalibrationSpec(self.calib, self.calib_samples, seed=self.seed)
 
-    def config(self, method: str, point: float) -> CompressConfig:
+    def config(self, label: str, point: float) -> CompressConfig:
+        """The compression of the run ``label`` (one of :attr:`labels`) at ``point``."""
+        method, recovered, _ = label.partition(RECOVERED)
         sizes = dict(sparsity=point) if self.sparsities else dict(macs=point)
         if method == "uncompensated":
-            return CompressConfig.from_settings(**sizes, target=self.target, compensation=False)
-        return CompressConfig.from_settings(**sizes, target=self.target, method=method)
+            config = CompressConfig.from_settings(**sizes, target=self.target, compensation=False)
+        else:
+            config = CompressConfig.from_settings(**sizes, target=self.target, method=method)
+        return replace(config, recovery=self.recovery) if recovered else config
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -199,7 +217,7 @@ def run_sweep(
     held_out = not (spec.data and spec.calib and folders_overlap(spec.data, spec.calib))
     rows, dense_onnx = [], None
     with staged_output(out_dir, "sweep") if first else contextlib.nullcontext() as tmp:
-        for method in spec.methods:
+        for method in spec.labels:
             for point in spec.points:
                 name = spec.run_name(method, point)
                 config = spec.config(method, point)
@@ -313,7 +331,7 @@ def point_label(result: SweepResult) -> str:
 
 def by_method(result: SweepResult) -> dict[str, list[SweepRow]]:
     """Rows grouped by method, in the sweep's order."""
-    return {m: [row for row in result.rows if row.method == m] for m in result.spec.methods}
+    return {m: [row for row in result.rows if row.method == m] for m in result.spec.labels}
 
 
 def fidelity_curve(rows: list[SweepRow]) -> list[tuple[int, float]]:

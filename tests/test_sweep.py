@@ -152,6 +152,31 @@ def test_sweep_over_mac_budgets(tmp_path, run_cli):
     assert result.exit_code == 2 and "exclude each other" in text
 
 
+@pytest.mark.slow
+def test_a_sweep_with_recovery_runs_every_point_also_recovered(tmp_path, run_cli):
+    """--recover-steps adds the method corp+rec<N>: the same compression, then recovered (recorded in
+    its artifact), a row and a table column beside corp's; sweep.json reads back with the recovery."""
+    from benchmarks.sweep import SweepResult
+
+    out = tmp_path / "sweep"
+    result, text = run_cli(
+        ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.5", "--calib-samples", 8]
+        + ["--data-samples", 4, "--backends", "ort", "--batch", "1", "--min-time", 0.02]
+        + ["--recover-steps", 2, "--recover-batch-size", 4, "--recover-eval-every", 1, "-o", out],
+        tmp_path / "state",
+    )
+    assert result.exit_code == 0, text
+    sweep = SweepResult.read(out / "sweep.json")
+    assert [(row.method, row.artifact) for row in sweep.rows] == [
+        ("corp", "corp-s0.5"),
+        ("corp+rec2", "corp+rec2-s0.5"),
+    ]
+    assert sweep.spec.recovery.steps == 2 and sweep.rows[0].macs == sweep.rows[1].macs
+    plain, recovered = (read_config(out / row.artifact)["settings"] for row in sweep.rows)
+    assert "recover_steps" not in plain and recovered["recover_steps"] == 2
+    assert (out / "corp+rec2-s0.5" / "report.json").exists() and "| s | corp | corp+rec2 |" in text
+
+
 def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path, monkeypatch, small_vit):
     """Under torch.distributed a sweep runs CORP, its uncompensated ablation and VBP only (ToaSt's
     statistics are not summed over the processes), and says so before any work (nothing written)."""

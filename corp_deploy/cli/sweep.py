@@ -10,7 +10,14 @@ import click
 from ..config import CompressConfig
 from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
 from .group import cli
-from .options import evaluation_options, model_source_options, parse_sizes, parse_values, timing_options
+from .options import (
+    evaluation_options,
+    model_source_options,
+    parse_sizes,
+    parse_values,
+    recovery_options,
+    timing_options,
+)
 
 #: Under torchrun, how long the other processes wait while the first exports and times one point.
 FIRST_RANK_WAIT = timedelta(hours=24)
@@ -41,6 +48,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 )
 @evaluation_options
 @timing_options
+@recovery_options
 @click.option(
     "-o",
     "--output",
@@ -67,6 +75,7 @@ def sweep(
     threads,
     min_time,
     output,
+    **recovery_settings,
 ):
     """Compress with each method at several sparsities (or MAC budgets), export, benchmark, and compare.
 
@@ -76,7 +85,8 @@ def sweep(
     --target each method prunes what it prunes by default (vbp: the MLP only; corp with
     budgets: MLP, query/key and value dims). Under torchrun (corp and uncompensated) each
     point is calibrated on every process's share of the images; the first process exports
-    and times it, alone.
+    and times it, alone. With --recover-steps N every method's points also run recovered
+    (compressed again, then recovered), as the method <method>+rec<N> beside it.
 
     \b
     Examples:
@@ -84,6 +94,7 @@ def sweep(
       corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
       corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
       corp-deploy sweep deit_small --macs 0.8,0.6,0.4 --backends ort --batch 1,32
+      corp-deploy sweep deit_small --s 0.3,0.5 --recover-steps 200 --calib train/ --data val/
       torchrun --nproc-per-node 4 --no-python -- corp-deploy sweep deit_base --s 0.3,0.5 -o sweep-deit
     """
     from benchmarks.backends import parse_families
@@ -92,6 +103,7 @@ def sweep(
 
     from .. import distributed
     from ..outputs import check_output_dir
+    from ..recovery import RecoveryConfig
 
     if sparsities is not None and budgets is not None:
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
@@ -113,6 +125,7 @@ def sweep(
             threads=threads,
             min_time=min_time,
         ),
+        recovery=RecoveryConfig.from_settings(recovery_settings),
     )
     out_dir = check_output_dir(
         output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
