@@ -34,6 +34,7 @@ from torch import nn
 
 from . import distributed
 from .blocks import BoundaryCache
+from .calibration import model_transform
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
@@ -42,7 +43,7 @@ from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 from .parts import PARTS
-from .recovery import recover, recovery_table
+from .recovery import RecoveryImages, recover, recovery_table
 
 
 def compress(
@@ -71,9 +72,9 @@ def compress(
     check_vit(model)
     check_finite(model, "the model to compress")
     teacher = None
-    if config.recovery.enabled:  # recovery distils from the dense model and passes over the images again
-        if iter(calibration_batches) is calibration_batches:  # an iterator: read it once, keep the batches
-            calibration_batches = list(calibration_batches)
+    if config.recovery.enabled:  # recovery distils from the dense model; its validation images are not fitted on
+        recovery_images = RecoveryImages(calibration_batches, model_transform(model)[1], config.recovery)
+        calibration_batches = recovery_images.fit_batches()
         teacher = copy.deepcopy(model)
     model = standard_form(model if in_place else copy.deepcopy(model)).eval()
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
@@ -110,7 +111,7 @@ def compress(
         layers = method.compress_blocks(model, run, config)
     if teacher is not None:
         with timer("recover"):
-            run.report["recovery"] = recover(model, teacher, calibration_batches, config.recovery, progress=progress)
+            run.report["recovery"] = recover(model, teacher, recovery_images, config.recovery, progress=progress)
     model = model.cpu().eval()
     report = {
         "method": config.method,

@@ -67,6 +67,8 @@ class RecoveryConfig:
         crop_scale: the smallest area of a random resized crop, as a fraction of the image.
         color: the fraction of training views also distorted in colour and sharpness (colour
             jitter, greyscale, blur; :class:`RecoveryImages`).
+        mix: the fraction of training views mixed with another view of the batch (mixup: a
+            convex combination with a uniform weight; teacher and student see the same mixture).
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
@@ -85,6 +87,7 @@ class RecoveryConfig:
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
     color: float = 0.5
+    mix: float = 0.0
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
@@ -105,6 +108,7 @@ class RecoveryConfig:
             "validation": (0.0, 1.0, False),
             "crop_scale": (0.0, 1.0, False),
             "color": (0.0, 1.0, True),
+            "mix": (0.0, 1.0, True),
             "final_weight": (0.0, 100.0, True),
         }
         for name, (low, high, low_included) in ranges.items():
@@ -217,14 +221,15 @@ class RecoveryImages:
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
     image is its own source) are split, seeded: a ``validation`` share of the sources (at least
     one, at most 256) is held out. Its validation images are views of the held-out sources that
-    neither compression nor training saw (random resized crops, mirrored or not, seeded;
-    ``ceil(VALIDATION_VIEWS / sources)`` of each: compression matches its own calibration images
-    closely, so they would flatter it), and the
-    same views distorted once in colour and sharpness: a recovery must not buy fidelity on the one
-    by losing it on the other. Training draws fresh augmented views of the other sources: random
-    resized crops of the whole file (of the image itself for a bare tensor), mirrored, and a
-    ``color`` share of them distorted too (colour jitter, greyscale, blur, as self-supervised
-    training augments: SimCLR, DINO).
+    training does not see (random resized crops, mirrored or not, seeded;
+    ``ceil(VALIDATION_VIEWS / sources)`` of each), and the same views distorted once in colour
+    and sharpness: a recovery must not buy fidelity on the one by losing it on the other.
+    Compression must not see them either (it matches its own calibration images closely, so they
+    would flatter it): made before compressing, :meth:`fit_batches` are the images it fits on.
+    Training draws fresh augmented views of the other sources: random resized crops of the whole
+    file (of the image itself for a bare tensor), mirrored, a ``color`` share of them distorted too
+    (colour jitter, greyscale, blur, as self-supervised training augments: SimCLR, DINO), and a
+    ``mix`` share mixed with another view (mixup, as function-matching distillation does).
 
     Args:
         batches: preprocessed images ``(B, 3, H, W)``.
@@ -232,8 +237,13 @@ class RecoveryImages:
     """
 
     def __init__(self, batches: Iterable[torch.Tensor], data_config: dict, config: RecoveryConfig) -> None:
-        images = torch.cat([batch.to(torch.float32) for batch in batches])
-        sources = list(getattr(batches, "image_sources", None) or range(len(images)))
+        listed = list(batches)
+        if not listed:
+            raise CorpError("the calibration set is empty")
+        if not all(isinstance(batch, torch.Tensor) and batch.dim() == 4 for batch in listed):
+            raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
+        images = torch.cat([batch.to(torch.float32) for batch in listed])
+        sources = list(getattr(batches, "image_sources", None) or range(len(images)))  # known once read
         distinct = list(dict.fromkeys(sources))
         held = min(256, max(1, round(config.validation * len(distinct))))
         if len(distinct) - held < 1:
@@ -249,14 +259,22 @@ class RecoveryImages:
             for source in (distinct[i] for i in order)
         ]
         self._train, self._held = kept[held:], held
+        trained = {distinct[i] for i in order[held:]}
+        self._images, self._batch = images, len(listed[0])
+        self._fit = [i for i, source in enumerate(sources) if source in trained]
         self._crop, self._distort = _augmentations(tuple(data_config["input_size"][1:]), config)
-        self._seed, self._color = config.seed, config.color
+        self._seed, self._color, self._mix = config.seed, config.color, config.mix
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             each = math.ceil(VALIDATION_VIEWS / held)
             views = torch.stack([self._crop(self._pixels(source)) for source in kept[:held] for _ in range(each)])
             self.validation = (views - self.mean) / self.std
             self.distorted = (torch.stack([self._distort(view) for view in views]) - self.mean) / self.std
+
+    def fit_batches(self) -> list[torch.Tensor]:
+        """The calibration images of the training sources, in their order and batch size: what
+        compression fits on so that the validation images are unseen by it too."""
+        return [self._images[self._fit[i : i + self._batch]] for i in range(0, len(self._fit), self._batch)]
 
     @property
     def sources(self) -> tuple[int, int]:
@@ -270,6 +288,9 @@ class RecoveryImages:
             torch.manual_seed(self._seed * 1_000_003 + step)
             views = [self._crop(self._pixels(self._train[i])) for i in indices]
             views = torch.stack([self._distort(v) if torch.rand(1).item() < self._color else v for v in views])
+            mixed = torch.rand(len(views)) < self._mix
+            weight = torch.where(mixed, torch.rand(len(views)), 1.0).view(-1, 1, 1, 1)
+            views = weight * views + (1 - weight) * views.roll(1, dims=0)
         return (views - self.mean) / self.std
 
     def _pixels(self, source: Path | torch.Tensor) -> torch.Tensor:
@@ -388,15 +409,17 @@ class _Distillation:
 def recover(
     student: nn.Module,
     teacher: nn.Module,
-    calibration_batches: Iterable[torch.Tensor],
+    images: Iterable[torch.Tensor] | RecoveryImages,
     config: RecoveryConfig,
     *,
     progress: bool = False,
     on_measure: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Distil ``student`` (the compressed model, trained in place on its device) from ``teacher``
-    (the dense model it was compressed from, moved to the same device) on the images of
-    ``calibration_batches`` ``(B, 3, H, W)``, as the module docstring says. Returns the recovery's
+    (the dense model it was compressed from, moved to the same device) on ``images``, as the
+    module docstring says: calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages`
+    made of them before compressing on their :meth:`~RecoveryImages.fit_batches` (then no
+    validation image was seen by compression: :func:`corp_deploy.compress` does that). Returns the recovery's
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
     step, the running training loss and both validation cosines; ``student``
     holds the best weights, in eval mode (also after a failure: compression's weights then).
@@ -412,7 +435,8 @@ def recover(
     device = next(student.parameters()).device
     student.eval()  # dropout and drop-path off: the function inference computes is the one trained
     teacher = teacher.to(device).eval()
-    images = RecoveryImages(calibration_batches, model_transform(student)[1], config)
+    if not isinstance(images, RecoveryImages):
+        images = RecoveryImages(images, model_transform(student)[1], config)
     run = _Distillation(student, teacher, config)
     started = time.perf_counter()
     start_cosine, start_distorted = run.validate(images.validation), run.validate(images.distorted)

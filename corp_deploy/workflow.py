@@ -9,19 +9,19 @@ a dense model, a :class:`~corp_deploy.config.CompressConfig` and a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from . import distributed
-from .artifact import base_model_spec, load_base_model, load_compressed, read_config, read_report, save_artifact
+from .artifact import base_model_spec, load_base_model, read_config, save_artifact
 from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
-from .engine import compress, resolve_device
+from .engine import compress
 from .errors import CorpError
-from .recovery import RecoveryConfig, recover
+from .recovery import RecoveryConfig
 from .resources import check_fits, compress_bytes
 
 
@@ -134,12 +134,15 @@ def recover_artifact(
     device: str = "cpu",
     progress: bool = False,
 ) -> CompressedArtifact:
-    """Recover the compressed model of ``artifact`` (:func:`corp_deploy.recovery.recover`) from the
-    dense model it was compressed from (rebuilt from its record and checked against it) on the
-    calibration images it records (``calibration`` instead where given), and write the result to
-    ``out_dir`` as a new artifact: the same structure, the settings and report of ``artifact``
-    with the recovery's added. An artifact that was already recovered is refused (its teacher
-    and starting point would be ambiguous); recover the one compress wrote again instead."""
+    """``artifact`` compressed again as it was, this time with ``recovery``, written to ``out_dir``
+    as a new artifact (``artifact`` is only read).
+
+    The dense model is rebuilt from the artifact's record (and checked against it) and compressed
+    with its recorded settings on its recorded calibration images (``calibration`` instead where
+    given), as ``compress --recover-steps`` would: the recovery's validation images must be held
+    out from compression too, which the artifact's own weights, fitted on every calibration image,
+    cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). An artifact that was already
+    recovered is refused: recover the one compress wrote, with the new settings."""
     config = read_config(artifact)
     settings = config["settings"]
     if settings.get("recover_steps"):
@@ -147,21 +150,13 @@ def recover_artifact(
             f"{artifact} was already recovered ({settings['recover_steps']} steps); recover the artifact "
             "compress wrote, with more --steps if needed"
         )
-    calibration = calibration or CalibrationSpec.recorded(config)
-    student, teacher = load_compressed(artifact), load_base_model(artifact)
-    images = calibration.images(model_transform(student)[0])
-    torch_device = resolve_device(device)
-    report = recover(student.to(torch_device), teacher, images, recovery, progress=progress)
-    student = student.cpu().eval()
-    compress_report = {**read_report(artifact), "recovery": report}
-    if distributed.rank() != 0:
-        return CompressedArtifact(None, student, compress_report, images.summary())
-    path = save_artifact(
-        student,
+    compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
+    return compress_to_artifact(
+        load_base_model(artifact),
+        compression,
+        calibration or CalibrationSpec.recorded(config),
         out_dir,
         base_model=config["base_model"],
-        settings={**settings, **calibration.settings(), **recovery.to_settings()},
-        calibration=images.summary(),
-        report=compress_report,
+        progress=progress,
+        in_place=True,
     )
-    return CompressedArtifact(path, student, compress_report, images.summary())

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from corp_deploy import CompressConfig, compress, distributed
+from corp_deploy import CompressConfig, compress, distributed, model_transform
 from corp_deploy.artifact import load_compressed
 from corp_deploy.methods.corp.qk_statistics import HeadGrams, images_worth_the_sums
+from corp_deploy.recovery import RecoveryImages
 from corp_deploy.stats import MomentAccumulator
 from tests.helpers import FLOAT32, SMALL_VIT_CLI_ARGS, build_small_vit
 
@@ -193,10 +194,17 @@ def test_compress_on_two_processes_equals_one_process(tmp_path, settings, sizes)
     single, report = compress(build_small_vit(), _calibration_batches(sizes), config)
     with torch.no_grad():
         expected = single(x)
+    fitted = sizes
+    if config.recovery.enabled:  # compression fits on the images of the sources recovery trains on
+        data_config = model_transform(build_small_vit())[1]
+        fitted = [
+            len(b) for b in RecoveryImages(_calibration_batches(sizes), data_config, config.recovery).fit_batches()
+        ]
+        assert sum(fitted) < sum(sizes)
     for result in run_ranks(_compress_on_my_share, tmp_path, 2, config, x, sizes):
-        shares = [sum(sizes[0::2]), sum(sizes[1::2])]
+        shares = [sum(fitted[0::2]), sum(fitted[1::2])]
         assert result["distributed"] == {"world_size": 2, "images_per_rank": shares}
-        assert result["images"] == sum(sizes)
+        assert result["images"] == sum(fitted)
         assert result["dims"] == [layer["dims"] for layer in report["layers"]]
         if "macs" in settings:
             assert [u["kept"] for u in result["budget"]["units"]] == [u["kept"] for u in report["budget"]["units"]]
