@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -69,6 +69,9 @@ class RecoveryConfig:
             jitter, greyscale, blur; :class:`RecoveryImages`).
         mix: the fraction of training views mixed with another view of the batch (mixup: a
             convex combination with a uniform weight; teacher and student see the same mixture).
+        blend: the share of the trained change of the weights that is kept: the recovered weights
+            are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
+            validated and kept as such, as WiSE-FT does for fine-tuned models).
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
@@ -87,7 +90,8 @@ class RecoveryConfig:
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
     color: float = 0.5
-    mix: float = 0.0
+    mix: float = 1.0
+    blend: float = option(0.5, "recovery: share of the trained weight change kept (1: all of it).")
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
@@ -109,6 +113,7 @@ class RecoveryConfig:
             "crop_scale": (0.0, 1.0, False),
             "color": (0.0, 1.0, True),
             "mix": (0.0, 1.0, True),
+            "blend": (0.0, 1.0, False),
             "final_weight": (0.0, 100.0, True),
         }
         for name, (low, high, low_included) in ranges.items():
@@ -341,6 +346,7 @@ class _Distillation:
         self._features = _Features(student)
         if distributed.active():
             self._features = nn.parallel.DistributedDataParallel(self._features)
+        self.compressed = self.weights()
         self.optimizer = torch.optim.AdamW(list(self.trained.values()), lr=config.lr, weight_decay=config.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: _lr_factor(step, config))
         self._teacher_blocks, self._student_blocks = _BlockOutputs(teacher), _BlockOutputs(student)
@@ -375,20 +381,44 @@ class _Distillation:
         return distributed.sum_floats(float(loss.detach()))[0] / distributed.world_size()
 
     @torch.no_grad()
-    def validate(self, images: torch.Tensor) -> float:
-        """Mean over ``images`` of the cosine between the two models' outputs (pooled features or
-        logits); under torch.distributed each process measures its share and the sums are added."""
-        cosines, count = 0.0, 0
+    def reference(self, images: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This process's share of ``images`` (under torch.distributed), in batches, each with the
+        teacher's outputs on it (pooled features or logits): what :meth:`validate` compares with."""
         device = next(self.student.parameters()).device
         share = images[distributed.rank() :: distributed.world_size()]
-        for start in range(0, len(share), self.config.batch_size):
-            x = share[start : start + self.config.batch_size].to(device)
+        batches = [
+            share[i : i + self.config.batch_size].to(device) for i in range(0, len(share), self.config.batch_size)
+        ]
+        with self.autocast():
+            return [(x, self.teacher(x).float().flatten(1)) for x in batches]
+
+    @torch.no_grad()
+    def validate(self, reference: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean over the images of ``reference`` (:meth:`reference`) of the cosine between the
+        student's outputs and the teacher's; under torch.distributed the processes' sums are added."""
+        cosines, count = 0.0, 0
+        for x, target in reference:
             with self.autocast():
-                s, t = self.student(x), self.teacher(x)
-            cosines += float(F.cosine_similarity(s.float().flatten(1), t.float().flatten(1), dim=1).double().sum())
+                output = self.student(x).float().flatten(1)
+            cosines += float(F.cosine_similarity(output, target, dim=1).double().sum())
             count += len(x)
         cosines, count = distributed.sum_floats(cosines, count)
         return cosines / count
+
+    @contextmanager
+    def blended(self):
+        """The student with the recovered weights (``config.blend`` of the trained change kept)
+        for the ``with`` block, which is given a copy of them; the trained weights after it."""
+        trained = self.weights()
+        with torch.no_grad():
+            for name, parameter in self.trained.items():
+                parameter.copy_(self.compressed[name] + self.config.blend * (trained[name] - self.compressed[name]))
+        try:
+            yield self.weights()
+        finally:
+            with torch.no_grad():
+                for name, parameter in self.trained.items():
+                    parameter.copy_(trained[name])
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the trained parameters."""
@@ -423,8 +453,9 @@ def recover(
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
     step, the running training loss and both validation cosines; ``student``
     holds the best weights, in eval mode (also after a failure: compression's weights then).
-    ``on_measure(step, student)``, if given, is called after each validation measurement (step 0
-    included) with the student's current weights (for studies and logging; it must not train)."""
+    ``on_measure(step, student)``, if given, is called at each validation measurement (step 0
+    included) with the student holding the weights measured, the blended ones (for studies and
+    logging; it must not train)."""
     check_teacher(student, teacher)
     world = distributed.world_size()
     if config.batch_size % world:
@@ -439,11 +470,18 @@ def recover(
         images = RecoveryImages(images, model_transform(student)[1], config)
     run = _Distillation(student, teacher, config)
     started = time.perf_counter()
-    start_cosine, start_distorted = run.validate(images.validation), run.validate(images.distorted)
-    best = {"step": 0, "cosine": start_cosine, "distorted": start_distorted, "weights": run.weights()}
+    references = run.reference(images.validation), run.reference(images.distorted)
+
+    def measure(step: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+        with run.blended() as weights:
+            cosine, distorted = (run.validate(reference) for reference in references)
+            if on_measure is not None:
+                on_measure(step, student)
+        return cosine, distorted, weights
+
+    start_cosine, start_distorted, weights = measure(0)
+    best = {"step": 0, "cosine": start_cosine, "distorted": start_distorted, "weights": weights}
     curve = [{"step": 0, "loss": None, "validation_cosine": start_cosine, "distorted_cosine": start_distorted}]
-    measured = on_measure or (lambda step, model: None)
-    measured(0, student)
     stop, running, stale, step = "steps done", None, 0, 0
     order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
     try:
@@ -454,16 +492,15 @@ def recover(
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
                     continue
-                cosine, distorted = run.validate(images.validation), run.validate(images.distorted)
+                cosine, distorted, weights = measure(step)
                 curve.append(
                     {"step": step, "loss": running, "validation_cosine": cosine, "distorted_cosine": distorted}
                 )
                 bar.validated(cosine)
-                measured(step, student)
                 better = cosine > best["cosine"] and distorted >= start_distorted
                 stale = 0 if better else stale + 1
                 if better:
-                    best = {"step": step, "cosine": cosine, "distorted": distorted, "weights": run.weights()}
+                    best = {"step": step, "cosine": cosine, "distorted": distorted, "weights": weights}
                 if stale >= config.patience:
                     stop = f"validation did not improve in {config.patience} measurements"
                     break

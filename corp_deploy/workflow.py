@@ -4,7 +4,7 @@ a dense model, a :class:`~corp_deploy.config.CompressConfig` and a
 :class:`~corp_deploy.recovery.RecoveryConfig` in, a recovered artifact out.
 
     result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), CalibrationSpec(samples=128), "out/deit")
-    result = recover_artifact("out/deit", RecoveryConfig(steps=200), "out/deit-recovered")
+    result = recover_artifact("out/deit", RecoveryConfig(steps=100), "out/deit-recovered")
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ than compression left it, seeded, and its failures."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -86,6 +89,21 @@ def test_on_measure_sees_the_student_at_every_validation(small_vit, images):
     assert seen == [(row["step"], True) for row in report["curve"]] and len(seen) == 5
 
 
+def test_blend_keeps_that_share_of_the_trained_change(small_vit, images):
+    """The kept weights are compression's plus ``blend`` times the trained change (the training
+    itself does not depend on it)."""
+    start, _ = compressed(small_vit(), images, compensation=False)
+    full, half = copy.deepcopy(start), copy.deepcopy(start)
+    config = RecoveryConfig(steps=10, lr=3e-3, batch_size=8, eval_every=10, patience=10)
+    assert recover(full, small_vit(), images, replace(config, blend=1.0))["best_step"] == 10
+    assert recover(half, small_vit(), images, replace(config, blend=0.5))["best_step"] == 10
+    changed = 0
+    for name, tensor in start.state_dict().items():
+        torch.testing.assert_close(half.state_dict()[name], (tensor + full.state_dict()[name]) / 2, msg=name)
+        changed += not torch.equal(full.state_dict()[name], tensor)
+    assert changed > 10
+
+
 def test_the_same_seed_gives_the_same_weights(small_vit, images):
     config = CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=RecoveryConfig(steps=6, lr=3e-3, batch_size=8))
     one, _ = compress(small_vit(), images, config)
@@ -166,17 +184,13 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
 
     held = greys(images.validation)
     assert images.validation.shape == (32, 3, 8, 8) and len(held) == 2  # 16 views of each
-    trained = set().union(
-        *(
-            greys(
-                RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0)).views(
-                    range(6), step
-                )
-            )
-            for step in (1, 2)
-        )
-    )
+    plain = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0))
+    trained = set().union(*(greys(plain.views(range(6), step)) for step in (1, 2)))
     assert trained == set(range(8)) - held
+    mixed = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=1.0))
+    values = [float((view * std + mean).mean()) * 255 / 30 for view in mixed.views(range(6), 1)]
+    assert all(min(trained) - 1e-4 <= v <= max(trained) + 1e-4 for v in values)  # convex mixtures of them
+    assert any(abs(v - round(v)) > 0.01 for v in values)  # not a grey of one file
     one, again = images.views([0, 5, 5], step=7), images.views([0, 5, 5], step=7)
     assert one.shape == (3, 3, 8, 8) and torch.equal(one, again) and not torch.equal(one, images.views([0, 5, 5], 8))
     pixels = one * std + mean
@@ -186,7 +200,7 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
 def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
     x = torch.arange(40.0).view(40, 1, 1, 1).expand(40, 3, 8, 8) / 40  # image i one flat value
-    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0))
+    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0))
     assert images.sources == (30, 10) and images.validation.shape == (40, 3, 8, 8)  # 4 views of each
 
     def values(views):  # which image each view shows

@@ -81,5 +81,6 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     Console().print(recovery_table(result.report["recovery"], result.path))
 
 
-#: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off).
-DEFAULT_STEPS = 200
+#: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU
+#: about 9 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
+DEFAULT_STEPS = 100

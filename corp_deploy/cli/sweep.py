@@ -94,7 +94,7 @@ def sweep(
       corp-deploy sweep deit_base --no-pretrained --s 0.3,0.5,0.7 --backends ort --batch 1,32
       corp-deploy sweep deit_small --methods corp,vbp,toast,uncompensated --s 0.2,0.4,0.6 --backends ort
       corp-deploy sweep deit_small --macs 0.8,0.6,0.4 --backends ort --batch 1,32
-      corp-deploy sweep deit_small --s 0.3,0.5 --recover-steps 200 --calib train/ --data val/
+      corp-deploy sweep deit_small --s 0.3,0.5 --recover-steps 100 --calib train/ --data val/
       torchrun --nproc-per-node 4 --no-python -- corp-deploy sweep deit_base --s 0.3,0.5 -o sweep-deit
     """
     from benchmarks.backends import parse_families
