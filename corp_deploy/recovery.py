@@ -7,18 +7,22 @@ and the teacher's residual stream after the block, per token, plus ``final_weigh
 for the final features (``forward_features``). Only the blocks and the final norm learn; the
 embeddings and the head stay as they are (so the teacher can be checked against the student: their
 patch embeddings must be equal). AdamW, a linear warmup and a cosine decay. Each step trains on
-fresh augmented views of the calibration images' files (:class:`RecoveryImages`): the images
-compression was fitted on are matched closely already, and views it has not seen carry the
-signal.
+fresh augmented views of the calibration images' files (:class:`RecoveryImages`: crops, flips,
+colour distortions, mixup): the images compression was fitted on are matched closely already, and
+views it has not seen carry the signal. The weights measured and kept are a blend, ``blend`` of the
+trained change added to compression's (as WiSE-FT interpolates fine-tuned weights): trained on a
+few images, the student gains on images like them and loses on others, and the blend keeps most of
+the first and gives back the second.
 
-A share of the images' sources is held out for validation, unseen views of them (at least
-:data:`VALIDATION_VIEWS` in all) as they are and distorted in colour and sharpness: the student is
-measured on both before the first step and every ``eval_every`` steps (the mean cosine of the
-model's outputs, pooled features or logits, to the teacher's). A measurement counts as better
-when it beats the best so far on the views as they are without falling below compression on the
-distorted ones; recovery stops when ``patience`` measurements in a row were not better, and the
-weights of the best are kept, CORP's own if none was: a recovery never leaves the model worse on
-either validation set than compression left it.
+A share of the images' sources is held out for validation, from training and from compression
+(:meth:`RecoveryImages.fit_batches`): unseen views of them (at least :data:`VALIDATION_VIEWS` in
+all), as they are and distorted in colour and sharpness. The student is measured on both before the
+first step and every ``eval_every`` steps (the mean cosine of the model's outputs, pooled features
+or logits, to the teacher's). A measurement counts as better when it beats the best so far on the
+views as they are without falling below compression on the distorted ones; recovery stops when
+``patience`` measurements in a row were not better, and the weights of the best are kept, CORP's
+own if none was: a recovery never leaves the model worse on either validation set than compression
+left it.
 
 Under torch.distributed the student is wrapped in ``DistributedDataParallel``: every process draws
 the same global batch and runs its share of it, torch averages the gradients, so the result equals
