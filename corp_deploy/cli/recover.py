@@ -36,11 +36,12 @@ from .options import IMAGE_COUNT, recovery_options
 def recover(artifact, calib, calib_samples, device, output, **recovery_settings):
     """Distil a compressed artifact from the dense model it was compressed from, on unlabelled images.
 
-    The same as `compress --recover-steps N`, on an artifact compress already wrote (the latest
-    one by default): the compressed model keeps its structure, so export and bench work as
-    before. The dense model is rebuilt from the artifact's record (its patch embedding must match).
-    Recovery stops early when its validation images stop improving and never leaves the model
-    worse there than compression did.
+    The same as `compress --recover-steps N` for an artifact compress already wrote (the latest
+    one by default): its dense model is rebuilt from its record and compressed again with its
+    settings, this time with the recovery (whose validation images compression must not fit on),
+    into a new artifact; the artifact itself is left as it is. The structure is the same, so export
+    and bench work as before. Recovery stops early when its validation images stop improving and
+    never leaves the model worse there than compression did.
 
     \b
     Examples:
