@@ -6,20 +6,21 @@ photos and on images unlike the calibration set, against the number of steps, st
         --starts corp-s0.5,budget-s0.5 --steps 0,100,200 --out benchmarks/results/recovery.json
 
 Every start is compressed once on ``--calib`` crops of the calibration photos (budget rows at the
-MACs of uniform CORP at that s); every step count is a separate recovery of a copy of it (its own
-warmup and cosine schedule, early stopping as configured), on the same calibration images. Each
-row: mean cosine to the dense model of the pooled output and of all output tokens on the held-out
-photos and the unlike images, the recovery's own validation cosine before and after, the steps
-run, why it stopped, and the wall times; with ``--trace``, also the held-out photos' and unlike
-images' output cosines at every validation measurement of the run (``trace``: the fidelity along
-one schedule, at the cost of measuring both sets each time). ``--set KEY=VALUE`` changes a
-RecoveryConfig field for every row (e.g. ``--set lr=5e-5 --set color=0``).
+MACs of uniform CORP at that s): the 0-step row. Every other step count is a separate run as
+``compress --recover-steps`` does it: compression again on the images of the sources recovery
+trains on (the validation sources held out), then the recovery (its own warmup and cosine
+schedule, early stopping as configured). Each row: mean cosine to the dense model of the pooled
+output and of all output tokens on the held-out photos and the unlike images, the recovery's own
+validation cosine before and after, the steps run, why it stopped, and the wall times; with
+``--trace``, also the held-out photos' and unlike images' output cosines at every validation
+measurement of the run (``trace``: the fidelity along one schedule, at the cost of measuring both
+sets each time). ``--set KEY=VALUE`` changes a RecoveryConfig field for every row (e.g.
+``--set lr=5e-5 --set color=0``).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from dataclasses import fields
@@ -31,7 +32,7 @@ from benchmarks.held_out import feature_cosine, unlike_images, write_dinov2_stud
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
 from corp_deploy.calibration import split_builtin_images
-from corp_deploy.recovery import RecoveryConfig, recover
+from corp_deploy.recovery import RecoveryConfig, RecoveryImages, recover
 
 
 def start_config(label: str, dense, calib) -> CompressConfig:
@@ -97,8 +98,7 @@ def main() -> None:
         compressed, report = compress(dense, calib, config)
         compress_s = time.perf_counter() - began
         for steps in (int(n) for n in args.steps.split(",")):
-            student = copy.deepcopy(compressed)
-            recovery, trace = None, []
+            student, recovery, trace = compressed, None, []
 
             @torch.no_grad()
             def measure(step, model, start=start, trace=trace):
@@ -108,14 +108,12 @@ def main() -> None:
                 )
                 print(json.dumps({"start": start, **{k: round(v, 4) for k, v in trace[-1].items()}}), flush=True)
 
-            if steps:
-                recovery = recover(
-                    student,
-                    dense,
-                    calib,
-                    RecoveryConfig(steps=steps, **overrides),
-                    on_measure=measure if args.trace else None,
-                )
+            if steps:  # as compress --recover-steps: compression fits on the training sources' images
+                settings = RecoveryConfig(steps=steps, **overrides)
+                images = RecoveryImages(calib, model_transform(dense)[1], settings)
+                student, _ = compress(dense, images.fit_batches(), config)
+                on_measure = measure if args.trace else None
+                recovery = recover(student, dense, images, settings, on_measure=on_measure)
             photos, other = feature_cosine(dense, student, held), feature_cosine(dense, student, unlike)
             row = {
                 "start": start,
