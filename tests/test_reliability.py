@@ -35,6 +35,7 @@ from corp_deploy.calibration import load_rgb
 from corp_deploy.cli import cli
 from corp_deploy.files import write_json
 from corp_deploy.outputs import RECORD_FILE, staged_output, verify_files, write_record
+from exporters import tensorrt as trt_backend
 from tests.helpers import SMALL_VIT_CLI_ARGS as TINY
 from tests.helpers import build_small_vit
 
@@ -1126,6 +1127,41 @@ def test_the_build_script_refuses_a_changed_graph(work):
         ["bash", str(work / "trt" / "build_engine.sh")], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
     )
     assert done.returncode == 1 and "model.onnx does not match the SHA-256" in done.stderr
+
+
+def _pasted(line: str, cwd: Path) -> list[str]:
+    """The words bash makes of ``line`` (a printed command) when it is pasted: each word printed
+    by ``printf`` instead of run, so that nothing in it can run."""
+    done = subprocess.run(
+        ["bash", "-c", f"words() {{ printf '%s\\0' \"$@\"; }}; words {line}"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\0")[:-1]
+
+
+@pytest.mark.skipif(
+    trt_backend.unavailable_reason() is None,
+    reason="TensorRT and a GPU are present: no follow-up commands are printed",
+)
+def test_the_printed_follow_up_commands_are_safe_to_paste(work):
+    """``export --trt`` without TensorRT prints the commands to run on the target machine: paths
+    with a space, quotes and ``$(...)`` stay one word each and run nothing when pasted."""
+    hostile = work / "it's a $(touch INJECTED) `touch INJECTED2`"
+    shutil.copytree(work / "art", hostile / "art")
+    code, text, _ = invoke(["export", hostile / "art", "--trt", "-o", hostile / "out"], work.parent / "state")
+    assert code == 3, text
+    export_line = next(line.strip() for line in text.splitlines() if "&& corp-deploy export" in line)
+    script_line = next(line.strip() for line in text.splitlines() if line.strip().startswith("bash "))
+    command = export_line.split(" && ", 1)[1]
+    assert _pasted(command, work) == [
+        "corp-deploy", "export", str(hostile / "art"), "--trt", "-o", str(hostile / "out")
+    ]  # fmt: skip
+    assert _pasted(script_line, work) == ["bash", str(hostile / "out" / "build_engine.sh")]
+    assert not list(work.rglob("INJECTED*"))
 
 
 # ---------------------------------------------------------------- concurrency

@@ -3,11 +3,13 @@ model built from the model-source options."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
 
 from ..errors import CorpError
+from .group import COMMAND_LINE
 from .options import parse_model_args
 
 #: Where outputs go without -o.
@@ -22,6 +24,16 @@ def warn(message: str | None) -> None:
 def given_on_command_line(parameter: str) -> bool:
     """Whether the running command's ``parameter`` was given on the command line (not defaulted)."""
     return click.get_current_context().get_parameter_source(parameter) == click.core.ParameterSource.COMMANDLINE
+
+
+def command_to_paste(*, argument: str | Path | None = None) -> str:
+    """The running command as the user typed it, shell-quoted so that it is safe to paste (a path
+    with a space, quotes or ``$(...)`` stays one word and runs nothing). ``argument``: a positional
+    argument inserted after the command's name (the artifact a command chose by itself)."""
+    words = ["corp-deploy", *click.get_current_context().find_root().meta[COMMAND_LINE]]
+    if argument is not None:
+        words.insert(2, str(argument))
+    return shlex.join(words)
 
 
 def warn_builtin_calibration() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
 from ..errors import CorpError
-from .common import check_apart, given_on_command_line
+from .common import check_apart, command_to_paste, given_on_command_line
 from .group import cli
 from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
 
@@ -185,7 +186,8 @@ def export(
     named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
     if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
         raise CorpError(f"{', '.join(named)} apply only with --precision int8")
-    if artifact is None:
+    chosen = artifact is None
+    if chosen:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
     options = ExportOptions(
@@ -209,10 +211,11 @@ def export(
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
         if trt and not result.manifest["tensorrt"]["built"]:
             click.echo(
-                f"To build the engines on the target GPU machine, either run\n"
-                f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
+                f"To build the engines on the target GPU machine, either run this command there (it builds "
+                f"and checks them)\n"
+                f"  {INSTALL_HINT} && {command_to_paste(argument=artifact if chosen else None)}\n"
                 f"or, with TensorRT's trtexec there,\n"
-                f"  bash {result.out_dir / SCRIPT_NAME}",
+                f"  bash {shlex.quote(str(result.out_dir / SCRIPT_NAME))}",
                 err=True,
             )
         sys.exit(EXIT_INCOMPLETE)

@@ -35,6 +35,10 @@ _SETTING_OPTIONS = {
 }
 
 
+#: Where the group keeps the running command's arguments as typed (``ctx.meta``).
+COMMAND_LINE = "corp_deploy.command_line"
+
+
 def option_name(setting: str) -> str:
     """The command-line option of a setting: ``s_mlp`` -> ``--s-mlp``."""
     return _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
@@ -45,6 +49,10 @@ class _Commands(click.Group):
     name in it becomes its option, and running out of memory, a failing file system (no space,
     no permission) or a dependency missing from the installation becomes one message too. Other
     exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta[COMMAND_LINE] = list(args)  # as typed, for commands that print a command to run again
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
