@@ -1243,6 +1243,15 @@ FAULTS = {
     "compress-sigterm-while-the-output-is-swapped": Fault(
         "os", "rename", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
+    "compress-sighup-while-calibrating": Fault(
+        "corp_deploy.engine", "embed_tokens", 2, "SIGHUP", lambda w: [*BASE, "-o", w / "art"], "art"
+    ),
+    "compress-sighup-while-the-output-is-swapped": Fault(
+        "os", "rename", 1, "SIGHUP", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
+    ),
+    "export-sigquit-while-exporting-onnx": Fault(
+        "exporters.pipeline", "export_onnx", 2, "SIGQUIT", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
     "export-sigterm-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGTERM", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
     ),
@@ -1367,7 +1376,7 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not debris(work) and {p.name for p in temp.iterdir()} <= import_leftovers
     after = snapshot(work)
-    if name == "compress-sigterm-while-the-output-is-swapped":
+    if name.endswith("-while-the-output-is-swapped"):
         # the swap is held together: the signal waits for it, so the new artifact is complete
         assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
         verify_files(work / "art", "artifact")

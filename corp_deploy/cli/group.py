@@ -2,7 +2,7 @@
 
 Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
 traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
-and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
+and interrupts (SIGINT, SIGTERM, SIGHUP, SIGQUIT) by the entry point, :mod:`corp_deploy.launch`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ EXIT_CODES = {
     2: "bad usage",
     3: "export: files written, a step needs TensorRT or a GPU to finish",
     4: "a gate failed (export: nothing written; bench: reports written)",
+    129: "stopped by SIGHUP (terminal closed, ssh dropped)",
     130: "interrupted by SIGINT",
+    131: "stopped by SIGQUIT",
     143: "terminated by SIGTERM",
 }
 #: Settings (CompressConfig and CalibrationSpec fields) whose option is not ``--<field with dashes>``.
