@@ -48,7 +48,15 @@ def resolve_model_name(name: str, model_kwargs: dict[str, Any] | None = None) ->
 
 def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
     """timm's ``name`` built with ``kwargs`` on the meta device (no weights, no memory); where a model
-    cannot be built there, on the CPU. CorpError, in one line, when timm refuses the arguments."""
+    cannot be built there, on the CPU. CorpError, in one line, when timm refuses the arguments or
+    when one is a negative count or size (timm reads some of them as something else: a negative
+    ``num_classes`` as no classifier)."""
+    negative = [key for key, value in kwargs.items() if _negative_integer(value)]
+    if negative:
+        raise CorpError(
+            f"timm cannot build {name} with {_given(kwargs)}: {', '.join(negative)} must not be negative "
+            "(counts and sizes are 0 or more)"
+        )
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
@@ -126,6 +134,13 @@ def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
         forward_blank_image(model, tuple(data_config["input_size"]), lambda module: None)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises, the arguments are the cause
         raise CorpError(f"{name} built with {_given(kwargs)} cannot run on an image: {first_line(exc)}") from None
+
+
+def _negative_integer(value: Any) -> bool:
+    """Whether ``value`` is a negative integer, or a list or tuple holding one (``img_size=[-32, 32]``)."""
+    if isinstance(value, (list, tuple)):
+        return any(_negative_integer(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool) and value < 0
 
 
 def _given(kwargs: dict[str, Any]) -> str:

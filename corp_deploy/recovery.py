@@ -43,6 +43,9 @@ from .methods.base import option
 
 #: The prefix of the recovery's settings where they sit beside the compression's (``recover_steps``).
 SETTING_PREFIX = "recover_"
+#: The most steps a recovery may take (a million steps of 16 images: days on a GPU; more never ends
+#: in practice).
+MAX_STEPS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,19 @@ class RecoveryConfig:
     autocast_bf16: bool = True
 
     def __post_init__(self) -> None:
-        integers = {"steps": 0, "batch_size": 1, "eval_every": 1, "patience": 1, "seed": 0}
-        for name, least in integers.items():
+        integers = {
+            "steps": (0, MAX_STEPS),
+            "batch_size": (1, None),
+            "eval_every": (1, None),
+            "patience": (1, None),
+            "seed": (0, None),
+        }
+        for name, (least, most) in integers.items():
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise SettingError(f"{{setting}} must be an integer >= {least}, got {value!r}", SETTING_PREFIX + name)
+            inside = isinstance(value, int) and not isinstance(value, bool) and value >= least
+            if not (inside and (most is None or value <= most)):
+                bounds = f">= {least}" if most is None else f"from {least} to {most:,}"
+                raise SettingError(f"{{setting}} must be an integer {bounds}, got {value!r}", SETTING_PREFIX + name)
         ranges = {
             "lr": (0.0, 1.0, False),
             "weight_decay": (0.0, 10.0, True),

@@ -353,6 +353,29 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "--s-attn 0.1 keeps all 16 query/key dims per head of block 0",
     ),
+    "compress-sparsity-that-rounds-to-nothing": Refusal(
+        lambda w: [*BASE, "--target", "mlp", "--s-mlp", 0.002, "-o", w / "o"],
+        1,
+        "--s-mlp 0.002 keeps all 192 MLP hidden channels of block 0 (0.002 x 192 = 0.384 rounds to none removed)",
+    ),
+    "compress-vbp-rate-that-removes-nothing": Refusal(
+        lambda w: [*BASE, "--method", "vbp", "--s-mlp", 0.001, "-o", w / "o"],
+        1,
+        "--s-mlp 0.001 keeps all 384 MLP hidden channels of the model",
+    ),
+    "compress-recover-steps-that-never-end": Refusal(
+        lambda w: [*BASE, "--recover-steps", 10**12, "-o", w / "o"],
+        1,
+        "--recover-steps must be an integer from 0 to 1,000,000",
+    ),
+    "compress-model-arg-negative-num-classes": Refusal(
+        lambda w: [*BASE, "--model-arg", "num_classes=-5", "-o", w / "o"], 1, "num_classes must not be negative"
+    ),
+    "compress-model-arg-negative-in-a-list": Refusal(
+        lambda w: [*BASE, "--model-arg", "img_size=[32,-32]", "-o", w / "o"], 1, "img_size must not be negative"
+    ),
+    "compress-calib-empty-string": Refusal(lambda w: [*BASE, "--calib", "", "-o", w / "o"], 2, "an empty path"),
+    "compress-o-empty-string": Refusal(lambda w: [*BASE, "-o", ""], 2, "an empty path"),
     "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2**70, "-o", w / "o"], 2, "--seed"),
     "compress-zero-calibration-samples": Refusal(
         lambda w: [*BASE, "--calib-samples", 0, "-o", w / "o"], 2, "--calib-samples"
@@ -712,6 +735,19 @@ REFUSALS: dict[str, Refusal] = {
     "bench-min-time-nan": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--min-time", "nan"], 2, "nan is not a finite number"
     ),
+    "bench-min-time-beyond-an-hour": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--min-time", 1e6], 2, "--min-time"
+    ),
+    "bench-repeated-batch-size": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--batch", "1,8,1"], 2, "gives batch size 1 more than once"
+    ),
+    "bench-data-empty-string": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", ""], 2, "an empty path"),
+    "export-artifact-empty-string": Refusal(lambda w: ["export", "", "-o", w / "o"], 2, "an empty path"),
+    "sweep-repeated-batch-size": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", 0.5, "--batch", "4,4", "-o", w / "o"],
+        2,
+        "gives batch size 4 more than once",
+    ),
     "bench-baseline-int8-not-measured": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,ort", "--baseline", _baseline(w, _with_int8)],
         4,
@@ -885,6 +921,23 @@ def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):
         ["bench", work / "backbone", *BENCH, "--backends", "torch", "--min-agreement", 0.9], work.parent / "state"
     )
     assert code == 4 and "--min-agreement was given but top-1 agreement was not measured" in text, text
+
+
+@pytest.mark.parametrize("budget", [["--macs", 1], ["--speedup", 1]])
+def test_a_budget_of_the_whole_model_answers_at_once(work, monkeypatch, budget):
+    """``--macs 1`` / ``--speedup 1``: every unit keeps all its dims, and no error curve is measured
+    (the budget pass, the longer half of a budget run, is skipped)."""
+    import corp_deploy.methods.corp.budget as budget_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the error curves were measured")
+
+    monkeypatch.setattr(budget_module, "measure_curves", never)
+    code, text, _ = invoke([*BASE, *budget, "-o", work / "o"], work.parent / "state")
+    assert code == 0, text
+    report = json.loads((work / "o" / "report.json").read_text())
+    assert report["macs"]["compressed"] == report["macs"]["dense"]
+    assert all(unit["kept"] == unit["total"] for unit in report["budget"]["units"])
 
 
 def test_bench_replaces_its_own_report_folder_and_json(work):

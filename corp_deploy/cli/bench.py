@@ -3,35 +3,34 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
 from .common import check_apart, given_on_command_line, input_dir, warn
 from .group import cli
-from .options import evaluation_options, parse_sizes, timing_options
+from .options import PATH, evaluation_options, timing_options
 
 
 @cli.command()
-@click.argument("target", required=False, type=click.Path(path_type=Path))
+@click.argument("target", required=False, type=PATH)
 @timing_options
 @click.option(
     "--warmup", type=click.IntRange(0, 10_000), default=3, show_default=True, help="Untimed rounds before timing."
 )
 @evaluation_options
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the full report.")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write tables.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG plot.")
+@click.option("--json", "json_path", type=PATH, default=None, help="Write the full report.")
+@click.option("--markdown", "markdown_path", type=PATH, default=None, help="Write tables.")
+@click.option("--plot", "plot_path", type=PATH, default=None, help="Write a PNG plot.")
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Write bench.json, bench.md and bench.png into this directory.",
 )
 @click.option(
     "--baseline",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="A previous --json report: fail when latency, speedup or fidelity regress.",
 )
@@ -98,7 +97,7 @@ def bench(
 
     settings = BenchSettings(
         backends=parse_families(backends),
-        batches=parse_sizes(batches, "--batch"),
+        batches=batches,
         threads=threads,
         warmup=warmup,
         min_time=min_time,

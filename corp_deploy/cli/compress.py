@@ -22,7 +22,7 @@ from .common import (
     warn_builtin_calibration,
 )
 from .group import cli
-from .options import method_options, model_source_options, recovery_options
+from .options import PATH, method_options, model_source_options, recovery_options
 
 
 def default_output_dir(model: str, config: CompressConfig) -> Path:
@@ -100,7 +100,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]",
 )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from pathlib import Path
 
 import click
 
@@ -17,7 +16,7 @@ from exporters.tensorrt import BatchProfile
 from ..errors import CorpError
 from .common import check_apart, command_to_paste, given_on_command_line
 from .group import cli
-from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
+from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
 INT8_DEFAULTS = Int8Options()
 
@@ -32,7 +31,7 @@ def default_limits(limit: str) -> str:
 
 
 @cli.command()
-@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.argument("artifact", required=False, type=PATH)
 @click.option(
     "--trt",
     is_flag=True,
@@ -96,7 +95,7 @@ def default_limits(limit: str) -> str:
 )
 @click.option(
     "--calib",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="int8: calibration image directory. [default: what compress used, from config.json]",
 )
@@ -116,7 +115,7 @@ def default_limits(limit: str) -> str:
 )
 @click.option(
     "--timing-cache",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="TensorRT timing cache: read if it exists, updated after the build.",
 )
@@ -135,7 +134,7 @@ def default_limits(limit: str) -> str:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Export directory. [default: ARTIFACT/export-<precision>]",
 )

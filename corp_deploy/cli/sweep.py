@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 
 import click
 
 from ..config import CompressConfig
 from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
 from .group import cli
-from .options import evaluation_options, model_source_options, parse_sizes, parse_values, timing_options
+from .options import PATH, evaluation_options, model_source_options, parse_values, timing_options
 
 #: Under torchrun, how long the other processes wait while the first exports and times one point.
 FIRST_RANK_WAIT = timedelta(hours=24)
@@ -44,7 +43,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]",
 )
@@ -109,7 +108,7 @@ def sweep(
         seed=seed,
         bench=BenchSettings(
             backends=parse_families(backends),
-            batches=parse_sizes(batches, "--batch"),
+            batches=batches,
             threads=threads,
             min_time=min_time,
         ),
