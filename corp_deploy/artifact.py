@@ -136,7 +136,8 @@ def save_artifact(
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
 
-    with staged_output(out_dir, "artifact") as tmp:
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    with staged_output(out_dir, "artifact", needs=weights) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": CONFIG_FORMAT.name})
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})

@@ -82,8 +82,12 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
 
 
 @contextmanager
-def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
+def staged_output(dest: str | Path, kind: str, needs: int = 0) -> Iterator[Path]:
     """Build an output of ``kind`` beside ``dest`` and move it to ``dest`` only when the block succeeds.
+
+    ``needs``: a lower bound on the bytes the new output will hold; CorpError, before anything is
+    written, when the file system of ``dest`` has less free space. An output it replaces keeps its
+    room until the new one is complete, so what it occupies is not counted as free.
 
     Yields the staging directory to write into (flat files; folders inside it must be outputs of
     their own). On success the record is written, permissions are set from the umask, and the
@@ -93,6 +97,7 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
     and ``dest`` is left as it was.
     """
     dest = check_output_dir(dest, kind)
+    _check_room(dest, kind, needs)
     created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:NAME_IN_TEMP]}.tmp-", dir=dest.parent))
@@ -114,6 +119,26 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise
+
+
+def _check_room(dest: Path, kind: str, needs: int) -> None:
+    """CorpError when the file system of ``dest`` has fewer than ``needs`` bytes free."""
+    if needs <= 0:
+        return
+    from .resources import check_disk
+
+    replacing = dest.exists()
+    check_disk(
+        f"writing {KINDS[kind]} to {dest}",
+        needs,
+        _nearest_existing(dest.parent),
+        "free some space or choose another -o"
+        + (
+            " (the output there is removed only once the new one is complete: both need room at once)"
+            if replacing
+            else ""
+        ),
+    )
 
 
 def write_record(folder: Path, kind: str) -> dict:

@@ -112,7 +112,7 @@ def export_artifact(
     entries, graph, onnxruntime = {}, {}, {}
     with (
         tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
-        staged_output(out_dir, "export") as tmp,
+        staged_output(out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values())) as tmp,
         ExitStack() as runners,
     ):
         calibration = (
@@ -247,6 +247,15 @@ def _export_graph(
             int8.activations,
         )
     return {**graph, "files": [path.name], "precision": precision.name}, {**quantized, "source": source}
+
+
+def graph_bytes(model: nn.Module, precision: Precision) -> int:
+    """A lower bound on the bytes of ``model``'s ONNX graph in ``precision``: its weights in the
+    traced dtype (an int8 graph: one byte per Linear weight, the rest in float32)."""
+    if not precision.calibrates:
+        return sum(t.numel() for t in model.state_dict().values()) * precision.dtype.itemsize
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return linear + (sum(t.numel() for t in model.state_dict().values()) - linear) * FLOAT32
 
 
 def int8_calibration_images(

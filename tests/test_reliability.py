@@ -1091,6 +1091,78 @@ def test_running_out_of_memory_or_disk_is_one_message_not_a_bug_report(work, mon
         assert "bug" not in text and snapshot(work) == before and not debris(work)
 
 
+def _exporter_error_from_a_full_disk() -> Exception:
+    import errno
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as cause:
+        try:
+            raise torch.onnx.OnnxExporterError("Failed to export the model to ONNX") from cause
+        except torch.onnx.OnnxExporterError as error:
+            return error
+
+
+#: How libraries report a full disk in their own exception types: the failure, and the command
+#: whose write raises it (compress saving the weights, export the graph).
+LIBRARY_DISK_FAILURES = {
+    "safetensors": (
+        lambda: __import__("safetensors").SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+        "compress",
+    ),
+    "torch-stream-writer": (
+        lambda: RuntimeError(
+            "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
+        ),
+        "compress",
+    ),
+    "onnx-exporter-raised-from-the-os-error": (_exporter_error_from_a_full_disk, "export"),
+}
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARY_DISK_FAILURES))
+def test_a_full_disk_inside_a_library_is_one_plain_message(work, monkeypatch, library):
+    """A full disk reported by a library in its own exception type is the file system's refusal,
+    never "internal error ... a bug"; nothing is left."""
+    import safetensors.torch
+
+    import exporters.pipeline
+
+    failure, command = LIBRARY_DISK_FAILURES[library]
+
+    def fail(*args, **kwargs):
+        raise failure()
+
+    if command == "compress":
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+        args = [*BASE, "-o", work / "o"]
+    else:
+        monkeypatch.setattr(exporters.pipeline, "export_onnx", fail)
+        args = ["export", work / "art", "-o", work / "o"]
+    before = snapshot(work)
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "the file system refused: ")
+    assert ("No space left on device" in text or "the disk may be full" in text) and "bug" not in text, text
+    assert snapshot(work) == before and not debris(work)
+
+
+def test_the_disk_check_counts_the_old_output_that_stays_until_the_swap(work, monkeypatch):
+    """Replacing an artifact: the old one keeps its room until the new one is complete, so the free
+    space must hold the whole new artifact; refused before anything is written, naming both."""
+    import shutil as shell
+
+    real = shell.disk_usage
+    weights = (work / "art" / "model.safetensors").stat().st_size
+    monkeypatch.setattr(shell, "disk_usage", lambda path: real(path)._replace(free=weights // 2))
+    before = snapshot(work)
+    code, text, exception = invoke([*BASE, "-o", work / "art"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "of disk in")
+    assert "both need room at once" in text and snapshot(work) == before and not debris(work)
+
+
 def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_bug(work, monkeypatch):
     # Seen on a GPU machine whose Polygraphy wheel went to another interpreter: export and bench
     # ended with "internal error ... this is a bug in corp-deploy".

@@ -7,6 +7,7 @@ and interrupts (SIGINT, SIGTERM, SIGHUP, SIGQUIT) by the entry point, :mod:`corp
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -70,11 +71,9 @@ class _Commands(click.Group):
                 raise _click_error(
                     f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
                 ) from None
-            if isinstance(exc, OSError) and exc.errno is not None:
-                where = f" ({exc.filename})" if exc.filename else ""
-                raise _click_error(
-                    f"the file system refused: {exc.strerror or exc}{where}; nothing partial was left behind", 1
-                ) from None
+            refused = file_system_refusal(exc)
+            if refused:
+                raise _click_error(f"the file system refused: {refused}; nothing partial was left behind", 1) from None
             missing = _missing_dependency(exc)
             if missing:
                 raise _click_error(
@@ -107,6 +106,45 @@ def _out_of_memory(exc: Exception) -> bool:
         or type(exc).__name__ == "OutOfMemoryError"
         or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
     )
+
+
+#: The OS errors of a file system that refuses a write or a read, as libraries that wrap them in
+#: their own exception types still quote them (safetensors: ``IoError(Os { code: 28, kind:
+#: StorageFull, message: "No space left on device" })``).
+_FILE_SYSTEM_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.EIO,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EMFILE,
+    errno.ENAMETOOLONG,
+)
+#: Library messages of a failed write that name no OS error (torch.save's stream writer).
+_FAILED_WRITES = ("file write failed",)
+
+
+def file_system_refusal(exc: BaseException) -> str | None:
+    """What the file system refused, in words (``No space left on device (PATH)``), when ``exc``
+    is an OS error or wraps one: as its cause, or quoted in the message of a library's
+    own exception type (safetensors, torch.save, the ONNX exporters). None for anything else."""
+    chain, seen = [], exc
+    while seen is not None and seen not in chain:  # the explicit causes (``raise ... from``) only
+        chain.append(seen)
+        seen = seen.__cause__
+    for error in chain:
+        if isinstance(error, OSError) and error.errno is not None:
+            return f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+    text = " ".join(str(error) for error in chain)
+    library = type(exc).__module__.split(".")[0]
+    for code in _FILE_SYSTEM_ERRNOS:
+        if os.strerror(code) in text:
+            return f"{os.strerror(code)} (reported by {library})"
+    if any(failure in text for failure in _FAILED_WRITES):
+        return f"a write failed, the disk may be full (reported by {library})"
+    return None
 
 
 def _missing_dependency(exc: Exception) -> str | None:
