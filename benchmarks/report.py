@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from corp_deploy import CorpError
 from corp_deploy.files import json_text
 
 from .results import BENCH_FORMAT, BenchReport, Int8Result
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: How a bench Markdown report begins (a later run replaces a file that begins so, and no other).
 MARKDOWN_TITLE = "<!-- written by corp-deploy bench; its next run may replace this file -->\n# corp-deploy bench"
@@ -203,11 +207,12 @@ def plot(report: BenchReport, path: str | Path) -> None:
     plt.close(fig)
 
 
-def print_terminal(report: BenchReport) -> None:
+def print_terminal(report: BenchReport, console: Console | None = None) -> None:
+    """Print the report's tables and lines on ``console`` (default: a new rich Console on stdout)."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = console or Console()
     table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x)")
     for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
         table.add_column(column, justify="left" if column == "backend" else "right")
@@ -329,7 +334,7 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
     from corp_deploy.files import atomic_files
-    from corp_deploy.outputs import staged_output
+    from corp_deploy.outputs import mark_complete, staged_output
 
     writers = {
         "json": lambda p: p.write_text(json_text(report.to_dict())),
@@ -342,6 +347,8 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
     with atomic_files(files.values()) as temporary:  # the files replaced together, or none
         for rendering, path in files.items():
             writers[rendering](temporary[path])
+    for path in files.values():
+        mark_complete(path)
     written = list(files.values())
     if folder is not None:
         with staged_output(folder, "bench") as tmp:

@@ -48,14 +48,24 @@ def main() -> None:
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-            print(
-                f"\ncorp-deploy: stopped by {exc}; nothing partial was left behind (an output being written "
-                "was either completed or removed)",
-                file=sys.stderr,
-            )
+            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
+
+
+def _what_was_left() -> str:
+    """What an interrupted run leaves, in words: the outputs it completed before the interrupt
+    (:func:`corp_deploy.outputs.completed_outputs`), and that nothing is half-written."""
+    outputs = sys.modules.get("corp_deploy.outputs")  # not imported yet: nothing was written
+    done = outputs.completed_outputs() if outputs is not None else ()
+    if done:
+        return (
+            f"{', '.join(map(str, done))} {'was' if len(done) == 1 else 'were'} written before it and "
+            f"{'is' if len(done) == 1 else 'are'} complete; the steps after it did not run, and nothing "
+            "is half-written"
+        )
+    return "nothing partial was left behind (an output being written was either completed or removed)"
 
 
 def _raise_interrupted(signum, frame) -> None:

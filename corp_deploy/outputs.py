@@ -81,6 +81,25 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
     return path
 
 
+#: The outputs the running command has put in place, complete, in order (:func:`mark_complete`).
+_COMPLETED: list[Path] = []
+
+
+def mark_complete(path: str | Path) -> None:
+    """Note that the output ``path`` is in place and complete: a step of the command that fails
+    afterwards must say so, not that nothing was written (:func:`completed_outputs`)."""
+    _COMPLETED.append(Path(path))
+
+
+def completed_outputs() -> tuple[Path, ...]:
+    """The outputs put in place, complete, since :func:`forget_completed` (a command's start)."""
+    return tuple(_COMPLETED)
+
+
+def forget_completed() -> None:
+    _COMPLETED.clear()
+
+
 @contextmanager
 def staged_output(dest: str | Path, kind: str, needs: int = 0) -> Iterator[Path]:
     """Build an output of ``kind`` beside ``dest`` and move it to ``dest`` only when the block succeeds.
@@ -109,6 +128,7 @@ def staged_output(dest: str | Path, kind: str, needs: int = 0) -> Iterator[Path]
         with _directory_lock(dest.parent), signals_deferred():  # waiting for the lock stays interruptible
             leftover = _swap_into_place(tmp, dest, kind)
             swapped = True
+            mark_complete(dest)
         if leftover is not None:
             warnings.warn(leftover, stacklevel=2)
     except BaseException:

@@ -82,7 +82,7 @@ def assert_one_message(code: int, text: str, exception, expected_code: int, mess
     assert message in text, text
     assert "Traceback" not in text, text
     assert isinstance(exception, (SystemExit, type(None))), repr(exception)
-    if expected_code in (1, 2):
+    if expected_code in (1, 2, 5):
         assert text.count("Error:") == 1, text
 
 
@@ -904,6 +904,48 @@ def test_a_symlinked_output_is_written_through_the_link(work):
     assert load_compressed(work / "link") is not None and not debris(work)
 
 
+def test_a_closed_standard_output_after_the_artifact_is_written_says_the_artifact_is_complete(tmp_path):
+    """``corp-deploy compress ... | head -0``: the summary cannot be printed once the artifact is in
+    place. The message says the artifact is complete and what failed, with its own exit status
+    (5), never "nothing partial was left behind"; no traceback and no failing flush at exit."""
+    done = subprocess.Popen(
+        [sys.executable, "-m", "corp_deploy.launch", *BASE, "-o", str(tmp_path / "art")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    done.stdout.close()  # the reader went away before the summary
+    stderr = done.stderr.read()
+    assert done.wait(timeout=600) == 5, stderr
+    assert f"{tmp_path / 'art'} is complete (written before the failure), but a later step failed: " in stderr
+    assert "printing the results on the standard output failed (Broken pipe)" in stderr
+    assert "nothing partial" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
+    assert stderr.count("Error:") == 1, stderr
+    verify_files(tmp_path / "art", "artifact")
+
+
+def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
+    """bench: the reports are in place when printing the table fails (a full disk behind stdout):
+    exit 5, naming the reports as complete."""
+    import errno
+
+    import benchmarks.report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(benchmarks.report, "print_terminal", full)
+    args = ["bench", work / "art", *BENCH, "--backends", "torch", "--json", work / "r.json", "-o", work / "b"]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 5, "are complete (written before the failure), but a later step failed")
+    assert "printing the results on the standard output failed (No space left on device)" in text
+    assert str(work / "r.json") in text and str(work / "b") in text and "nothing partial" not in text
+    verify_files(work / "b", "bench")
+    assert json.loads((work / "r.json").read_text())["format"] == "corp-deploy-bench"
+
+
 def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
     blocker = work.parent / "state-file"
     blocker.write_text("not a directory")
@@ -1374,6 +1416,9 @@ FAULTS = {
     "compress-sighup-while-the-output-is-swapped": Fault(
         "os", "rename", 1, "SIGHUP", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
+    "compress-sigterm-after-the-output-is-complete": Fault(
+        "corp_deploy.artifact", "record_latest", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
+    ),
     "export-sigquit-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGQUIT", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
     ),
@@ -1501,7 +1546,9 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not debris(work) and {p.name for p in temp.iterdir()} <= import_leftovers
     after = snapshot(work)
-    if name.endswith("-while-the-output-is-swapped"):
+    if name.endswith("-after-the-output-is-complete"):  # the message says so, not "nothing partial"
+        assert f"{work / 'art'} was written before it and is complete" in done.stderr, done.stderr
+    if name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
         # the swap is held together: the signal waits for it, so the new artifact is complete
         assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
         verify_files(work / "art", "artifact")

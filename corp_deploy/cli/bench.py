@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import check_apart, given_on_command_line, input_dir, warn
+from .common import check_apart, given_on_command_line, input_dir, results_output, warn
 from .group import cli
 from .options import PATH, evaluation_options, timing_options
 
@@ -126,7 +126,8 @@ def bench(
         warn=warn,
     )
     written = write_outputs(report, files, folder)
-    print_terminal(report)
+    with results_output() as console:
+        print_terminal(report, console)
     for path in written:
         click.echo(f"wrote {path}", err=True)
     if not report.gate.passed:

@@ -3,7 +3,12 @@ model built from the model-source options."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import shlex
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -14,6 +19,25 @@ from .options import parse_model_args
 
 #: Where outputs go without -o.
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
+
+
+@contextlib.contextmanager
+def results_output() -> Iterator:
+    """The rich console a command prints its results on (the standard output). When that cannot
+    be written (a closed pipe, a full disk), CorpError saying so: the output written before is
+    complete, which the command group then says (:func:`corp_deploy.outputs.completed_outputs`)."""
+    from rich.console import Console
+
+    class Terminal(Console):
+        def on_broken_pipe(self) -> None:  # rich's own answer: exit 1 in silence
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    try:
+        yield Terminal()
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no failing flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise CorpError(f"printing the results on the standard output failed ({exc.strerror or exc})") from None
 
 
 def warn(message: str | None) -> None:

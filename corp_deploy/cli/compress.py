@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from ..calibration import DEFAULT_BATCH
 from ..config import DEFAULT_SPARSITY, CompressConfig
@@ -18,6 +17,7 @@ from .common import (
     check_apart,
     dense_model,
     input_dir,
+    results_output,
     warn,
     warn_builtin_calibration,
 )
@@ -191,9 +191,9 @@ def compress(
     for message in result.calibration_warnings():
         warn(message)
     warn(record_latest(result.path))
-    console = Console()
-    for table in summary_tables(result.report, result.path):
-        console.print(table)
+    with results_output() as console:
+        for table in summary_tables(result.report, result.path):
+            console.print(table)
 
 
 def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:

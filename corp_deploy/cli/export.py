@@ -14,7 +14,7 @@ from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
 from ..errors import CorpError
-from .common import check_apart, command_to_paste, given_on_command_line
+from .common import check_apart, command_to_paste, given_on_command_line, results_output
 from .group import cli
 from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
@@ -171,7 +171,6 @@ def export(
       corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision int8 --calib ./images
       corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
     """
-    from rich.console import Console
 
     from exporters.options import ExportOptions
     from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
@@ -204,7 +203,8 @@ def export(
     calib = options.int8.calib if options.int8 is not None else None
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
-    Console().print(result.summary_table())
+    with results_output() as console:
+        console.print(result.summary_table())
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)

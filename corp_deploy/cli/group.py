@@ -16,7 +16,10 @@ import click
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
 from ..launch import OWN_MODULES
+from ..outputs import completed_outputs, forget_completed
 
+#: The exit status of a run whose output is complete when a later step failed.
+OUTPUT_COMPLETE = 5
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {
     0: "done",
@@ -24,6 +27,7 @@ EXIT_CODES = {
     2: "bad usage",
     3: "export: files written, a step needs TensorRT or a GPU to finish",
     4: "a gate failed (export: nothing written; bench: reports written)",
+    5: "the output is complete, but a step after it failed (e.g. printing the results): the message names both",
     129: "stopped by SIGHUP (terminal closed, ssh dropped)",
     130: "interrupted by SIGINT",
     131: "stopped by SIGQUIT",
@@ -58,45 +62,57 @@ class _Commands(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
+        forget_completed()
         try:
             return super().invoke(ctx)
-        except SettingError as exc:
-            raise _click_error(exc.naming(option_name), exc.exit_code) from None
-        except CorpError as exc:
-            raise _click_error(str(exc), exc.exit_code) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
-            if _out_of_memory(exc):
-                raise _click_error(
-                    f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
-                ) from None
-            refused = file_system_refusal(exc)
-            if refused:
-                raise _click_error(f"the file system refused: {refused}; nothing partial was left behind", 1) from None
-            missing = _missing_dependency(exc)
-            if missing:
-                raise _click_error(
-                    f"the Python module '{missing}' is not installed, and this command needs it: "
-                    "install corp-deploy with its dependencies (pip install without --no-deps)",
-                    1,
-                ) from None
-            from ..distributed import lost_peer
-
-            if lost_peer(exc):
-                raise _click_error(
-                    "another process of this torchrun job stopped (its message says why); this one "
-                    "stopped with it, and no artifact was written",
-                    1,
-                ) from None
-            if os.environ.get("CORP_DEPLOY_DEBUG"):
-                raise
+            message, exit_code = _failure(exc)
+        done = completed_outputs()
+        if done:
             raise _click_error(
-                f"internal error ({type(exc).__name__}: {first_line(exc)}); "
-                "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
-                "and report it",
-                1,
-            ) from None
+                f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
+                f"failure), but a later step failed: {message}",
+                OUTPUT_COMPLETE,
+            )
+        raise _click_error(message, exit_code)
+
+
+def _failure(exc: Exception) -> tuple[str, int]:
+    """The one message and the exit status of a command that raised ``exc`` (see :class:`_Commands`)."""
+    if isinstance(exc, SettingError):
+        return exc.naming(option_name), exc.exit_code
+    if isinstance(exc, CorpError):
+        return str(exc), exc.exit_code
+    if _out_of_memory(exc):
+        return f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
+    refused = file_system_refusal(exc)
+    if refused:
+        partial = "" if completed_outputs() else "; nothing partial was left behind"
+        return f"the file system refused: {refused}{partial}", 1
+    missing = _missing_dependency(exc)
+    if missing:
+        return (
+            f"the Python module '{missing}' is not installed, and this command needs it: "
+            "install corp-deploy with its dependencies (pip install without --no-deps)",
+            1,
+        )
+    from ..distributed import lost_peer
+
+    if lost_peer(exc):
+        return (
+            "another process of this torchrun job stopped (its message says why); this one stopped with it, "
+            "and no artifact was written",
+            1,
+        )
+    if os.environ.get("CORP_DEPLOY_DEBUG"):
+        raise exc
+    return (
+        f"internal error ({type(exc).__name__}: {first_line(exc)}); this is a bug in corp-deploy: rerun with "
+        "CORP_DEPLOY_DEBUG=1 for the traceback and report it",
+        1,
+    )
 
 
 def _out_of_memory(exc: Exception) -> bool:

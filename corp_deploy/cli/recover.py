@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, warn
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, recovery_options
 
@@ -77,7 +76,8 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     for message in result.calibration_warnings():
         warn(message)
     warn(record_latest(result.path))
-    Console().print(recovery_table(result.report["recovery"], result.path))
+    with results_output() as console:
+        console.print(recovery_table(result.report["recovery"], result.path))
 
 
 #: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off).

@@ -7,7 +7,7 @@ from datetime import timedelta
 import click
 
 from ..config import CompressConfig
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, results_output, warn_builtin_calibration
 from .group import cli
 from .options import PATH, evaluation_options, model_source_options, parse_values, timing_options
 
@@ -129,5 +129,6 @@ def sweep(
     finally:
         distributed.shutdown()
     if result is not None:
-        click.echo((out_dir / "sweep.md").read_text())
+        with results_output():
+            click.echo((out_dir / "sweep.md").read_text())
         click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)
