@@ -261,7 +261,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
     file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
     bench marked); bench never overwrites anything else."""
-    from corp_deploy.outputs import RECORD_FILE, check_creatable, resolve
+    from corp_deploy.outputs import check_creatable, enclosing_output, resolve
 
     given = Path(path)
     path = resolve(given)
@@ -274,7 +274,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
             f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
             "wrote; nothing was changed"
         )
-    owner = next((folder for folder in path.parents if (folder / RECORD_FILE).is_file()), None)
+    owner = enclosing_output(path)
     if owner is not None:
         raise CorpError(
             f"{given} lies inside {owner}, an output of corp-deploy, which holds only the files its "

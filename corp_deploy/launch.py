@@ -32,6 +32,7 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.exit_code = 128 + signum
+        self.completed: tuple = ()  # the outputs the command had put in place (set by the command group)
 
 
 def main() -> None:
@@ -48,17 +49,15 @@ def main() -> None:
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left()}", file=sys.stderr)
+            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left(exc.completed)}", file=sys.stderr)
         sys.exit(exc.exit_code)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
 
 
-def _what_was_left() -> str:
+def _what_was_left(done: tuple) -> str:
     """What an interrupted run leaves, in words: the outputs it completed before the interrupt
-    (:func:`corp_deploy.outputs.completed_outputs`), and that nothing is half-written."""
-    outputs = sys.modules.get("corp_deploy.outputs")  # not imported yet: nothing was written
-    done = outputs.completed_outputs() if outputs is not None else ()
+    (``done``), and that nothing is half-written."""
     if done:
         return (
             f"{', '.join(map(str, done))} {'was' if len(done) == 1 else 'were'} written before it and "

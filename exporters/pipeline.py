@@ -88,7 +88,7 @@ def export_artifact(
     config = read_config(artifact)
     made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
-    check_output_dir(out_dir, "export")  # before any work
+    check_output_dir(out_dir, "export", made_from=artifact)  # before any work
     tolerance = options.tolerance or precision.tolerance
     models = {"model": load_compressed(artifact)}
     if options.dense:
@@ -112,7 +112,9 @@ def export_artifact(
     entries, graph, onnxruntime = {}, {}, {}
     with (
         tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
-        staged_output(out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values())) as tmp,
+        staged_output(
+            out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values()), made_from=artifact
+        ) as tmp,
         ExitStack() as runners,
     ):
         calibration = (

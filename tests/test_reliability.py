@@ -243,6 +243,22 @@ def _record_naming_outside_files(w: Path) -> Path:
     return w / "art"
 
 
+def _moved_bench_report(w: Path) -> Path:
+    """An artifact holding a bench report folder moved into it by hand: replacing the artifact would
+    remove the report with it."""
+    with staged_output(w / "b", "bench") as folder:
+        (folder / "bench.json").write_text("{}")
+    shutil.move(w / "b", w / "art" / "b")
+    return w / "art"
+
+
+def _killed_run_left(folder: Path) -> Path:
+    """What a run killed with SIGKILL while exporting into ``folder`` leaves: its working folder."""
+    (folder / ".export-fp32.tmp-k1ll3d").mkdir()
+    (folder / ".export-fp32.tmp-k1ll3d" / "model.onnx").write_bytes(b"half")
+    return folder
+
+
 def _sparse_checkpoint(w: Path) -> Path:
     path = w / "sparse.pth"
     torch.save({k: v.to_sparse() if v.ndim == 2 else v for k, v in build_small_vit().state_dict().items()}, path)
@@ -493,6 +509,41 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "-o", _with_user_file(w / "art" / "export-fp32").parent],
         1,
         "notes.txt was not written by corp-deploy",
+    ),
+    "compress-o-inside-an-artifact": Refusal(
+        lambda w: [*BASE, "-o", w / "art" / "sub"], 1, "art/sub lies inside {w}/art, an output of corp-deploy"
+    ),
+    "compress-o-deep-inside-an-export": Refusal(
+        lambda w: [*BASE, "-o", w / "art" / "export-fp32" / "x" / "y"], 1, "lies inside {w}/art/export-fp32, an output"
+    ),
+    "compress-o-own-artifact-holding-a-moved-bench-report": Refusal(
+        lambda w: [*BASE, "-o", _moved_bench_report(w)],
+        1,
+        "b is a bench report, which corp-deploy never writes inside an artifact",
+    ),
+    "compress-o-own-artifact-with-a-killed-runs-working-folder": Refusal(
+        lambda w: [*BASE, "-o", _killed_run_left(w / "art")],
+        1,
+        "is the working folder of a corp-deploy run that was killed or is still running",
+    ),
+    "recover-o-inside-another-artifact": Refusal(
+        lambda w: ["recover", w / "art", "-o", w / "other" / "rec"], 1, "lies inside {w}/other, an output"
+    ),
+    "export-o-inside-another-artifact": Refusal(
+        lambda w: ["export", w / "art", "-o", w / "other" / "export-fp32"],
+        1,
+        "an export goes inside the artifact it is made from",
+    ),
+    "export-o-inside-an-export": Refusal(
+        lambda w: ["export", w / "art", "-o", w / "art" / "export-fp32" / "e"], 1, "lies inside {w}/art/export-fp32"
+    ),
+    "bench-o-inside-an-export": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "-o", w / "art" / "export-fp32" / "b"],
+        1,
+        "lies inside {w}/art/export-fp32, an output",
+    ),
+    "sweep-o-inside-an-artifact": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", 0.5, "-o", w / "art" / "sweep"], 1, "lies inside {w}/art, an output"
     ),
     # export: the artifact read
     "export-flipped-weight-byte": Refusal(
@@ -815,11 +866,11 @@ def test_refused_with_one_message_and_nothing_changed(name, work, monkeypatch):
     if case.hide_cuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = case.args(work)
-    before = snapshot(work)
+    before, planted = snapshot(work), debris(work)  # (a case may plant a killed run's leftovers)
     code, text, exception = invoke(args, work.parent / "state")
     assert_one_message(code, text, exception, case.code, case.message.replace("{w}", str(work)))
     assert snapshot(work) == before
-    assert not debris(work) and not (work / "pwned").exists()
+    assert debris(work) == planted and not (work / "pwned").exists()
 
 
 # ---------------------------------------------------------------- accepted with a warning, or replaced

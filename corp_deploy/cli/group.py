@@ -15,8 +15,8 @@ import click
 
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
-from ..launch import OWN_MODULES
-from ..outputs import completed_outputs, forget_completed
+from ..launch import OWN_MODULES, Interrupted
+from ..outputs import noting_completed
 
 #: The exit status of a run whose output is complete when a later step failed.
 OUTPUT_COMPLETE = 5
@@ -62,14 +62,16 @@ class _Commands(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
-        forget_completed()
-        try:
-            return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
-        except Exception as exc:
-            message, exit_code = _failure(exc)
-        done = completed_outputs()
+        with noting_completed() as done:
+            try:
+                return super().invoke(ctx)
+            except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+                raise
+            except Interrupted as exc:
+                exc.completed = tuple(done)  # the entry point says what was written before it
+                raise
+            except Exception as exc:
+                message, exit_code = _failure(exc, completed=bool(done))
         if done:
             raise _click_error(
                 f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
@@ -79,8 +81,9 @@ class _Commands(click.Group):
         raise _click_error(message, exit_code)
 
 
-def _failure(exc: Exception) -> tuple[str, int]:
-    """The one message and the exit status of a command that raised ``exc`` (see :class:`_Commands`)."""
+def _failure(exc: Exception, completed: bool) -> tuple[str, int]:
+    """The one message and the exit status of a command that raised ``exc`` (see :class:`_Commands`),
+    ``completed`` when it had put an output in place before."""
     if isinstance(exc, SettingError):
         return exc.naming(option_name), exc.exit_code
     if isinstance(exc, CorpError):
@@ -89,7 +92,7 @@ def _failure(exc: Exception) -> tuple[str, int]:
         return f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
     refused = file_system_refusal(exc)
     if refused:
-        partial = "" if completed_outputs() else "; nothing partial was left behind"
+        partial = "" if completed else "; nothing partial was left behind"
         return f"the file system refused: {refused}{partial}", 1
     missing = _missing_dependency(exc)
     if missing:
