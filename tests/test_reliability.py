@@ -688,6 +688,16 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "a directory, not a file",
     ),
+    "export-timing-cache-inside-another-output": Refusal(
+        lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "other" / "trt.cache", "-o", w / "o"],
+        1,
+        "trt.cache lies inside {w}/other, an output of corp-deploy",
+    ),
+    "export-timing-cache-inside-the-export": Refusal(
+        lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "art" / "export-fp32" / "t.cache"],
+        1,
+        "t.cache lies inside {w}/art/export-fp32, an output of corp-deploy",
+    ),
     "export-batch-profile-backwards": Refusal(
         lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 1, "1 <= MIN <= OPT <= MAX"
     ),
