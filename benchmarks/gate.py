@@ -13,6 +13,7 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.documents import read_json
+from corp_deploy.errors import SettingError, check_setting_types
 
 from .results import BenchReport, Int8Result, Int8Row
 
@@ -49,6 +50,7 @@ class GateLimits:
     parity_requested: bool = False
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         ranges = {
             "max_regression": (0.0, 1.0),
             "min_agreement": (0.0, 1.0),
@@ -61,14 +63,9 @@ class GateLimits:
             if value is None:
                 continue
             closed_top = name != "max_regression"
-            if not (
-                isinstance(value, (int, float))
-                and math.isfinite(value)
-                and low <= value
-                and (value <= high if closed_top else value < high)
-            ):
+            if not (math.isfinite(value) and low <= value and (value <= high if closed_top else value < high)):
                 allowed = f"in [{low:g}, {high:g}{']' if closed_top else ')'}" if math.isfinite(high) else f">= {low:g}"
-                raise CorpError(f"--{name.replace('_', '-')} must be a finite number {allowed}; got {value}")
+                raise SettingError(f"{{setting}} must be a finite number {allowed}; got {value}", name)
 
     @property
     def requested(self) -> bool:

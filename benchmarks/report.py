@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from corp_deploy import CorpError
+from corp_deploy.errors import BadUsage
 from corp_deploy.files import json_text
 
 from .results import BENCH_FORMAT, BenchReport, Int8Result
@@ -266,7 +267,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     given = Path(path)
     path = resolve(given)
     if rendering == "plot" and path.suffix.lower() != ".png":
-        raise CorpError(f"--plot writes a PNG image; {given} does not end in .png")
+        raise BadUsage(f"--plot writes a PNG image; {given} does not end in .png")
     if path.is_dir():
         raise CorpError(f"{given} is a directory; give a file path (or use -o DIR)")
     if path.exists() and not _written_by_bench(path, rendering):
@@ -302,7 +303,7 @@ def check_report_outputs(
             f"{inside[0]} lies inside -o {folder}; write it there without --json/--markdown/--plot, or elsewhere"
         )
     if len(set(checked.values())) < len(checked):
-        raise CorpError("--json, --markdown and --plot must name different files")
+        raise BadUsage("--json, --markdown and --plot must name different files")
     if baseline is not None:
         kept = Path(baseline).resolve()
         if kept in {path.resolve() for path in checked.values()} or (

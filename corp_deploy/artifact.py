@@ -22,7 +22,7 @@ from .errors import CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, create_base_model
+from .models import base_skeleton, create_base_model, state_mismatch
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
@@ -222,10 +222,10 @@ def load_compressed(path: str | Path) -> nn.Module:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:
         raise CorpError(f"cannot read weights of {path}: {exc}") from None
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise CorpError(f"weights of {path} do not match its config: {exc}") from None
+    problem = state_mismatch(model.state_dict(), state, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
+    if problem is not None:
+        raise CorpError(f"the weights of {path} do not match its {CONFIG_FILE}: {problem}")
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 
@@ -320,12 +320,11 @@ def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
     (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
     base = config["base_model"]
     skeleton = _reshaped(base_skeleton(base["name"], base["model_kwargs"]), config).state_dict()
-    mismatch = sorted(set(skeleton) ^ set(state)) or [k for k in state if skeleton[k].shape != state[k].shape]
-    if mismatch:
+    problem = state_mismatch(skeleton, state, "the compressed model", "the model the record rebuilds")
+    if problem is not None:
         raise CorpError(
-            f"the recorded base model {config['base_model']} does not rebuild this model "
-            f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
-            "it was created with"
+            f"the recorded base model {config['base_model']} does not rebuild this model ({problem}); pass "
+            "the timm name and model kwargs it was created with"
         )
 
 

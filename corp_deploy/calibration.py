@@ -14,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import nn
 
-from .errors import CorpError, SettingError, first_line
+from .errors import CorpError, SettingError, check_setting_types, first_line
 from .files import existing_dir
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -146,9 +146,9 @@ class CalibrationImages:
         crop_seed: int | None = None,
     ) -> None:
         if batch_size < 1:
-            raise CorpError(f"batch size must be >= 1, got {batch_size}")
+            raise SettingError(f"{{setting}} must be >= 1, got {batch_size}", "batch_size")
         if limit < 1:
-            raise CorpError(f"the number of calibration samples must be >= 1, got {limit}")
+            raise SettingError(f"{{setting}} (the number of calibration images) must be >= 1, got {limit}", "samples")
         self._sources = sources
         self._transform = transform
         self._batch_size = batch_size
@@ -281,11 +281,12 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         for name in ("samples", "batch_size"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            if value < 1:
                 raise SettingError(f"{{setting}} must be an integer >= 1, got {value!r}", name)
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+        if not 0 <= self.seed < 2**32:
             raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
         if self.source is not None:
             object.__setattr__(self, "source", Path(self.source))
@@ -302,7 +303,7 @@ class CalibrationSpec:
         """The calibration an artifact's ``config.json`` records (its directory, or the built-in
         photos; how many images, the batch size and the seed), with ``source``, ``samples`` or
         ``batch_size`` taking the place of the recorded value where given. CorpError when the
-        recorded directory is not there any more."""
+        recorded directory is not there any more, or a recorded setting is not valid."""
         recorded, settings = config.get("calibration", {}), config.get("settings", {})
         if source is None and recorded.get("source") == "directory":
             source = Path(recorded["path"])
@@ -311,12 +312,16 @@ class CalibrationSpec:
                     f"the artifact was calibrated on {source}, which is not there any more; "
                     "pass the calibration images with --calib DIR"
                 )
-        return cls(
-            source,
-            samples or settings.get("calib_samples", DEFAULT_IMAGES),
-            batch_size or settings.get("batch_size", DEFAULT_BATCH),
-            settings.get("seed", 0),
-        )
+        try:  # what the artifact records, checked apart from what is given: it is no usage of the caller's
+            kept = cls(
+                None,
+                settings.get("calib_samples", DEFAULT_IMAGES),
+                settings.get("batch_size", DEFAULT_BATCH),
+                settings.get("seed", 0),
+            )
+        except SettingError as exc:
+            raise CorpError(f"the artifact records calibration settings this corp-deploy cannot use: {exc}") from None
+        return cls(source, samples or kept.samples, batch_size or kept.batch_size, kept.seed)
 
     def images(self, transform: Callable) -> CalibrationImages:
         """The images, preprocessed by ``transform`` (:func:`model_transform`)."""

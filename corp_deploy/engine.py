@@ -37,7 +37,7 @@ from .blocks import BoundaryCache
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
-from .errors import CorpError, SettingError
+from .errors import CorpError, SettingError, check_instance
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
@@ -68,6 +68,7 @@ def compress(
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
+    check_instance("config", config, CompressConfig)
     check_vit(model)
     check_finite(model, "the model to compress")
     teacher = None
@@ -160,16 +161,17 @@ def check_kept_sizes(model: nn.Module, config: CompressConfig) -> None:
 def _refuse_pruning_nothing(config: CompressConfig, part: Part, sparsity: float, total: int, where: str) -> None:
     """The SettingError of :func:`check_kept_sizes` for a sparsity that keeps all ``total`` dims of
     ``part`` in ``where`` (a block, or the whole model)."""
+    setting = config.sparsity_setting(part)
     if config.round_to == 1:
         raise SettingError(
             f"{{setting}} {sparsity:g} keeps all {total} {part.label} of {where} ({sparsity:g} x {total} = "
             f"{sparsity * total:.3g} rounds to none removed): nothing would be pruned; raise the sparsity",
-            part.setting,
+            setting,
         )
     raise SettingError(
         f"{{setting}} {sparsity:g} keeps all {total} {part.label} of {where} once rounded to a multiple of "
         f"{config.round_to} ({{setting}}): nothing would be pruned; raise the sparsity or lower the rounding",
-        part.setting,
+        setting,
         "round_to",
     )
 

@@ -193,7 +193,20 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
         isinstance(v, torch.Tensor) and v.layout == torch.strided for v in state.values()
     ):
         raise CorpError(f"checkpoint {path} does not hold a state dict of dense tensors")
-    own = model.state_dict()
+    problem = state_mismatch(model.state_dict(), state, "the checkpoint", "the model")
+    if problem is not None:
+        raise CorpError(
+            f"checkpoint {path} does not match the model: {problem}. "
+            "Check the model name and --model-arg values (e.g. num_classes, img_size)."
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def state_mismatch(own: dict, state: dict, state_is: str, own_is: str) -> str | None:
+    """Why ``state`` (a state dict: names to tensors, or anything with a ``shape``) would not load
+    strictly where ``own`` is expected, in one line: tensors missing, unexpected, or of other shapes,
+    each counted with an example (``state_is`` and ``own_is`` say where each shape comes from:
+    ``the checkpoint``, ``the model``); None when it would."""
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     reshaped = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
@@ -205,15 +218,10 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     if reshaped:
         first = reshaped[0]
         problems.append(
-            f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in the "
-            f"checkpoint, {list(own[first].shape)} in the model)"
+            f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in "
+            f"{state_is}, {list(own[first].shape)} in {own_is})"
         )
-    if problems:
-        raise CorpError(
-            f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
-            "Check the model name and --model-arg values (e.g. num_classes, img_size)."
-        )
-    model.load_state_dict(state, strict=True)
+    return "; ".join(problems) or None
 
 
 def check_vit(model: nn.Module) -> None:

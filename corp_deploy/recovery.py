@@ -37,7 +37,7 @@ from torch import nn
 
 from . import distributed
 from .calibration import load_rgb, model_transform
-from .errors import CorpError, SettingError
+from .errors import CorpError, SettingError, check_setting_types
 from .families import blocks_of
 from .methods.base import option
 
@@ -83,6 +83,7 @@ class RecoveryConfig:
     autocast_bf16: bool = True
 
     def __post_init__(self) -> None:
+        check_setting_types(self, lambda name: SETTING_PREFIX + name)
         integers = {
             "steps": (0, MAX_STEPS),
             "batch_size": (1, None),
@@ -92,8 +93,7 @@ class RecoveryConfig:
         }
         for name, (least, most) in integers.items():
             value = getattr(self, name)
-            inside = isinstance(value, int) and not isinstance(value, bool) and value >= least
-            if not (inside and (most is None or value <= most)):
+            if not (value >= least and (most is None or value <= most)):
                 bounds = f">= {least}" if most is None else f"from {least} to {most:,}"
                 raise SettingError(f"{{setting}} must be an integer {bounds}, got {value!r}", SETTING_PREFIX + name)
         ranges = {
@@ -106,8 +106,7 @@ class RecoveryConfig:
         }
         for name, (low, high, low_included) in ranges.items():
             value = getattr(self, name)
-            inside = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not (inside and (low <= value if low_included else low < value) and value <= high):
+            if not (math.isfinite(value) and (low <= value if low_included else low < value) and value <= high):
                 interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
                 raise SettingError(f"{{setting}} must be in {interval}, got {value!r}", SETTING_PREFIX + name)
 

@@ -20,7 +20,7 @@ from .artifact import base_model_spec, load_base_model, load_compressed, read_co
 from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
 from .engine import compress, resolve_device
-from .errors import CorpError
+from .errors import CorpError, check_instance
 from .recovery import RecoveryConfig, recover
 from .resources import check_fits, compress_bytes
 
@@ -99,6 +99,8 @@ def compress_to_artifact(
     (one copy of the weights less; after a failure it is left part-compressed). Under
     torch.distributed every process calibrates on its share and only the first writes.
     """
+    check_instance("config", config, CompressConfig)
+    check_instance("calibration", calibration, CalibrationSpec)
     transform, data_config = model_transform(dense)
     if base_model is None:
         base_model = base_model_spec(dense)
@@ -140,6 +142,9 @@ def recover_artifact(
     ``out_dir`` as a new artifact: the same structure, the settings and report of ``artifact``
     with the recovery's added. An artifact that was already recovered is refused (its teacher
     and starting point would be ambiguous); recover the one compress wrote again instead."""
+    check_instance("recovery", recovery, RecoveryConfig)
+    if calibration is not None:
+        check_instance("calibration", calibration, CalibrationSpec)
     config = read_config(artifact)
     settings = config["settings"]
     if settings.get("recover_steps"):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import click
 import numpy as np
 import pytest
 import torch
@@ -344,44 +345,44 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "compress-unknown-model": Refusal(lambda w: ["compress", "no_such_vit", "-o", w / "o"], 1, "unknown model"),
     "compress-sparsity-out-of-range": Refusal(
-        lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 1, "--s must be in [0, 1), got 1.5"
+        lambda w: [*BASE, "--s", 1.5, "-o", w / "o"], 2, "--s must be in [0, 1), got 1.5"
     ),
-    "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 1, "--s must be in [0, 1)"),
+    "compress-sparsity-nan": Refusal(lambda w: [*BASE, "--s", "nan", "-o", w / "o"], 2, "--s must be in [0, 1)"),
     "compress-macs-inf": Refusal(
-        lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 1, "--macs must be a fraction of the dense MACs"
+        lambda w: [*BASE, "--macs", "inf", "-o", w / "o"], 2, "--macs must be a fraction of the dense MACs"
     ),
     "compress-speedup-nan": Refusal(
-        lambda w: [*BASE, "--speedup", "nan", "-o", w / "o"], 1, "--speedup must be a finite number >= 1"
+        lambda w: [*BASE, "--speedup", "nan", "-o", w / "o"], 2, "--speedup must be a finite number >= 1"
     ),
     "compress-ridge-nan": Refusal(
-        lambda w: [*BASE, "--ridge", "nan", "-o", w / "o"], 1, "--ridge must be a finite number >= 0"
+        lambda w: [*BASE, "--ridge", "nan", "-o", w / "o"], 2, "--ridge must be a finite number >= 0"
     ),
     "compress-unit-floor-nan": Refusal(
-        lambda w: [*BASE, "--macs", 0.5, "--unit-floor", "nan", "-o", w / "o"], 1, "--unit-floor must be in [0, 1]"
+        lambda w: [*BASE, "--macs", 0.5, "--unit-floor", "nan", "-o", w / "o"], 2, "--unit-floor must be in [0, 1]"
     ),
     "compress-round-to-larger-than-a-layer": Refusal(
         lambda w: [*BASE, "--round-to", 64, "-o", w / "o"],
-        1,
+        2,
         "--round-to 64 is larger than the 16 query/key dims per head",
     ),
     "compress-round-to-prunes-nothing": Refusal(
         lambda w: [*BASE, "--s", 0.1, "--round-to", 8, "-o", w / "o"],
-        1,
-        "--s-attn 0.1 keeps all 16 query/key dims per head of block 0",
+        2,
+        "--s 0.1 keeps all 16 query/key dims per head of block 0",  # the option typed, not --s-attn
     ),
     "compress-sparsity-that-rounds-to-nothing": Refusal(
         lambda w: [*BASE, "--target", "mlp", "--s-mlp", 0.002, "-o", w / "o"],
-        1,
+        2,
         "--s-mlp 0.002 keeps all 192 MLP hidden channels of block 0 (0.002 x 192 = 0.384 rounds to none removed)",
     ),
     "compress-vbp-rate-that-removes-nothing": Refusal(
         lambda w: [*BASE, "--method", "vbp", "--s-mlp", 0.001, "-o", w / "o"],
-        1,
+        2,
         "--s-mlp 0.001 keeps all 384 MLP hidden channels of the model",
     ),
     "compress-recover-steps-that-never-end": Refusal(
         lambda w: [*BASE, "--recover-steps", 10**12, "-o", w / "o"],
-        1,
+        2,
         "--recover-steps must be an integer from 0 to 1,000,000",
     ),
     "compress-model-arg-negative-num-classes": Refusal(
@@ -401,7 +402,7 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "--macs", 0.6, "--s", 0.5, "-o", w / "o"], 2, "exclude each other"
     ),
     "compress-option-of-another-method": Refusal(
-        lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"], 1, "--s-attn has no meaning"
+        lambda w: [*BASE, "--method", "vbp", "--s-attn", 0.5, "-o", w / "o"], 2, "--s-attn has no meaning"
     ),
     # compress: calibration images
     "compress-calib-missing": Refusal(lambda w: [*BASE, "--calib", w / "nope", "-o", w / "o"], 1, "nope: not found"),
@@ -447,7 +448,7 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE[:2], *TINY, "--checkpoint", _malicious(w), "-o", w / "o"], 1, "cannot read checkpoint"
     ),
     "compress-checkpoint-and-random-weights": Refusal(
-        lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 1, "exclude each other"
+        lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 2, "exclude each other"
     ),
     "compress-model-arg-depth-0": Refusal(
         lambda w: [*BASE, "--model-arg", "depth=0", "-o", w / "o"], 1, "no transformer blocks"
@@ -460,7 +461,7 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "timm cannot build deit_tiny_patch16_224 with",
     ),
-    "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 1, "KEY=VALUE"),
+    "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 2, "KEY=VALUE"),
     # compress: outputs
     "compress-o-foreign-folder-with-config-json": Refusal(
         lambda w: [*BASE, "-o", _foreign(w, "config.json")],
@@ -599,9 +600,24 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "config.json does not describe a model this corp-deploy can rebuild",
     ),
+    "export-config-of-other-sizes-than-its-weights-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _edited_with_record(
+                w / "art",
+                "config.json",
+                "artifact",
+                lambda c: c["blocks"][0].update(mlp_hidden=c["blocks"][0]["mlp_hidden"] + 1),
+            ),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "do not match its config.json: 3 tensors of other shapes (e.g. blocks.0.mlp.fc1.weight: [96, 48] in model",
+    ),
     "export-workspace-too-large": Refusal(
         lambda w: ["export", w / "art", "--trt", "--workspace", "1e308", "-o", w / "o"],
-        1,
+        2,
         "--workspace must be a number of GB from",
     ),
     "export-calib-samples-absurd": Refusal(
@@ -638,11 +654,11 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["export", w / "art", "-o", w / "other"], 1, "it holds an artifact, not an export"
     ),
     "export-opset-too-high": Refusal(
-        lambda w: ["export", w / "art", "--opset", 99, "-o", w / "o"], 1, "--opset must be between 17 and"
+        lambda w: ["export", w / "art", "--opset", 99, "-o", w / "o"], 2, "--opset must be between 17 and"
     ),
     "export-opset-beyond-torchscript": Refusal(
         lambda w: ["export", w / "art", "--exporter", "torchscript", "--opset", 24, "-o", w / "o"],
-        1,
+        2,
         "with the torchscript exporter",
     ),
     "export-int8-calib-missing": Refusal(
@@ -665,7 +681,7 @@ REFUSALS: dict[str, Refusal] = {
         "lies inside --calib",
     ),
     "export-int8-option-without-int8": Refusal(
-        lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 1, "apply only with --precision int8"
+        lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 2, "apply only with --precision int8"
     ),
     "export-int8-recorded-calibration-gone": Refusal(
         lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"],
@@ -674,14 +690,14 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "export-workspace-nan": Refusal(
         lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"],
-        1,
+        2,
         "--workspace must be a number of GB from",
     ),
     "export-atol-nan": Refusal(
-        lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 1, "--atol must be a finite number >= 0"
+        lambda w: ["export", w / "art", "--atol", "nan", "-o", w / "o"], 2, "--atol must be a finite number >= 0"
     ),
     "export-min-cosine-out-of-range": Refusal(
-        lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 1, "--min-cosine must be in [-1, 1]"
+        lambda w: ["export", w / "art", "--min-cosine", 2, "-o", w / "o"], 2, "--min-cosine must be in [-1, 1]"
     ),
     "export-timing-cache-is-a-directory": Refusal(
         lambda w: ["export", w / "art", "--trt", "--timing-cache", w / "art", "-o", w / "o"],
@@ -699,7 +715,7 @@ REFUSALS: dict[str, Refusal] = {
         "t.cache lies inside {w}/art/export-fp32, an output of corp-deploy",
     ),
     "export-batch-profile-backwards": Refusal(
-        lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 1, "1 <= MIN <= OPT <= MAX"
+        lambda w: ["export", w / "art", "--batch", "8:4:2", "-o", w / "o"], 2, "1 <= MIN <= OPT <= MAX"
     ),
     # bench
     "bench-corrupted-onnx": Refusal(
@@ -763,15 +779,15 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "bench-min-agreement-nan": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--min-agreement", "nan"],
-        1,
+        2,
         "--min-agreement must be a finite number in [0, 1]",
     ),
     "bench-max-kl-negative": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--max-kl", -1], 1, "--max-kl must be a finite number >= 0"
+        lambda w: ["bench", w / "art", *BENCH, "--max-kl", -1], 2, "--max-kl must be a finite number >= 0"
     ),
     "bench-min-cosine-inf": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--min-cosine", "inf"],
-        1,
+        2,
         "--min-cosine must be a finite number in [-1, 1]",
     ),
     "bench-json-over-a-user-file": Refusal(
@@ -815,7 +831,7 @@ REFUSALS: dict[str, Refusal] = {
         "int8: in the baseline but not measured",
     ),
     "bench-plot-not-png": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 1, "does not end in .png"
+        lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 2, "does not end in .png"
     ),
     "bench-o-foreign-folder": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "-o", _foreign(w, "bench.json")],
@@ -854,18 +870,18 @@ REFUSALS: dict[str, Refusal] = {
         "holds no corp-deploy-record.json that corp-deploy can read",
     ),
     "sweep-sparsity-out-of-range": Refusal(
-        lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 1, "--s must be in [0, 1), got 1.5"
+        lambda w: ["sweep", *BASE[1:], "--s", "0.3,1.5", "-o", w / "o"], 2, "--s must be in [0, 1), got 1.5"
     ),
     "sweep-unknown-method": Refusal(
-        lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 1, "--methods must be distinct names"
+        lambda w: ["sweep", *BASE[1:], "--methods", "corp,magic", "-o", w / "o"], 2, "--methods must be distinct names"
     ),
     "sweep-repeated-point": Refusal(
         lambda w: ["sweep", *BASE[1:], "--s", "0.3,0.30000001", "-o", w / "o"],
-        1,
+        2,
         "--s gives the same run twice (corp-s0.3)",
     ),
     "sweep-budget-with-vbp": Refusal(
-        lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 1, "--macs applies to"
+        lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "vbp", "-o", w / "o"], 2, "--macs applies to"
     ),
 }
 
@@ -881,6 +897,76 @@ def test_refused_with_one_message_and_nothing_changed(name, work, monkeypatch):
     assert_one_message(code, text, exception, case.code, case.message.replace("{w}", str(work)))
     assert snapshot(work) == before
     assert debris(work) == planted and not (work / "pwned").exists()
+
+
+# ---------------------------------------------------------------- every option: out of range is bad usage
+
+#: A command line of each command that is valid but for the option under test (given after it).
+VALID = {
+    "compress": lambda w: [*BASE, "-o", w / "o"],
+    "export": lambda w: ["export", w / "art", "-o", w / "o"],
+    "bench": lambda w: ["bench", w / "art", *BENCH],
+    "sweep": lambda w: ["sweep", *BASE[1:], "--s", 0.5, "-o", w / "o"],
+    "recover": lambda w: ["recover", w / "art", "-o", w / "o"],
+}
+#: Values out of range for options whose type does not say its range (a string parsed later).
+OUT_OF_RANGE = {
+    "--model-arg": "depth",
+    "--backends": "tensorflow",
+    "--methods": "magic",
+    "export --batch": "8:4:2",
+    "--int8-keep-float": "-1",
+    "--int8-smoothing": "2",
+}
+
+
+def _out_of_range(command: str, param: click.Parameter) -> str | None:
+    """A value of ``param`` outside its range, inferred from its type; None for a flag (no value)
+    and for the MODEL argument (a name whose model may not exist: exit 1, what it names)."""
+    option = param.opts[-1]
+    if getattr(param, "is_flag", False) or param.name == "model":
+        return None
+    if f"{command} {option}" in OUT_OF_RANGE or option in OUT_OF_RANGE:
+        return OUT_OF_RANGE.get(f"{command} {option}", OUT_OF_RANGE.get(option))
+    kind = param.type
+    if isinstance(kind, click.IntRange):
+        return str(kind.max + 1 if kind.max is not None else kind.min - 1)
+    if isinstance(kind, (click.FloatRange, click.types.FloatParamType)):
+        return "nan"
+    if isinstance(kind, click.types.IntParamType):
+        return "-1"
+    if isinstance(kind, click.Choice):
+        return "no-such-choice"
+    if isinstance(kind, click.Path):
+        return ""
+    return "x"  # the lists of numbers and sizes
+
+
+EVERY_OPTION = [
+    (command, param, value)
+    for command, group in sorted(cli.commands.items())
+    for param in group.params
+    if (value := _out_of_range(command, param)) is not None
+]
+
+
+@pytest.mark.parametrize(
+    "command, param, value", EVERY_OPTION, ids=[f"{c}-{p.opts[-1].lstrip('-')}" for c, p, _ in EVERY_OPTION]
+)
+def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command, param, value):
+    """One rule for every option of every command: a value out of its range (or of the wrong
+    form) is bad usage, exit 2, in one message that names the option as the user typed it, before
+    anything is written."""
+    args = VALID[command](work)
+    if isinstance(param, click.Argument):
+        args[1] = value
+    else:
+        args += [param.opts[-1], value]
+    before = snapshot(work)
+    code, text, exception = invoke(args, work.parent / "state")
+    named = param.human_readable_name if isinstance(param, click.Argument) else param.opts[-1]
+    assert_one_message(code, text, exception, 2, named)
+    assert snapshot(work) == before and not debris(work)
 
 
 # ---------------------------------------------------------------- accepted with a warning, or replaced
@@ -1264,6 +1350,50 @@ def test_the_disk_check_counts_the_old_output_that_stays_until_the_swap(work, mo
     code, text, exception = invoke([*BASE, "-o", work / "art"], work.parent / "state")
     assert_one_message(code, text, exception, 1, "of disk in")
     assert "both need room at once" in text and snapshot(work) == before and not debris(work)
+
+
+def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
+    """A library caller's value of the wrong type is named as such (not as out of range, and never
+    a TypeError from deep inside), and so is a dict given where a config class is expected."""
+    from benchmarks.gate import GateLimits
+    from corp_deploy import CalibrationSpec, CompressConfig, compress, compress_to_artifact
+    from corp_deploy.errors import BadUsage, SettingError
+    from corp_deploy.methods import CorpOptions
+    from corp_deploy.recovery import RecoveryConfig
+    from corp_deploy.workflow import recover_artifact
+    from exporters.options import ExportOptions
+    from exporters.parity import Tolerance
+
+    model = build_small_vit()
+    cases = [
+        (lambda: CompressConfig(s_mlp="0.5"), "s_mlp must be a number, got str '0.5'"),
+        (lambda: CompressConfig(round_to=2.0), "round_to must be an integer, got 2.0"),
+        (lambda: CompressConfig(compensation="no"), "compensation must be true or false, got str 'no'"),
+        (lambda: CompressConfig(method=None), "method must be a string, got None"),
+        (lambda: CompressConfig(options=CorpOptions(ridge="1e-3")), "ridge must be a number, got str '1e-3'"),
+        (lambda: CalibrationSpec(samples=4.0), "samples must be an integer, got 4.0"),
+        (lambda: RecoveryConfig(steps="100"), "recover_steps must be an integer, got str '100'"),
+        (lambda: ExportOptions(opset="18"), "opset must be an integer, got str '18'"),
+        (lambda: Tolerance(atol=[1e-4]), "atol must be a number, got list [0.0001]"),
+        (lambda: GateLimits(max_regression="0.1"), "max_regression must be a number, got str '0.1'"),
+        (lambda: compress(model, [], {"s_mlp": 0.5}), "config must be a CompressConfig, not dict"),
+        (
+            lambda: compress_to_artifact(model, CompressConfig(), {"samples": 4}, tmp_path / "o"),
+            "calibration must be a CalibrationSpec, not dict",
+        ),
+        (
+            lambda: recover_artifact(tiny_artifact, {"steps": 10}, tmp_path / "o"),
+            "recovery must be a RecoveryConfig, not dict",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(BadUsage) as raised:
+            make()
+        assert str(raised.value).startswith(message), (message, str(raised.value))
+        assert raised.value.exit_code == 2
+        if isinstance(raised.value, SettingError):
+            assert raised.value.settings  # the CLI names them as options
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_bug(work, monkeypatch):

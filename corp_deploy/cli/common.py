@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import CorpError
+from ..errors import BadUsage, CorpError
 from .group import COMMAND_LINE
 from .options import parse_model_args
 
@@ -99,7 +99,7 @@ def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None
 
     kwargs = parse_model_args(model_args)
     if checkpoint is not None and no_pretrained:
-        raise CorpError("--checkpoint and --no-pretrained exclude each other")
+        raise BadUsage("--checkpoint and --no-pretrained exclude each other")
     if checkpoint is not None and not checkpoint.is_file():
         raise CorpError(f"--checkpoint {checkpoint}: {'not a file' if checkpoint.exists() else 'not found'}")
     full_name = resolve_model_name(model, kwargs)

@@ -9,7 +9,7 @@ import click
 
 from ..calibration import DEFAULT_BATCH
 from ..config import DEFAULT_SPARSITY, CompressConfig
-from ..errors import CorpError
+from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import PARTS
 from .common import (
@@ -215,7 +215,7 @@ def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> N
     for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
         if value is not None and target not in method.targets:
             others = [m.name for m in METHODS.values() if target in m.targets]
-            raise CorpError(
+            raise BadUsage(
                 f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
                 f"(use --method {' or '.join(others)})"
             )

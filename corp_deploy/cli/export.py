@@ -13,7 +13,7 @@ from exporters.precision import PRECISIONS
 from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
-from ..errors import CorpError
+from ..errors import BadUsage
 from .common import check_apart, command_to_paste, given_on_command_line, results_output
 from .group import cli
 from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
@@ -183,7 +183,7 @@ def export(
     takes_int8 = record.options_class is Int8Options
     named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
     if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
-        raise CorpError(f"{', '.join(named)} apply only with --precision int8")
+        raise BadUsage(f"{', '.join(named)} apply only with --precision int8")
     chosen = artifact is None
     if chosen:
         artifact = latest_artifact()

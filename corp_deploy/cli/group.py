@@ -23,8 +23,10 @@ OUTPUT_COMPLETE = 5
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {
     0: "done",
-    1: "error: bad input, a refusal, or a failure; nothing half-written",
-    2: "bad usage",
+    1: "error: what a value names cannot be used (a missing file, a model timm cannot build, weights that "
+    "do not fit), a refusal, or a failure; nothing half-written",
+    2: "bad usage: a value refused as such (its range, type, choices or form, or it does nothing) or "
+    "options that exclude each other",
     3: "export: files written, a step needs TensorRT or a GPU to finish",
     4: "a gate failed (export: nothing written; bench: reports written)",
     5: "the output is complete, but a step after it failed (e.g. printing the results): the message names both",
@@ -33,12 +35,14 @@ EXIT_CODES = {
     131: "stopped by SIGQUIT",
     143: "terminated by SIGTERM",
 }
-#: Settings (CompressConfig and CalibrationSpec fields) whose option is not ``--<field with dashes>``.
+#: Settings (fields of the config classes) whose option is not ``--<field with dashes>``.
 _SETTING_OPTIONS = {
     "compensation": "--no-compensation",
     "sparsity": "--s",
     "samples": "--calib-samples",
     "source": "--calib",
+    "workspace_gb": "--workspace",
+    "budgets": "--macs",
 }
 
 

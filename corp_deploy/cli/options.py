@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from ..calibration import DEFAULT_IMAGES
-from ..errors import CorpError
+from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import TARGETS
 from ..recovery import SETTING_PREFIX, RecoveryConfig
@@ -60,6 +60,26 @@ class BatchSizes(click.ParamType):
         if repeated:
             self.fail(f"gives batch size {', '.join(map(str, repeated))} more than once: {value!r}", param, ctx)
         return sizes
+
+
+class Numbers(click.ParamType):
+    """Comma-separated numbers (``0.1,0.3,0.5``), at least one; ``example`` shows the form."""
+
+    name = "NUMBERS"
+
+    def __init__(self, example: str) -> None:
+        self.example = example
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            values = tuple(float(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values:
+            self.fail(f"takes comma-separated numbers (e.g. {self.example}); got {value!r}", param, ctx)
+        return values
 
 
 #: Every path option and argument.
@@ -204,22 +224,12 @@ def parse_model_args(pairs: tuple[str, ...]) -> dict:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise CorpError(f"--model-arg expects KEY=VALUE, got {pair!r}")
+            raise BadUsage(f"--model-arg expects KEY=VALUE, got {pair!r}")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
             out[key] = raw
     return out
-
-
-def parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values:
-        raise CorpError(f"{option} takes comma-separated numbers (e.g. {example}); got {text!r}")
-    return values
 
 
 #: What is timed, where, and for how long (bench, sweep).
