@@ -26,11 +26,12 @@ FAMILIES = ("torch", "ort", "trt")
 @dataclass
 class ModelFiles:
     """One model in each form ``bench`` can run: the PyTorch module and, where exported, its
-    ONNX file and TensorRT engine."""
+    ONNX file and TensorRT engine, and their ``precision`` (``export.json``'s; None: not exported)."""
 
     torch: nn.Module
     onnx: Path | None = None
     engine: Path | None = None
+    precision: str | None = None
 
 
 #: Makes a backend's runner for one model with a CPU thread count (None: the default), or

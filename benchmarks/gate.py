@@ -15,7 +15,7 @@ from corp_deploy import CorpError
 from corp_deploy.documents import read_json
 from corp_deploy.errors import SettingError, check_setting_types
 
-from .results import BenchReport, Int8Result, Int8Row
+from .results import BenchReport, BenchSettings, Int8Result, Int8Row
 
 #: The int8 graph a baseline's int8 numbers are compared on (:mod:`benchmarks.int8`).
 INT8_GRAPH = "compressed-int8"
@@ -85,6 +85,49 @@ def read_baseline(path: str | Path) -> BenchReport:
     if problem is not None:
         raise CorpError(f"baseline {path} is malformed: {problem}")
     return report
+
+
+def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSettings, models: dict) -> None:
+    """CorpError, before any timing, when ``baseline`` measured other things than this run will:
+    another model (its parameters, MACs per image or precision differ: another artifact, dense
+    model or export), other batch sizes, backends or thread counts; one message names every
+    difference. What the baseline does not record (a report written by hand) is not compared.
+    ``models``: this run's :class:`~benchmarks.results.ModelEntry` by model name."""
+    differences = []
+    for name, entry in models.items():
+        old = baseline.models.get(name)
+        if old is None:
+            continue
+        for number, said in (("params", _millions), ("macs", _giga), ("precision", str)):
+            was, now = getattr(old, number), getattr(entry, number)
+            if was is not None and now is not None and was != now:
+                differences.append(f"{name} model {number} {said(was)} in the baseline, {said(now)} here")
+    old = baseline.settings
+    if old is not None:
+        for setting, option in (("batches", "--batch"), ("backends", "--backends"), ("threads", "--threads")):
+            was, now = getattr(old, setting), getattr(settings, setting)
+            if _listed(was) != _listed(now):
+                differences.append(f"{option} {_listed(was)} in the baseline, {_listed(now)} here")
+    if differences:
+        raise CorpError(
+            f"baseline {path} measured other things than this run would ({'; '.join(differences)}); a gate "
+            "compares like with like: make the baseline from the same artifact and export with the same "
+            "--backends, --batch and --threads"
+        )
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e6:.4g} M"
+
+
+def _giga(count: int) -> str:
+    return f"{count / 1e9:.4g} G"
+
+
+def _listed(value) -> str:
+    if value is None:
+        return "default"
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _baseline_problem(report: BenchReport) -> str | None:
@@ -159,6 +202,13 @@ def _absolute(report: BenchReport, limits: GateLimits) -> list[str]:
 def _against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
     found = []
     measured = {(row.backend, row.batch): row for row in report.latency}
+    in_baseline = {(row.backend, row.batch) for row in baseline.latency}
+    for row in report.latency:  # never passed by comparing fewer rows than were measured
+        if (row.backend, row.batch) not in in_baseline:
+            found.append(
+                f"latency: {row.backend}, batch {row.batch} was measured but is not in the baseline (it did "
+                "not time it): nothing to compare it with"
+            )
     for old in baseline.latency:
         where = f"{old.backend}, batch {old.batch}"
         row = measured.get((old.backend, old.batch))

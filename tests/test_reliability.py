@@ -296,6 +296,21 @@ def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str |
     return path
 
 
+def _of_model(w: Path, **compressed) -> Callable[[dict], None]:
+    """A change of a baseline: its compressed model recorded with ``compressed`` (params, macs,
+    precision) in place of ``w/art``'s (read from it, so that only what is given differs)."""
+
+    def change(report: dict) -> None:
+        from benchmarks.harness import model_entries
+        from benchmarks.targets import load_models
+
+        entries = model_entries(*reversed(load_models(w / "art", w / "art" / "export-fp32")))
+        report["models"] = {name: entry.to_dict() for name, entry in entries.items()}
+        report["models"]["compressed"].update(compressed)
+
+    return change
+
+
 def _with_int8(report: dict) -> None:
     report["int8"] = {
         "latency": [{"batch": 1, "speedup_over_dense_fp32": {"compressed-int8": {"median": 2.0}}}],
@@ -776,6 +791,34 @@ REFUSALS: dict[str, Refusal] = {
         4,
         "--min-parity-cosine was given but no backend other than torch-cpu ran",
         hide_cuda=True,
+    ),
+    "bench-baseline-of-another-model": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, _of_model(w, params=10**6, macs=2 * 10**9))],
+        1,
+        "compressed model params 1 M in the baseline, ",
+    ),
+    "bench-baseline-of-another-precision": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, _of_model(w, precision="fp16"))],
+        1,
+        "compressed model precision fp16 in the baseline, fp32 here",
+    ),
+    "bench-baseline-of-other-batch-sizes-and-backends": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "ort",
+            "--baseline",
+            _baseline(w, lambda r: r.update(settings={"batches": [1, 8], "backends": ["torch", "ort"]})),
+        ],
+        1,
+        "--batch 1,8 in the baseline, 1 here; --backends torch,ort in the baseline, ort here",
+    ),
+    "bench-a-row-the-baseline-did-not-time": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,ort", "--baseline", _baseline(w)],
+        4,
+        "latency: torch-cpu, batch 1 was measured but is not in the baseline",
     ),
     "bench-min-agreement-nan": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--min-agreement", "nan"],
