@@ -8,6 +8,7 @@ the temporary directory. docs/reliability.md lists every case; a test keeps the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -873,6 +875,46 @@ REFUSALS: dict[str, Refusal] = {
         4,
         "int8: in the baseline but not measured",
     ),
+    "bench-gate-unknown": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", "speedup,speed"],
+        2,
+        "--gate takes one or more of latency,speedup,fidelity,int8, each once; got 'speedup,speed'",
+    ),
+    "bench-gate-without-a-baseline": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--gate", "speedup", "--max-regression", "0.1"],
+        2,
+        "--gate, --max-regression apply only with --baseline",
+    ),
+    "bench-latency-tolerance-without-the-latency-gate": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(w),
+            "--gate",
+            "speedup",
+            "--max-latency-regression",
+            "0.5",
+        ],
+        2,
+        "--max-latency-regression is the latency gate's tolerance; it applies only when --gate names latency",
+    ),
+    "bench-gate-int8-on-a-baseline-without-int8": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "ort",
+            "--baseline",
+            _baseline(w),
+            "--gate",
+            "speedup,int8",
+        ],
+        4,
+        "int8: --gate int8 was given but the baseline has no int8 numbers to compare",
+    ),
     "bench-plot-not-png": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 2, "does not end in .png"
     ),
@@ -1419,6 +1461,7 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
         (lambda: ExportOptions(opset="18"), "opset must be an integer, got str '18'"),
         (lambda: Tolerance(atol=[1e-4]), "atol must be a number, got list [0.0001]"),
         (lambda: GateLimits(max_regression="0.1"), "max_regression must be a number, got str '0.1'"),
+        (lambda: GateLimits(gates="speedup"), "gates takes one or more of latency,speedup,fidelity,int8, each once"),
         (lambda: compress(model, [], {"s_mlp": 0.5}), "config must be a CompressConfig, not dict"),
         (
             lambda: compress_to_artifact(model, CompressConfig(), {"samples": 4}, tmp_path / "o"),
@@ -1458,6 +1501,80 @@ def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work)
     )
     assert code == 0, text
     assert json.loads((work / "r.json").read_text())["fidelity"]["data"]["classes"] == 1
+
+
+#: A busy neighbour: a process that spins for as long as it is told to, once per line it reads.
+NEIGHBOUR = """
+import sys, time
+for line in sys.stdin:
+    until = time.perf_counter() + float(line)
+    while time.perf_counter() < until:
+        pass
+    print(flush=True)
+"""
+
+
+@contextlib.contextmanager
+def a_busy_neighbour(turns: int):
+    """Every call bench times (both models alike) is followed by the neighbour's ``turns`` turns of
+    its length, which bench waits for: a core shared with a busy process, in lock step. The
+    neighbour is a real process burning CPU; the lock step makes the slowdown the same on every
+    machine (a free-running spinner slows calls shorter than the scheduler's slice hardly at all,
+    and on a machine with more cores not at all)."""
+    import benchmarks.harness
+
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    timed = benchmarks.harness.interleaved
+
+    def sharing(run):
+        def call():
+            start = time.perf_counter()
+            run()
+            neighbour.stdin.write(f"{(time.perf_counter() - start) * turns}\n")
+            neighbour.stdin.flush()
+            neighbour.stdout.readline()
+
+        return call
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                benchmarks.harness,
+                "interleaved",
+                lambda runs, **kw: timed({k: sharing(r) for k, r in runs.items()}, **kw),
+            )
+            yield
+    finally:
+        neighbour.stdin.close()
+        neighbour.wait(timeout=10)
+
+
+def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
+    """Issue 45: bench run twice against its own baseline on a shared runner failed at +75 %
+    latency. With a neighbour taking three quarters of the core in the second run, its latency
+    quadruples: the latency gate reports it, the speedup (timed interleaved, so slowed alike) and
+    fidelity gates pass."""
+    state = work.parent / "state"
+    bench = ["bench", work / "art", *BENCH, "--backends", "torch", "--threads", "1", "--min-time", "0.2"]
+    code, text, _ = invoke([*bench, "--json", work / "base.json"], state)
+    assert code == 0, text
+    with a_busy_neighbour(turns=3):
+        shared = ["--baseline", work / "base.json", "--max-regression", "0.25"]
+        code, text, exception = invoke(
+            [*bench, *shared, "--gate", "speedup,fidelity", "--json", work / "s.json"], state
+        )
+        assert code == 0 and "regression gate" not in text, text
+        code, text, exception = invoke([*bench, *shared, "--json", work / "d.json"], state)
+    assert_one_message(code, text, exception, 4, "regression gate FAILED")
+    violations = text.split("regression gate FAILED:")[1].strip().splitlines()
+    assert {line.split(":")[0] for line in violations} == {"latency"}, text  # not speedup, not fidelity
+    assert re.match(r"latency: torch-cpu, batch 1: compressed p50 .* \(\+\d+\.\d% > 25%\)$", violations[0]), text
+    base, shared_run = (json.loads((work / name).read_text()) for name in ("base.json", "s.json"))
+    slowed = shared_run["latency"][0]["compressed"]["p50_s"] / base["latency"][0]["compressed"]["p50_s"]
+    assert slowed > 2, slowed  # the neighbour did slow the run
+    assert shared_run["gate"]["limits"]["gates"] == ["speedup", "fidelity"]
 
 
 def test_a_baseline_int8_regression_fails_the_gate():

@@ -43,6 +43,7 @@ _SETTING_OPTIONS = {
     "source": "--calib",
     "workspace_gb": "--workspace",
     "budgets": "--macs",
+    "gates": "--gate",
 }
 
 
