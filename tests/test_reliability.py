@@ -34,7 +34,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from corp_deploy import load_compressed
-from corp_deploy.calibration import load_rgb
+from corp_deploy.calibration import CalibrationImages, load_rgb
 from corp_deploy.cli import cli
 from corp_deploy.files import write_json
 from corp_deploy.outputs import RECORD_FILE, staged_output, verify_files, write_record
@@ -98,6 +98,14 @@ def png(path: Path, size=(40, 50), seed=0) -> Path:
 def image_folder(path: Path, count: int = 4) -> Path:
     for i in range(count):
         png(path / f"{i}.png", seed=i)
+    return path
+
+
+def plain(path: Path, colours=((0, 0, 0),) * 4) -> Path:
+    """A folder of images each of one colour (all black by default)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for i, colour in enumerate(colours):
+        Image.new("RGB", (40, 50), colour).save(path / f"{i}.png")
     return path
 
 
@@ -435,6 +443,17 @@ REFUSALS: dict[str, Refusal] = {
     "compress-calib-only-a-decompression-bomb": Refusal(
         lambda w: [*BASE, "--calib", bomb(w / "b" / "big.png").parent, "-o", w / "o"], 1, "decompression-bomb limit"
     ),
+    "compress-calib-all-black": Refusal(
+        lambda w: [*BASE, "--calib", plain(w / "black"), "-o", w / "o"],
+        1,
+        "all 4 calibration images are of one colour (e.g. all black): no patch differs from another but by its "
+        "position, so the statistics calibration gathers over them are singular",
+    ),
+    "compress-calib-of-one-colour-each": Refusal(
+        lambda w: [*BASE, "--calib", plain(w / "plain", [(0, 0, 0), (255, 255, 255), (200, 30, 30)]), "-o", w / "o"],
+        1,
+        "all 3 calibration images are of one colour",
+    ),
     # compress: weights and models
     "compress-checkpoint-missing": Refusal(
         lambda w: [*BASE[:2], *TINY, "--checkpoint", w / "w.pth", "-o", w / "o"], 1, "w.pth: not found"
@@ -682,6 +701,11 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["export", w / "art", "--precision", "int8", "--calib", w / "nope", "-o", w / "o"],
         1,
         "--calib " + "{w}/nope: not found",
+    ),
+    "export-int8-calib-all-black": Refusal(
+        lambda w: ["export", w / "art", "--precision", "int8", "--calib", plain(w / "black"), "-o", w / "o"],
+        1,
+        "all 4 calibration images are of one colour",
     ),
     "export-o-inside-calib": Refusal(
         lambda w: [
@@ -1096,6 +1120,48 @@ def test_16_bit_greyscale_is_scaled_not_whitened(tmp_path):
     rgb = np.asarray(load_rgb(tmp_path / "g16.png")).astype(np.float64)
     assert rgb.shape == (64, 64, 3) and (rgb[..., 0] == rgb[..., 2]).all()
     assert np.abs(rgb[..., 0] - levels / 256.0).max() <= 1.5  # the same grey levels on 8 bits (clipping: 255)
+
+
+def test_an_exif_rotated_photo_is_loaded_upright(tmp_path):
+    """A camera's portrait photo is stored sideways with an EXIF orientation tag: it is turned
+    upright before use (calibration, evaluation and recovery images share the loader), as a viewer
+    shows it. The photo: red above blue, stored turned a quarter to the left, tagged 6 (turn right)."""
+    upright = Image.new("RGB", (20, 40), (0, 0, 255))
+    upright.paste((255, 0, 0), (0, 0, 20, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: the stored pixels must be turned 90 degrees clockwise
+    upright.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "portrait.jpg", exif=exif.tobytes(), quality=95)
+    with Image.open(tmp_path / "portrait.jpg") as stored:
+        assert stored.size == (40, 20)  # sideways as stored
+    loaded = load_rgb(tmp_path / "portrait.jpg")
+    assert loaded.size == (20, 40)
+    rgb = np.asarray(loaded).astype(int)
+    assert (np.abs(rgb[:16] - (255, 0, 0)).max(), np.abs(rgb[24:] - (0, 0, 255)).max()) < (40, 40)
+    seen = CalibrationImages.from_directory(tmp_path, lambda image: torch.from_numpy(np.asarray(image).copy()))
+    assert torch.equal(next(iter(seen))[0], torch.from_numpy(np.array(loaded)))
+
+
+def test_calibration_images_that_span_little_are_warned_about_with_a_measure(work):
+    """Near-identical images (one photo with a little noise) and images of one colour among photos:
+    a warning each, with how little they span (the calibration summary records it too); the run
+    completes. Images all of one colour are refused (``compress-calib-all-black``)."""
+    photo = np.random.default_rng(0).integers(20, 235, (50, 40, 3))
+    near = work / "near"
+    near.mkdir()
+    for i in range(4):
+        noise = np.random.default_rng(i + 1).integers(-2, 3, photo.shape)
+        Image.fromarray((photo + noise).astype(np.uint8)).save(near / f"{i}.png")
+    with pytest.warns(UserWarning, match=r"the 4 calibration images are near-identical: they vary by 0\.0\d+ across"):
+        code, text, _ = invoke([*BASE, "--calib", near, "-o", work / "o1"], work.parent / "state")
+    assert code == 0, text
+    span = json.loads((work / "o1" / "config.json").read_text())["calibration"]["span"]
+    assert span["across_images"] < 0.1 < span["within_images"] and span["constant_images"] == 0
+    mixed = plain(work / "mixed", [(0, 0, 0)] * 2)
+    for i in (2, 3):
+        png(mixed / f"{i}.png", seed=i)
+    with pytest.warns(UserWarning, match="2 of the 4 calibration images are of one colour"):
+        code, text, _ = invoke([*BASE, "--calib", mixed, "-o", work / "o2"], work.parent / "state")
+    assert code == 0, text
 
 
 def test_a_relative_calib_is_recorded_so_it_resolves_from_anywhere(work, monkeypatch):
