@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
-from corp_deploy import CorpError
+from corp_deploy.errors import SettingError
 from exporters import tensorrt as trt_backend
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
@@ -26,11 +26,12 @@ FAMILIES = ("torch", "ort", "trt")
 @dataclass
 class ModelFiles:
     """One model in each form ``bench`` can run: the PyTorch module and, where exported, its
-    ONNX file and TensorRT engine."""
+    ONNX file and TensorRT engine, and their ``precision`` (``export.json``'s; None: not exported)."""
 
     torch: nn.Module
     onnx: Path | None = None
     engine: Path | None = None
+    precision: str | None = None
 
 
 #: Makes a backend's runner for one model with a CPU thread count (None: the default), or
@@ -75,7 +76,9 @@ def parse_families(text: str) -> tuple[str, ...]:
     families = tuple(f.strip() for f in text.split(",") if f.strip())
     unknown = [f for f in families if f not in FAMILIES]
     if not families or unknown:
-        raise CorpError(f"--backends takes a comma-separated subset of {','.join(FAMILIES)}; got {text!r}")
+        raise SettingError(
+            f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}; got {text!r}", "backends"
+        )
     return families
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.documents import read_json
+from corp_deploy.errors import SettingError, check_setting_types, described
 
-from .results import BenchReport, Int8Result, Int8Row
+from .results import BenchReport, BenchSettings, Int8Result, Int8Row
 
 #: The int8 graph a baseline's int8 numbers are compared on (:mod:`benchmarks.int8`).
 INT8_GRAPH = "compressed-int8"
@@ -27,21 +28,37 @@ _FIDELITY_LIMITS = (
 )
 
 
+#: What a baseline can gate, each compared only where ``GateLimits.gates`` names it: the compressed
+#: model's median latency (absolute: it follows the machine's load, so it holds only on a dedicated
+#: runner), its speedup over the dense model (timed interleaved with it: load slows both alike),
+#: fidelity (top-1 agreement, feature cosine, accuracy) and the int8 graph's speedup and cosine.
+BASELINE_GATES = ("latency", "speedup", "fidelity", "int8")
+
+
 @dataclass(frozen=True)
 class GateLimits:
     """What may not get worse.
 
-    ``max_regression``: against a baseline, the compressed model's median latency may grow and
-    its measured speedup (and, for classifiers, its top-1 agreement and accuracy) may shrink by
-    at most this fraction. Absolute limits (None: not checked): ``min_agreement`` (top-1
-    agreement with the dense model), ``max_kl`` (mean KL divergence), ``min_cosine`` (mean
-    feature cosine), ``min_parity_cosine`` (worst per-image cosine of any backend vs PyTorch).
+    ``gates``: what a baseline is compared on (:data:`BASELINE_GATES`; all by default; on a shared
+    runner ``speedup``, ``fidelity`` and ``int8`` hold, ``latency`` moves with the load);
+    ``gates_requested`` says the user named them, and then each must have something to compare in
+    the baseline (a baseline without int8 numbers gates nothing on ``int8``).
+    ``max_regression``: against a baseline, the compressed model's measured speedup (and, for
+    classifiers, its top-1 agreement and accuracy, its feature cosine and the int8 numbers) may
+    shrink by at most this fraction, and its median latency may grow by as much unless
+    ``max_latency_regression`` (only with ``latency`` gated) says otherwise. Absolute limits (None:
+    not checked): ``min_agreement`` (top-1 agreement with the dense model), ``max_kl`` (mean KL
+    divergence), ``min_cosine`` (mean feature cosine), ``min_parity_cosine`` (worst per-image
+    cosine of any backend vs PyTorch).
     Every fidelity limit that is set must have been measured. The parity limit has a default that
     applies wherever parity was measured; ``parity_requested`` says the user asked for it, and then
     it must have been measured too.
     """
 
     max_regression: float = 0.05
+    max_latency_regression: float | None = None
+    gates: tuple[str, ...] = BASELINE_GATES
+    gates_requested: bool = False
     min_agreement: float | None = None
     max_kl: float | None = None
     min_cosine: float | None = None
@@ -49,8 +66,23 @@ class GateLimits:
     parity_requested: bool = False
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
+        gates = self.gates
+        named = isinstance(gates, tuple) and all(isinstance(gate, str) for gate in gates)
+        if not (named and gates and set(gates) <= set(BASELINE_GATES) and len(set(gates)) == len(gates)):
+            got = repr(",".join(gates)) if named else described(gates)
+            raise SettingError(
+                f"{{setting}} takes one or more of {','.join(BASELINE_GATES)}, each once; got {got}", "gates"
+            )
+        if self.max_latency_regression is not None and "latency" not in gates:
+            raise SettingError(
+                "{setting} is the latency gate's tolerance; it applies only when {setting} names latency",
+                "max_latency_regression",
+                "gates",
+            )
         ranges = {
             "max_regression": (0.0, 1.0),
+            "max_latency_regression": (0.0, math.inf),
             "min_agreement": (0.0, 1.0),
             "max_kl": (0.0, math.inf),
             "min_cosine": (-1.0, 1.0),
@@ -61,14 +93,14 @@ class GateLimits:
             if value is None:
                 continue
             closed_top = name != "max_regression"
-            if not (
-                isinstance(value, (int, float))
-                and math.isfinite(value)
-                and low <= value
-                and (value <= high if closed_top else value < high)
-            ):
+            if not (math.isfinite(value) and low <= value and (value <= high if closed_top else value < high)):
                 allowed = f"in [{low:g}, {high:g}{']' if closed_top else ')'}" if math.isfinite(high) else f">= {low:g}"
-                raise CorpError(f"--{name.replace('_', '-')} must be a finite number {allowed}; got {value}")
+                raise SettingError(f"{{setting}} must be a finite number {allowed}; got {value}", name)
+
+    @property
+    def latency_tolerance(self) -> float:
+        """How much the compressed model's median latency may grow against a baseline."""
+        return self.max_regression if self.max_latency_regression is None else self.max_latency_regression
 
     @property
     def requested(self) -> bool:
@@ -88,6 +120,49 @@ def read_baseline(path: str | Path) -> BenchReport:
     if problem is not None:
         raise CorpError(f"baseline {path} is malformed: {problem}")
     return report
+
+
+def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSettings, models: dict) -> None:
+    """CorpError, before any timing, when ``baseline`` measured other things than this run will:
+    another model (its parameters, MACs per image or precision differ: another artifact, dense
+    model or export), other batch sizes, backends or thread counts; one message names every
+    difference. What the baseline does not record (a report written by hand) is not compared.
+    ``models``: this run's :class:`~benchmarks.results.ModelEntry` by model name."""
+    differences = []
+    for name, entry in models.items():
+        old = baseline.models.get(name)
+        if old is None:
+            continue
+        for number, said in (("params", _millions), ("macs", _giga), ("precision", str)):
+            was, now = getattr(old, number), getattr(entry, number)
+            if was is not None and now is not None and was != now:
+                differences.append(f"{name} model {number} {said(was)} in the baseline, {said(now)} here")
+    old = baseline.settings
+    if old is not None:
+        for setting, option in (("batches", "--batch"), ("backends", "--backends"), ("threads", "--threads")):
+            was, now = getattr(old, setting), getattr(settings, setting)
+            if _listed(was) != _listed(now):
+                differences.append(f"{option} {_listed(was)} in the baseline, {_listed(now)} here")
+    if differences:
+        raise CorpError(
+            f"baseline {path} measured other things than this run would ({'; '.join(differences)}); a gate "
+            "compares like with like: make the baseline from the same artifact and export with the same "
+            "--backends, --batch and --threads"
+        )
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e6:.4g} M"
+
+
+def _giga(count: int) -> str:
+    return f"{count / 1e9:.4g} G"
+
+
+def _listed(value) -> str:
+    if value is None:
+        return "default"
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _baseline_problem(report: BenchReport) -> str | None:
@@ -120,12 +195,32 @@ def regressions(report: BenchReport, limits: GateLimits, baseline: BenchReport |
     gate was asked to check unmeasured, in words."""
     found = _absolute(report, limits)
     if baseline is not None:
-        found += _against_baseline(report, baseline, limits.max_regression)
-        found += _int8_against_baseline(report.int8, baseline.int8, limits.max_regression)
+        if {"latency", "speedup"} & set(limits.gates):
+            found += _rows_against_baseline(report, baseline, limits)
+        if "fidelity" in limits.gates:
+            found += _fidelity_against_baseline(report, baseline, limits.max_regression)
+        if "int8" in limits.gates:
+            found += _int8_against_baseline(report.int8, baseline.int8, limits.max_regression)
+        if limits.gates_requested:
+            found += [
+                f"{gate}: --gate {gate} was given but the baseline has no {gate} numbers to compare"
+                for gate in limits.gates
+                if not _baseline_has(baseline, gate)
+            ]
     if (baseline is not None or limits.requested) and not report.latency:
         skipped = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_backends().items())
         found.append(f"nothing was timed: every requested backend was skipped ({skipped or 'none requested'})")
     return found
+
+
+def _baseline_has(baseline: BenchReport, gate: str) -> bool:
+    """Whether ``baseline`` holds numbers that ``gate`` compares (its latency rows always do)."""
+    if gate == "fidelity":
+        old = baseline.fidelity
+        return old.top1_agreement is not None or old.feature_cosine is not None or bool(old.accuracy)
+    if gate == "int8":
+        return baseline.int8 is not None and baseline.int8.skipped is None
+    return bool(baseline.latency)
 
 
 def _absolute(report: BenchReport, limits: GateLimits) -> list[str]:
@@ -159,9 +254,18 @@ def _absolute(report: BenchReport, limits: GateLimits) -> list[str]:
     return found
 
 
-def _against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
+def _rows_against_baseline(report: BenchReport, baseline: BenchReport, limits: GateLimits) -> list[str]:
+    """The latency rows against ``baseline``: every row on both sides, and the compressed model's
+    median latency and speedup where ``limits.gates`` names them."""
     found = []
     measured = {(row.backend, row.batch): row for row in report.latency}
+    in_baseline = {(row.backend, row.batch) for row in baseline.latency}
+    for row in report.latency:  # never passed by comparing fewer rows than were measured
+        if (row.backend, row.batch) not in in_baseline:
+            found.append(
+                f"latency: {row.backend}, batch {row.batch} was measured but is not in the baseline (it did "
+                "not time it): nothing to compare it with"
+            )
     for old in baseline.latency:
         where = f"{old.backend}, batch {old.batch}"
         row = measured.get((old.backend, old.batch))
@@ -170,18 +274,25 @@ def _against_baseline(report: BenchReport, baseline: BenchReport, tolerance: flo
             reason = status.reason if status is not None and status.reason else "not requested in this run"
             found.append(f"latency: {where} is in the baseline but was not measured ({reason})")
             continue
-        new_t, old_t = row.compressed.p50_s, old.compressed.p50_s
-        if not new_t <= old_t * (1 + tolerance):
+        new_t, old_t, allowed = row.compressed.p50_s, old.compressed.p50_s, limits.latency_tolerance
+        if "latency" in limits.gates and not new_t <= old_t * (1 + allowed):
             found.append(
                 f"latency: {where}: compressed p50 {new_t * 1e3:.2f} ms vs baseline {old_t * 1e3:.2f} ms "
-                f"(+{(new_t / old_t - 1) * 100:.1f}% > {tolerance * 100:g}%)"
+                f"(+{(new_t / old_t - 1) * 100:.1f}% > {allowed * 100:g}%)"
             )
-        new_s, old_s = row.speedup.median, old.speedup.median
-        if not new_s >= old_s * (1 - tolerance):
+        new_s, old_s, allowed = row.speedup.median, old.speedup.median, limits.max_regression
+        if "speedup" in limits.gates and not new_s >= old_s * (1 - allowed):
             found.append(
                 f"speedup: {where}: {new_s:.3f}x vs baseline {old_s:.3f}x "
-                f"(-{(1 - new_s / old_s) * 100:.1f}% > {tolerance * 100:g}%)"
+                f"(-{(1 - new_s / old_s) * 100:.1f}% > {allowed * 100:g}%)"
             )
+    return found
+
+
+def _fidelity_against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
+    """Top-1 agreement, feature cosine and accuracy against ``baseline``: each may shrink by at most
+    ``tolerance``, and each the baseline has must be measured again."""
+    found = []
     new_f, old_f = report.fidelity, baseline.fidelity
     for number, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
         new, old = getattr(new_f, number), getattr(old_f, number)

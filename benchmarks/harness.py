@@ -45,10 +45,10 @@ def run_bench(
         torch.set_num_threads(settings.threads)
     models = {"dense": dense, "compressed": compressed}
     image_shape = (3, *compressed.torch.patch_embed.img_size)
-    macs = {name: count_macs(m.torch, image_shape) for name, m in models.items()}
+    entries = model_entries(dense, compressed)
     classifier = compressed.torch.num_classes > 0
     created, machine = timestamp(), Machine.here()
-    ideal = macs["dense"] / macs["compressed"]
+    ideal = entries["dense"].macs / entries["compressed"].macs
     parity_x = _first_images(eval_set, settings.parity_images)
     with ExitStack() as stack:
         runners, skipped = open_runners(settings.backends, models, stack, settings.threads)
@@ -69,21 +69,29 @@ def run_bench(
         machine=machine,
         versions=versions(),
         settings=settings,
-        models={
-            name: ModelEntry(
-                params=count_params(m.torch),
-                macs=macs[name],
-                onnx=str(m.onnx) if m.onnx else None,
-                engine=str(m.engine) if m.engine else None,
-            )
-            for name, m in models.items()
-        },
+        models=entries,
         ideal_speedup=ideal,
         backends=backends,
         parity=parity,
         latency=latency,
         fidelity=Fidelity.from_dict({**measured, "data": eval_set.description, "held_out": held_out}),
     )
+
+
+def model_entries(dense: ModelFiles, compressed: ModelFiles) -> dict[str, ModelEntry]:
+    """What a report records of each model (by :data:`~benchmarks.results.MODELS` name): its
+    parameters, MACs per image, files and their precision."""
+    image_shape = (3, *compressed.torch.patch_embed.img_size)
+    return {
+        name: ModelEntry(
+            params=count_params(m.torch),
+            macs=count_macs(m.torch, image_shape),
+            onnx=str(m.onnx) if m.onnx else None,
+            engine=str(m.engine) if m.engine else None,
+            precision=m.precision,
+        )
+        for name, m in {"dense": dense, "compressed": compressed}.items()
+    }
 
 
 def _first_images(eval_set: EvalImages, count: int) -> np.ndarray:

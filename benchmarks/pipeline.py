@@ -11,8 +11,8 @@ from corp_deploy import model_transform
 from corp_deploy.resources import check_fits, inference_bytes
 
 from .data import check_labels, eval_images
-from .gate import GateLimits, read_baseline, regressions
-from .harness import run_bench
+from .gate import GateLimits, check_comparable, read_baseline, regressions
+from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
 from .targets import calibration_overlap, load_models, resolve_target
@@ -34,7 +34,8 @@ def bench_target(
     with the gate's verdict (:class:`~benchmarks.results.GateResult`): whether it passed and the
     regressions found against ``limits`` and the ``baseline`` report. ``log`` says what is being
     done, ``warn`` what the user should know (evaluation images that overlap calibration,
-    unreadable files). CorpError before any timing for a bad baseline, target or data."""
+    unreadable files). CorpError before any timing for a bad baseline (or one that measured other
+    things: :func:`~benchmarks.gate.check_comparable`), target or data."""
     previous = read_baseline(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     log(
@@ -42,6 +43,8 @@ def bench_target(
         + (f" with the export {export_dir}" if export_dir else " (no export found: ONNX Runtime and TensorRT need one)")
     )
     compressed, dense = load_models(artifact, export_dir)
+    if previous is not None:
+        check_comparable(previous, baseline, settings, model_entries(dense, compressed))
     transform, data_config = model_transform(compressed.torch)
     check_fits(
         f"timing at batch {max(settings.batches)}",

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from corp_deploy import CorpError
+from corp_deploy.errors import BadUsage
 from corp_deploy.files import json_text
 
 from .results import BENCH_FORMAT, BenchReport, Int8Result
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: How a bench Markdown report begins (a later run replaces a file that begins so, and no other).
 MARKDOWN_TITLE = "<!-- written by corp-deploy bench; its next run may replace this file -->\n# corp-deploy bench"
@@ -203,11 +208,12 @@ def plot(report: BenchReport, path: str | Path) -> None:
     plt.close(fig)
 
 
-def print_terminal(report: BenchReport) -> None:
+def print_terminal(report: BenchReport, console: Console | None = None) -> None:
+    """Print the report's tables and lines on ``console`` (default: a new rich Console on stdout)."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = console or Console()
     table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x)")
     for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
         table.add_column(column, justify="left" if column == "backend" else "right")
@@ -256,12 +262,12 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
     file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
     bench marked); bench never overwrites anything else."""
-    from corp_deploy.outputs import RECORD_FILE, check_creatable, resolve
+    from corp_deploy.outputs import check_creatable, enclosing_output, resolve
 
     given = Path(path)
     path = resolve(given)
     if rendering == "plot" and path.suffix.lower() != ".png":
-        raise CorpError(f"--plot writes a PNG image; {given} does not end in .png")
+        raise BadUsage(f"--plot writes a PNG image; {given} does not end in .png")
     if path.is_dir():
         raise CorpError(f"{given} is a directory; give a file path (or use -o DIR)")
     if path.exists() and not _written_by_bench(path, rendering):
@@ -269,7 +275,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
             f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
             "wrote; nothing was changed"
         )
-    owner = next((folder for folder in path.parents if (folder / RECORD_FILE).is_file()), None)
+    owner = enclosing_output(path)
     if owner is not None:
         raise CorpError(
             f"{given} lies inside {owner}, an output of corp-deploy, which holds only the files its "
@@ -297,7 +303,7 @@ def check_report_outputs(
             f"{inside[0]} lies inside -o {folder}; write it there without --json/--markdown/--plot, or elsewhere"
         )
     if len(set(checked.values())) < len(checked):
-        raise CorpError("--json, --markdown and --plot must name different files")
+        raise BadUsage("--json, --markdown and --plot must name different files")
     if baseline is not None:
         kept = Path(baseline).resolve()
         if kept in {path.resolve() for path in checked.values()} or (
@@ -329,7 +335,7 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
     from corp_deploy.files import atomic_files
-    from corp_deploy.outputs import staged_output
+    from corp_deploy.outputs import mark_complete, staged_output
 
     writers = {
         "json": lambda p: p.write_text(json_text(report.to_dict())),
@@ -342,6 +348,8 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
     with atomic_files(files.values()) as temporary:  # the files replaced together, or none
         for rendering, path in files.items():
             writers[rendering](temporary[path])
+    for path in files.values():
+        mark_complete(path)
     written = list(files.values())
     if folder is not None:
         with staged_output(folder, "bench") as tmp:

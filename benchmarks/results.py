@@ -95,12 +95,14 @@ class LatencyRow(Record):
 
 @dataclass
 class ModelEntry(Record):
-    """One model's size (parameters, MACs per image) and the files it was run from (None: not exported)."""
+    """One model's size (parameters, MACs per image), the files it was run from (None: not
+    exported) and their precision (None: not exported; absent from reports before it was recorded)."""
 
     params: int
     macs: int
     onnx: str | None
     engine: str | None
+    precision: str | None = optional_entry()
 
 
 @dataclass

@@ -31,6 +31,7 @@ from corp_deploy import (
 )
 from corp_deploy.calibration import DEFAULT_IMAGES
 from corp_deploy.documents import Document, DocumentFormat, Machine, Record, optional_entry, timestamp
+from corp_deploy.errors import BadUsage, SettingError
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
@@ -80,18 +81,19 @@ class SweepSpec:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in SWEEP_METHODS]
         if unknown or not self.methods or len(set(self.methods)) != len(self.methods):
-            raise CorpError(
-                f"--methods must be distinct names from {', '.join(SWEEP_METHODS)}; "
-                f"got {', '.join(self.methods) or 'none'}"
+            raise SettingError(
+                f"{{setting}} must be distinct names from {', '.join(SWEEP_METHODS)}; "
+                f"got {', '.join(self.methods) or 'none'}",
+                "methods",
             )
         if bool(self.sparsities) == bool(self.budgets):
-            raise CorpError("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
+            raise BadUsage("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
         names = [self.run_name(label, point) for label in self.labels for point in self.points]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
-            raise CorpError(
-                f"{'--s' if self.sparsities else '--macs'} gives the same run twice ({repeated[0]}); "
-                "give distinct points"
+            raise SettingError(
+                f"{{setting}} gives the same run twice ({repeated[0]}); give distinct points",
+                "sparsity" if self.sparsities else "budgets",
             )
         for label in self.labels:
             for point in self.points:

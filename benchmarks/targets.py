@@ -60,7 +60,7 @@ def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelF
     if export is not None:
         manifest = read_manifest(export)
         for key in manifest["models"]:
-            files[key] = model_files(export, manifest, key)
+            files[key] = {**model_files(export, manifest, key), "precision": manifest["precision"]}
     compressed = ModelFiles(load_compressed(artifact), **files["model"])
     dense = ModelFiles(load_base_model(artifact), **files["dense"])
     return compressed, dense

@@ -23,7 +23,7 @@ from .errors import CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, create_base_model
+from .models import base_skeleton, create_base_model, state_mismatch
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
@@ -137,7 +137,8 @@ def save_artifact(
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
 
-    with staged_output(out_dir, "artifact") as tmp:
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    with staged_output(out_dir, "artifact", needs=weights) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": CONFIG_FORMAT.name})
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})
@@ -222,10 +223,10 @@ def load_compressed(path: str | Path) -> nn.Module:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:
         raise CorpError(f"cannot read weights of {path}: {exc}") from None
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise CorpError(f"weights of {path} do not match its config: {exc}") from None
+    problem = state_mismatch(model.state_dict(), state, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
+    if problem is not None:
+        raise CorpError(f"the weights of {path} do not match its {CONFIG_FILE}: {problem}")
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 
@@ -329,12 +330,11 @@ def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
     (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
     base = config["base_model"]
     skeleton = _reshaped(base_skeleton(base["name"], base["model_kwargs"]), config).state_dict()
-    mismatch = sorted(set(skeleton) ^ set(state)) or [k for k in state if skeleton[k].shape != state[k].shape]
-    if mismatch:
+    problem = state_mismatch(skeleton, state, "the compressed model", "the model the record rebuilds")
+    if problem is not None:
         raise CorpError(
-            f"the recorded base model {config['base_model']} does not rebuild this model "
-            f"(first mismatches: {mismatch[:3]}); pass the timm name and model kwargs "
-            "it was created with"
+            f"the recorded base model {config['base_model']} does not rebuild this model ({problem}); pass "
+            "the timm name and model kwargs it was created with"
         )
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 
-from .errors import CorpError, SettingError, first_line
+from .errors import CorpError, SettingError, check_setting_types, first_line
 from .files import existing_dir
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -82,15 +82,18 @@ UNREADABLE = (
 
 
 def load_rgb(path: str | Path) -> Image.Image:
-    """An image file as 8-bit RGB. 16-bit and 32-bit integer greyscale is scaled to 8 bits (not
-    clipped, which would turn it white). Raises one of :data:`UNREADABLE`; an image above Pillow's
-    pixel limit (``Image.MAX_IMAGE_PIXELS``) is refused before it is decoded, and anything but a
-    regular file (or a link to one) before it is opened: Pillow would wait forever on a FIFO."""
+    """An image file as 8-bit RGB, upright: turned by its EXIF orientation as a viewer shows it (a
+    camera's portrait photo is stored sideways with an orientation tag). 16-bit and 32-bit integer
+    greyscale is scaled to 8 bits (not clipped, which would turn it white). Raises one of
+    :data:`UNREADABLE`; an image above Pillow's pixel limit (``Image.MAX_IMAGE_PIXELS``) is refused
+    before it is decoded, and anything but a regular file (or a link to one) before it is opened:
+    Pillow would wait forever on a FIFO. The one loader of calibration, evaluation and recovery images."""
     if not Path(path).is_file():
         raise OSError("not a regular file (a dangling link, FIFO or device)")
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as image:
+            ImageOps.exif_transpose(image, in_place=True)
             if image.mode.startswith("I;16") or image.mode == "I":
                 levels = np.asarray(image, dtype=np.float64)
                 if image.mode != "I" or levels.max(initial=0) > 255:
@@ -122,6 +125,99 @@ def builtin_photo_paths(names: Sequence[str] = BUILTIN_PHOTOS) -> list[Path]:
     return paths
 
 
+#: How much a calibration set must vary, across its images and within each, in units of the model's
+#: input normalisation (the bundled photos: about 1.0 across, 0.7 within, :class:`ImageSpan`), not
+#: to be warned about: a tenth of what photos give.
+LOW_SPAN = 0.1
+#: A spatial standard deviation this small is an image of one colour (float rounding of a constant).
+_CONSTANT = 1e-6
+
+
+class ImageSpan:
+    """How much a set of preprocessed images varies, streamed batch by batch (``add``, each batch
+    ``(B, C, H, W)``), in units of the model's input normalisation:
+
+    - ``across``: the root mean square over input values of their standard deviation across the
+      images (copies of one image, or near-identical ones: about 0; the bundled photos: about 1.0);
+    - ``within``: the mean over images and channels of the standard deviation over an image's
+      pixels (an image of one colour: 0; the bundled photos: about 0.7);
+    - ``constant``: how many images are of one colour (every channel constant).
+    """
+
+    def __init__(self) -> None:
+        self.images = self.constant = 0
+        self._within = 0.0
+        self._sum: torch.Tensor | None = None
+        self._squares: torch.Tensor | None = None
+
+    def add(self, batch: torch.Tensor) -> None:
+        for image in batch.detach():  # one image in float64 at a time
+            x = image.to("cpu", torch.float64)
+            if self._sum is None:
+                self._sum, self._squares = torch.zeros_like(x), torch.zeros_like(x)
+            self._sum += x
+            self._squares.addcmul_(x, x)
+            spatial = x.flatten(1).std(1, unbiased=False)  # per channel
+            self._within += float(spatial.mean())
+            self.constant += bool(spatial.max() < _CONSTANT)
+            self.images += 1
+
+    @property
+    def across(self) -> float:
+        if not self.images:
+            return 0.0
+        mean = self._sum / self.images
+        return float((self._squares / self.images - mean.square()).clamp_min(0).mean().sqrt())
+
+    @property
+    def within(self) -> float:
+        return self._within / self.images if self.images else 0.0
+
+    def to_dict(self) -> dict:
+        """What a calibration summary records: ``across_images``, ``within_images`` (4 significant
+        digits) and ``constant_images``."""
+        return {
+            "across_images": float(f"{self.across:.4g}"),
+            "within_images": float(f"{self.within:.4g}"),
+            "constant_images": self.constant,
+        }
+
+    def refusal(self) -> str | None:
+        """Why these images cannot calibrate anything, or None: every image is of one colour, so
+        every statistic over their patches is singular (no patch differs from another but by the
+        position embedding)."""
+        if self.images and self.constant == self.images:
+            return (
+                f"{'the one calibration image is' if self.images == 1 else f'all {self.images} calibration images are'}"
+                " of one colour (e.g. all black): no patch differs from another but by its position, so the "
+                "statistics calibration gathers over them are singular; calibrate on photos like those the "
+                "model will see"
+            )
+        return None
+
+    def warnings(self) -> list[str]:
+        """How little these images span, when it is little (:data:`LOW_SPAN`): images of one colour
+        among them, images near-identical to each other, images with almost no detail."""
+        found, n = [], self.images
+        if 0 < self.constant < n:
+            found.append(
+                f"{self.constant} of the {n} calibration images are of one colour (e.g. all black): they "
+                "add nothing but the position embeddings to the statistics"
+            )
+        if n > 1 and self.across < LOW_SPAN:
+            found.append(
+                f"the {n} calibration images are near-identical: they vary by {self.across:.2g} across "
+                f"images (per input value; the bundled photos: about 1), so the statistics describe one "
+                "image, not the images the model will see; calibrate on varied photos"
+            )
+        if self.constant < n and self.within < LOW_SPAN:
+            found.append(
+                f"the calibration images have almost no detail: they vary by {self.within:.2g} within an "
+                "image (the bundled photos: about 0.7); calibrate on photos like those the model will see"
+            )
+        return found
+
+
 class CalibrationImages:
     """An iterable of preprocessed image batches ``(B, 3, H, W)`` float32.
 
@@ -132,8 +228,10 @@ class CalibrationImages:
       and horizontal flips of a few bundled photos (by default the ten of
       ``CALIBRATION_PHOTOS``; ``HELD_OUT_PHOTOS`` are kept for evaluation).
     Each full iteration yields the same images in the same order. ``summary()``
-    describes what the last iteration used, ``image_sources`` the file each of its images came
-    from (a bundled photo once per crop), in order.
+    describes what the last iteration used (with how much the images span, :class:`ImageSpan`),
+    ``image_sources`` the file each of its images came from (a bundled photo once per crop), in
+    order. At the end of an iteration, images that span little are warned about
+    (``warnings.warn``), and images that are all of one colour are refused (CorpError).
     """
 
     def __init__(
@@ -146,9 +244,9 @@ class CalibrationImages:
         crop_seed: int | None = None,
     ) -> None:
         if batch_size < 1:
-            raise CorpError(f"batch size must be >= 1, got {batch_size}")
+            raise SettingError(f"{{setting}} must be >= 1, got {batch_size}", "batch_size")
         if limit < 1:
-            raise CorpError(f"the number of calibration samples must be >= 1, got {limit}")
+            raise SettingError(f"{{setting}} (the number of calibration images) must be >= 1, got {limit}", "samples")
         self._sources = sources
         self._transform = transform
         self._batch_size = batch_size
@@ -158,6 +256,7 @@ class CalibrationImages:
         self.used = 0
         self.skipped: list[str] = []
         self.image_sources: list[Path] = []
+        self.span = ImageSpan()
 
     @classmethod
     def from_directory(
@@ -222,7 +321,7 @@ class CalibrationImages:
         return cls.from_directory(directory, transform, limit=limit, batch_size=batch_size, seed=seed)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        self.used, self.skipped, self.image_sources = 0, [], []
+        self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan()
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
         for path in self._sources:
@@ -238,27 +337,38 @@ class CalibrationImages:
                 self.skipped.append(unreadable_reason(path, exc))
                 continue
             if len(batch) == self._batch_size:
-                yield torch.stack(batch)
-                self.used += len(batch)
+                yield from self._measured(torch.stack(batch))
                 batch = []
         if batch:
-            yield torch.stack(batch)
-            self.used += len(batch)
+            yield from self._measured(torch.stack(batch))
         if self.used == 0:
             raise CorpError(
                 f"none of the {len(self.skipped)} image files could be read "
                 f"(e.g. {self.skipped[0] if self.skipped else '-'})"
             )
+        refusal = self.span.refusal()
+        if refusal is not None:
+            raise CorpError(refusal)
+        for message in self.span.warnings():
+            warnings.warn(message, stacklevel=1)
+
+    def _measured(self, batch: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``batch``, its span measured; counted as used once the consumer is done with it."""
+        self.span.add(batch)
+        yield batch
+        self.used += len(batch)
 
     def summary(self) -> dict:
-        """Where the images came from, how many were asked for and used, and which files were
-        skipped (``path: reason``, the first five)."""
+        """Where the images came from, how many were asked for and used, which files were
+        skipped (``path: reason``, the first five) and how much the images span
+        (:meth:`ImageSpan.to_dict`)."""
         return {
             **self._description,
             "images_requested": self._limit,
             "images_used": self.used,
             "files_skipped": len(self.skipped),
             "skipped_examples": self.skipped[:5],
+            "span": self.span.to_dict(),
         }
 
 
@@ -281,11 +391,12 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         for name in ("samples", "batch_size"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            if value < 1:
                 raise SettingError(f"{{setting}} must be an integer >= 1, got {value!r}", name)
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+        if not 0 <= self.seed < 2**32:
             raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
         if self.source is not None:
             object.__setattr__(self, "source", Path(self.source))
@@ -302,7 +413,7 @@ class CalibrationSpec:
         """The calibration an artifact's ``config.json`` records (its directory, or the built-in
         photos; how many images, the batch size and the seed), with ``source``, ``samples`` or
         ``batch_size`` taking the place of the recorded value where given. CorpError when the
-        recorded directory is not there any more."""
+        recorded directory is not there any more, or a recorded setting is not valid."""
         recorded, settings = config.get("calibration", {}), config.get("settings", {})
         if source is None and recorded.get("source") == "directory":
             source = Path(recorded["path"])
@@ -311,12 +422,16 @@ class CalibrationSpec:
                     f"the artifact was calibrated on {source}, which is not there any more; "
                     "pass the calibration images with --calib DIR"
                 )
-        return cls(
-            source,
-            samples or settings.get("calib_samples", DEFAULT_IMAGES),
-            batch_size or settings.get("batch_size", DEFAULT_BATCH),
-            settings.get("seed", 0),
-        )
+        try:  # what the artifact records, checked apart from what is given: it is no usage of the caller's
+            kept = cls(
+                None,
+                settings.get("calib_samples", DEFAULT_IMAGES),
+                settings.get("batch_size", DEFAULT_BATCH),
+                settings.get("seed", 0),
+            )
+        except SettingError as exc:
+            raise CorpError(f"the artifact records calibration settings this corp-deploy cannot use: {exc}") from None
+        return cls(source, samples or kept.samples, batch_size or kept.batch_size, kept.seed)
 
     def images(self, transform: Callable) -> CalibrationImages:
         """The images, preprocessed by ``transform`` (:func:`model_transform`)."""

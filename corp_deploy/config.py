@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CorpError, SettingConflict, SettingError, check_choice
+from .errors import SettingError, check_choice, check_instance, check_setting_types
 from .methods import METHODS, MethodOptions, option_defaults, option_owners
 from .parts import PARTS, TARGET_PARTS, TARGETS, Part
 from .recovery import RecoveryConfig
@@ -71,27 +71,30 @@ class CompressConfig:
     recovery: RecoveryConfig = RecoveryConfig()
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         check_choice("method", self.method, tuple(METHODS))
-        if not isinstance(self.recovery, RecoveryConfig):
-            raise CorpError(f"recovery takes a RecoveryConfig, not {type(self.recovery).__name__}")
+        check_instance("recovery", self.recovery, RecoveryConfig)
         method = METHODS[self.method]
         if self.options is None:
             object.__setattr__(self, "options", method.options_class())
         elif type(self.options) is not method.options_class:
-            raise CorpError(
-                f"method {self.method} takes {method.options_class.__name__}, not {type(self.options).__name__}"
+            raise SettingError(
+                f"{{setting}} {self.method} takes {method.options_class.__name__}, not {type(self.options).__name__}",
+                "method",
             )
         else:  # this config's own copy: ``options.check`` resolves defaults that depend on the config
             object.__setattr__(self, "options", dataclasses.replace(self.options))
         if not self.compensation and not method.has_compensation:
             others = [m.name for m in METHODS.values() if m.has_compensation]
-            raise CorpError(
-                f"method {self.method} has no compensation step to switch off; "
-                f"--no-compensation applies to {' and '.join(others)}"
+            raise SettingError(
+                f"{{setting}} {self.method} has no compensation step to switch off; "
+                f"{{setting}} applies to {' and '.join(others)}",
+                "method",
+                "compensation",
             )
         given = [name for name in SPARSITY_SETTINGS if getattr(self, name) is not None]
         if self.has_budget and given:
-            raise SettingConflict(
+            raise SettingError(
                 f"a MAC budget and sparsities ({', '.join('{setting}' for _ in given)}) exclude each "
                 "other: the budget decides every part's size",
                 *given,
@@ -101,18 +104,22 @@ class CompressConfig:
         check_choice("target", self.target, TARGETS)
         if self.target not in method.targets:
             others = [m.name for m in METHODS.values() if self.target in m.targets]
-            raise CorpError(
-                f"method {self.method} prunes {method.prunes} only; target {self.target} is not "
-                f"part of it. Use target {'/'.join(method.targets)}"
-                + (f", or method {'/'.join(others)}." if others else ".")
+            raise SettingError(
+                f"{{setting}} {self.method} prunes {method.prunes} only; {{setting}} {self.target} is not "
+                f"part of it. Use {{setting}} {'/'.join(method.targets)}"
+                + (f", or {{setting}} {'/'.join(others)}." if others else "."),
+                "method",
+                "target",
+                "target",
+                *(["method"] if others else []),
             )
         for name in SPARSITY_SETTINGS:
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            if value is not None and not 0.0 <= value < 1.0:
                 raise SettingError(f"{{setting}} must be in [0, 1), got {value!r}", name)
             if name != "sparsity" and value is None and not self.has_budget:
                 object.__setattr__(self, name, DEFAULT_SPARSITY if self.sparsity is None else self.sparsity)
-        if not (isinstance(self.round_to, int) and self.round_to >= 1):
+        if self.round_to < 1:
             raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise SettingError(f"{{setting}} must be 'cpu' or 'cuda', got {self.device!r}", "device")
@@ -167,6 +174,12 @@ class CompressConfig:
     def sparsity_of(self, part: Part) -> float | None:
         """The sparsity setting of ``part`` (None under a budget)."""
         return getattr(self, part.setting)
+
+    def sparsity_setting(self, part: Part) -> str:
+        """The setting that gave ``part`` its sparsity, for messages: the joint ``sparsity`` (the
+        command line's ``--s``) when the part's own equals it, else the part's own (``s_mlp``)."""
+        own = getattr(self, part.setting)
+        return "sparsity" if self.sparsity is not None and own == self.sparsity else part.setting
 
     @property
     def prunes_mlp(self) -> bool:

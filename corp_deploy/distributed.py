@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .launch import INTERRUPTS
+
 
 def active() -> bool:
     """Whether a torch.distributed process group with more than one rank is running."""
@@ -52,12 +54,12 @@ def init_from_environment(device: str, timeout: timedelta | None = None) -> None
 
 @contextlib.contextmanager
 def _signals_end_the_process():
-    """SIGINT and SIGTERM end the process at once (their default action) inside the block. Joining
-    the group waits for the other ranks in one C++ call, in which Python's own handlers
-    (:mod:`corp_deploy.launch`) would run only once it returns: when another rank died before
-    joining, torchrun's SIGTERM went unanswered for its 30 s grace period and the process was then
-    killed. Nothing is being written while a process joins."""
-    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)}
+    """The interrupts (:data:`corp_deploy.launch.INTERRUPTS`) end the process at once (their
+    default action) inside the block. Joining the group waits for the other ranks in one C++ call,
+    in which Python's own handlers (:mod:`corp_deploy.launch`) would run only once it returns: when
+    another rank died before joining, torchrun's SIGTERM went unanswered for its 30 s grace period
+    and the process was then killed. Nothing is being written while a process joins."""
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in INTERRUPTS}
     try:
         yield
     finally:

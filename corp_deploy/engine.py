@@ -38,11 +38,11 @@ from .calibration import model_transform
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
-from .errors import CorpError, SettingError
+from .errors import CorpError, SettingError, check_instance
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
-from .parts import PARTS
+from .parts import PARTS, Part
 from .recovery import RecoveryImages, recover, recovery_table
 
 
@@ -69,6 +69,7 @@ def compress(
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
+    check_instance("config", config, CompressConfig)
     check_vit(model)
     check_finite(model, "the model to compress")
     teacher = None
@@ -87,7 +88,7 @@ def compress(
             "method",
         )
     method.check_model(model, config)
-    check_rounding(model, config)
+    check_kept_sizes(model, config)
     device = resolve_device(config.device)
     timer = _PhaseTimer(device)
     model = model.to(device)
@@ -131,15 +132,18 @@ def compress(
     return model, report
 
 
-def check_rounding(model: nn.Module, config: CompressConfig) -> None:
-    """SettingError, before any calibration, when ``round_to`` cannot be honoured: it exceeds the dims
-    of a part to be pruned, or, at a sparsity above 0, rounding keeps every dim of a part (the
-    model would be labelled with a sparsity it does not have). VBP's sparsity is one global rate
-    whose per-layer counts vary, so only the first check applies to it."""
-    if config.round_to == 1:
-        return
-    for i, block in enumerate(blocks_of(model)):
-        for part in config.pruned_parts:
+def check_kept_sizes(model: nn.Module, config: CompressConfig) -> None:
+    """SettingError, before any calibration, when the kept sizes cannot be what ``config`` asks:
+    ``round_to`` exceeds the dims of a part to be pruned, or a sparsity above 0 keeps every dim
+    of a part once rounded (to a whole number of dims, or to a multiple of ``round_to``): the
+    model would be labelled with a sparsity it does not have. VBP's sparsity is one global rate
+    over every block's MLP (per-layer counts follow the data): refused when it removes no channel
+    of the whole model."""
+    per_layer = METHODS[config.method].per_layer_sparsity
+    blocks = blocks_of(model)
+    for part in config.pruned_parts:
+        sparsity = config.sparsity_of(part)
+        for i, block in enumerate(blocks):
             total = part.total(block)
             if config.round_to > total:
                 raise SettingError(
@@ -148,17 +152,29 @@ def check_rounding(model: nn.Module, config: CompressConfig) -> None:
                     "round_to",
                     "round_to",
                 )
-            sparsity = config.sparsity_of(part)
-            if not METHODS[config.method].per_layer_sparsity or config.has_budget or not sparsity:
-                continue
-            if kept_count(total, sparsity, config.round_to) == total:
-                raise SettingError(
-                    f"{{setting}} {sparsity:g} keeps all {total} {part.label} of block {i} once rounded to a "
-                    f"multiple of {config.round_to} ({{setting}}): nothing would be pruned; raise the "
-                    "sparsity or lower the rounding",
-                    part.setting,
-                    "round_to",
-                )
+            if per_layer and sparsity and kept_count(total, sparsity, config.round_to) == total:
+                _refuse_pruning_nothing(config, part, sparsity, total, f"block {i}")
+        whole = sum(part.total(block) for block in blocks)
+        if not per_layer and sparsity and kept_count(whole, sparsity) == whole:
+            _refuse_pruning_nothing(config, part, sparsity, whole, "the model")
+
+
+def _refuse_pruning_nothing(config: CompressConfig, part: Part, sparsity: float, total: int, where: str) -> None:
+    """The SettingError of :func:`check_kept_sizes` for a sparsity that keeps all ``total`` dims of
+    ``part`` in ``where`` (a block, or the whole model)."""
+    setting = config.sparsity_setting(part)
+    if config.round_to == 1:
+        raise SettingError(
+            f"{{setting}} {sparsity:g} keeps all {total} {part.label} of {where} ({sparsity:g} x {total} = "
+            f"{sparsity * total:.3g} rounds to none removed): nothing would be pruned; raise the sparsity",
+            setting,
+        )
+    raise SettingError(
+        f"{{setting}} {sparsity:g} keeps all {total} {part.label} of {where} once rounded to a multiple of "
+        f"{config.round_to} ({{setting}}): nothing would be pruned; raise the sparsity or lower the rounding",
+        setting,
+        "round_to",
+    )
 
 
 def _embed_all(

@@ -1,4 +1,7 @@
-"""The one exception type that carries a user-facing message."""
+"""The exception types that carry a user-facing message, and the checks of settings' values."""
+
+import dataclasses
+import typing
 
 
 class CorpError(Exception):
@@ -11,8 +14,17 @@ class CorpError(Exception):
     exit_code = 1
 
 
-class SettingError(CorpError):
-    """A CorpError about settings whose message names them: ``template`` holds one
+class BadUsage(CorpError):
+    """A value refused as such, whatever the files and models it names: out of its range, of the
+    wrong type, not one of the choices, malformed, doing nothing, or given with settings it
+    excludes or without those it needs. On the command line, bad usage: exit status 2 (what a
+    value names that cannot be used, a missing file or a model timm cannot build, is exit 1)."""
+
+    exit_code = 2
+
+
+class SettingError(BadUsage):
+    """A :class:`BadUsage` whose message names the settings: ``template`` holds one
     :data:`SETTING` per name in ``settings`` (Python field names, e.g. ``s_mlp``). The CLI renders the
     same message with its option names (``--s-mlp``) through :meth:`naming`. Only the placeholders
     are replaced, so values quoted in the message may hold any characters."""
@@ -32,12 +44,6 @@ class SettingError(CorpError):
         )
 
 
-class SettingConflict(SettingError):
-    """Settings that exclude each other; on the command line, bad usage (exit status 2)."""
-
-    exit_code = 2
-
-
 #: Where a :class:`SettingError` names a setting.
 SETTING = "{setting}"
 
@@ -49,5 +55,53 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
     """SettingError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise SettingError(f"{SETTING} must be one of {', '.join(choices)}; got {value!r}", setting)
+    if not isinstance(value, str) or value not in choices:
+        got = repr(value) if isinstance(value, str) else described(value)
+        raise SettingError(f"{SETTING} must be one of {', '.join(choices)}; got {got}", setting)
+
+
+def check_instance(name: str, value: object, kind: type) -> None:
+    """CorpError naming a wrong type as such: ``config must be a CompressConfig, not dict``."""
+    if not isinstance(value, kind):
+        raise BadUsage(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+
+
+def check_setting_types(settings: object, setting: typing.Callable[[str], str] = str) -> None:
+    """SettingError for the first field of the dataclass ``settings`` whose value is not of its
+    annotated type (float: any real number but a bool; int: an integer but a bool; str; bool; each
+    possibly ``| None``), named as a wrong type (``s_mlp must be a number, got str '0.5'``), so that
+    range checks only ever see numbers. Fields of other types are left to their own checks.
+    ``setting``: the setting each field is named as (``recover_steps`` for ``RecoveryConfig.steps``)."""
+    hints = typing.get_type_hints(type(settings))
+    for field in dataclasses.fields(settings):
+        kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
+        value = getattr(settings, field.name)
+        if value is None and type(None) in kinds:
+            continue
+        expected = [_TYPE_NAMES[kind] for kind in kinds if kind in _TYPE_NAMES]
+        if len(expected) < len([kind for kind in kinds if kind is not type(None)]):
+            continue  # another type too (a Path, a class, a string choice beside a count): checked elsewhere
+        if not any(_is(value, kind) for kind in kinds if kind in _TYPE_NAMES):
+            raise SettingError(
+                f"{SETTING} must be {' or '.join(expected)}, got {described(value)}", setting(field.name)
+            )
+
+
+#: What each checked type is called in messages.
+_TYPE_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _is(value: object, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def described(value: object) -> str:
+    """A value in a message, with its type where a string or another type could pass for a number
+    (``str '0.5'``, ``list [1]``): ``0.5`` for numbers and None."""
+    if value is None or isinstance(value, (int, float)):
+        return repr(value)
+    return f"{type(value).__name__} {value!r}"

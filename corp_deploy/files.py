@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CorpError
+from .launch import INTERRUPTS
 
 #: Temporary names carry at most this much of the final name, so that a name near the file
 #: system's limit still leaves room for the suffix.
@@ -58,15 +59,16 @@ def atomic_files(paths: Iterable[str | Path]) -> Iterator[dict[Path, Path]]:
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while files are moved or removed, so that an interrupt never
-    leaves half a swap or half a cleanup: a signal that arrives meanwhile is remembered and raised
-    again when the block ends. (Python runs signal handlers in the main thread whichever thread
-    received the signal, so the handlers are swapped here rather than the threads' signal masks.)"""
+    """Hold the interrupts (:data:`corp_deploy.launch.INTERRUPTS`) back while files are moved or
+    removed, so that an interrupt never leaves half a swap or half a cleanup: a signal that arrives
+    meanwhile is remembered and raised again when the block ends. (Python runs signal handlers in
+    the main thread whichever thread received the signal, so the handlers are swapped here rather
+    than the threads' signal masks.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.getsignal(signum) for signum in INTERRUPTS}
     for signum in previous:
         signal.signal(signum, lambda number, frame: received.append(number))
     try:

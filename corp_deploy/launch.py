@@ -1,14 +1,18 @@
 """The ``corp-deploy`` entry point: interrupts and what reaches the terminal, set up before the
 heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cleanly.
 
-SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so every ``with`` block on the
-way out removes what it was writing (:mod:`corp_deploy.outputs`); the command then exits with
-130 or 143 and one line: an output being written was either completed or removed. Library
+Every signal that ends a terminal job (:data:`INTERRUPTS`: SIGINT from Ctrl-C, SIGTERM from
+``kill`` or a job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\\)
+raises :class:`Interrupted` in the main thread, so every ``with`` block on the way out removes what
+it was writing (:mod:`corp_deploy.outputs`); the command then exits with 128 + the signal's number
+(130, 143, 129, 131) and one line: an output being written was either completed or removed. Only
+SIGKILL, which no process can catch, can leave a staging folder behind. Library
 warnings and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -18,12 +22,17 @@ import warnings
 OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
 
 
+#: The signals that end a run cleanly, each with exit status 128 + its number.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived (a BaseException, so no ``except Exception`` swallows it)."""
+    """One of :data:`INTERRUPTS` arrived (a BaseException, so no ``except Exception`` swallows it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.exit_code = 128 + signum
+        self.completed: tuple = ()  # the outputs the command had put in place (set by the command group)
 
 
 def main() -> None:
@@ -32,21 +41,30 @@ def main() -> None:
     warnings.filterwarnings("default", module=OWN_MODULES)
     warnings.showwarning = _show_warning
     logging.getLogger().setLevel(logging.ERROR)
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in INTERRUPTS:
         signal.signal(signum, _raise_interrupted)
     try:
         from .cli import cli
 
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
-        print(
-            f"\ncorp-deploy: stopped by {exc}; nothing partial was left behind (an output being written was "
-            "either completed or removed)",
-            file=sys.stderr,
-        )
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left(exc.completed)}", file=sys.stderr)
         sys.exit(exc.exit_code)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
+
+
+def _what_was_left(done: tuple) -> str:
+    """What an interrupted run leaves, in words: the outputs it completed before the interrupt
+    (``done``), and that nothing is half-written."""
+    if done:
+        return (
+            f"{', '.join(map(str, done))} {'was' if len(done) == 1 else 'were'} written before it and "
+            f"{'is' if len(done) == 1 else 'are'} complete; the steps after it did not run, and nothing "
+            "is half-written"
+        )
+    return "nothing partial was left behind (an output being written was either completed or removed)"
 
 
 def _raise_interrupted(signum, frame) -> None:
@@ -57,7 +75,7 @@ def _raise_interrupted(signum, frame) -> None:
 
 
 def _ignore_signals() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in INTERRUPTS:
         signal.signal(signum, signal.SIG_IGN)
 
 

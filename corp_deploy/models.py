@@ -61,7 +61,15 @@ def timm_arguments(full: str, model_kwargs: dict[str, Any] | None) -> tuple[str,
 
 def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
     """timm's ``name`` built with ``kwargs`` on the meta device (no weights, no memory); where a model
-    cannot be built there, on the CPU. CorpError, in one line, when timm refuses the arguments."""
+    cannot be built there, on the CPU. CorpError, in one line, when timm refuses the arguments or
+    when one is a negative count or size (timm reads some of them as something else: a negative
+    ``num_classes`` as no classifier)."""
+    negative = [key for key, value in kwargs.items() if _negative_integer(value)]
+    if negative:
+        raise CorpError(
+            f"timm cannot build {name} with {_given(kwargs)}: {', '.join(negative)} must not be negative "
+            "(counts and sizes are 0 or more)"
+        )
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
@@ -146,6 +154,13 @@ def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
         raise CorpError(f"{name} built with {_given(kwargs)} cannot run on an image: {first_line(exc)}") from None
 
 
+def _negative_integer(value: Any) -> bool:
+    """Whether ``value`` is a negative integer, or a list or tuple holding one (``img_size=[-32, 32]``)."""
+    if isinstance(value, (list, tuple)):
+        return any(_negative_integer(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool) and value < 0
+
+
 def _given(kwargs: dict[str, Any]) -> str:
     """``--model-arg`` values as the user gave them, for messages."""
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
@@ -196,7 +211,20 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
         isinstance(v, torch.Tensor) and v.layout == torch.strided for v in state.values()
     ):
         raise CorpError(f"checkpoint {path} does not hold a state dict of dense tensors")
-    own = model.state_dict()
+    problem = state_mismatch(model.state_dict(), state, "the checkpoint", "the model")
+    if problem is not None:
+        raise CorpError(
+            f"checkpoint {path} does not match the model: {problem}. "
+            "Check the model name and --model-arg values (e.g. num_classes, img_size)."
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def state_mismatch(own: dict, state: dict, state_is: str, own_is: str) -> str | None:
+    """Why ``state`` (a state dict: names to tensors, or anything with a ``shape``) would not load
+    strictly where ``own`` is expected, in one line: tensors missing, unexpected, or of other shapes,
+    each counted with an example (``state_is`` and ``own_is`` say where each shape comes from:
+    ``the checkpoint``, ``the model``); None when it would."""
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     reshaped = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
@@ -208,15 +236,10 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     if reshaped:
         first = reshaped[0]
         problems.append(
-            f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in the "
-            f"checkpoint, {list(own[first].shape)} in the model)"
+            f"{len(reshaped)} tensors of other shapes (e.g. {first}: {list(state[first].shape)} in "
+            f"{state_is}, {list(own[first].shape)} in {own_is})"
         )
-    if problems:
-        raise CorpError(
-            f"checkpoint {path} does not match the model: {'; '.join(problems)}. "
-            "Check the model name and --model-arg values (e.g. num_classes, img_size)."
-        )
-    model.load_state_dict(state, strict=True)
+    return "; ".join(problems) or None
 
 
 def check_vit(model: nn.Module) -> None:

@@ -6,9 +6,11 @@ built under a temporary name beside its destination and holds, when complete, a 
 makes an output *recognisably the tool's own*:
 
 - an existing destination is replaced only when it is empty, or when it is an output of the
-  same kind whose files all still match its record (folders inside it must be outputs of their
-  own, e.g. an artifact's ``export-fp32/``); anything else is refused with one message naming
-  what is in the way, and nothing is touched;
+  same kind whose files all still match its record (folders inside it must be outputs of the
+  kinds it holds, :data:`HOLDS`: an artifact's ``export-fp32/``); anything else is refused with
+  one message naming what is in the way, and nothing is touched;
+- an output is never written inside another one (whose record would not list it), except an
+  export inside the artifact it is made from;
 - the old output is deleted file by file from its record, never by a recursive delete;
 - readers verify the files they use against the record (:func:`verify_files`), so a flipped
   byte, files from another output or an edited ``config.json`` are refused, naming the file.
@@ -24,8 +26,8 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
-import stat
 import tempfile
 import time
 import warnings
@@ -41,16 +43,24 @@ RECORD_FILE = "corp-deploy-record.json"
 RECORD = DocumentFormat("corp-deploy-record", 1, "output", "write it again", file=RECORD_FILE)
 #: The kinds of output and what they are called in messages.
 KINDS = {"artifact": "an artifact", "export": "an export", "sweep": "a sweep", "bench": "a bench report"}
+#: The kinds of output that an output of each kind may hold as folders (an artifact its exports, a
+#: sweep its artifacts): removed with it. Any other output inside an output is refused.
+HOLDS = {"artifact": ("export",), "sweep": ("artifact",), "export": (), "bench": ()}
+#: The names of the folders a run works in beside its output (:func:`staged_output`): left only
+#: by a run that was killed (SIGKILL) or that is still running.
+STAGING_NAME = re.compile(r"^\..+\.(tmp|old)-")
 
 
-def check_output_dir(dest: str | Path, kind: str) -> Path:
+def check_output_dir(dest: str | Path, kind: str, made_from: str | Path | None = None) -> Path:
     """Where an output of ``kind`` would be written for ``-o dest``: the resolved path (a symlinked
     ``dest`` is followed, so the link keeps pointing at the new output).
 
     CorpError, before any work is done, when the output could not be written or would replace
     something the tool did not write: a file or a foreign directory in the way, a parent that is a
     file or cannot be written, a name the file system refuses, the file system root, or the current
-    directory (or one that contains it).
+    directory (or one that contains it); or when it would lie inside another output (whose record
+    would not list it, and whose replacement would remove it), except an export directly inside
+    the artifact it is ``made_from`` (:data:`HOLDS`).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
@@ -65,25 +75,63 @@ def check_output_dir(dest: str | Path, kind: str) -> Path:
             "folder (the output replaces the whole directory)"
         )
     check_creatable(path, given)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return path
-    if not stat.S_ISDIR(mode):
-        raise CorpError(f"output path {given} exists and is not a directory; refusing to replace it")
-    with _directory_lock(path.parent):  # a consistent view while another corp-deploy run swaps it
-        problem = foreign_content(path, kind)
-    if problem is not None:
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise CorpError(f"output path {given} exists and is not a directory; refusing to replace it")
+        with _directory_lock(path.parent):  # a consistent view while another corp-deploy run swaps it
+            problem = foreign_content(path, kind)
+        if problem is not None:
+            raise CorpError(
+                f"refusing to write {KINDS[kind]} to {given}: {problem}; nothing was changed. "
+                "Move it away or choose another -o"
+            )
+    owner = enclosing_output(path)
+    if owner is not None and not (made_from is not None and owner == path.parent == resolve(made_from)):
         raise CorpError(
-            f"refusing to write {KINDS[kind]} to {given}: {problem}; nothing was changed. "
-            "Move it away or choose another -o"
+            f"{given} lies inside {owner}, an output of corp-deploy: its record would not list "
+            f"{KINDS[kind]} there, and replacing it would remove it; choose a folder outside it"
+            + (" (an export goes inside the artifact it is made from)" if kind == "export" else "")
         )
     return path
 
 
+#: For each command being run (nested in tests that run one inside another), the outputs it has
+#: put in place, complete, in order (:func:`noting_completed`).
+_COMPLETED: list[list[Path]] = []
+
+
 @contextmanager
-def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
+def noting_completed() -> Iterator[list[Path]]:
+    """Collect the outputs put in place, complete, within the block (:func:`mark_complete`): a step
+    that fails afterwards must say so, not that nothing was written."""
+    done: list[Path] = []
+    _COMPLETED.append(done)
+    try:
+        yield done
+    finally:
+        _COMPLETED.pop()
+
+
+def mark_complete(path: str | Path) -> None:
+    """Note that the output ``path`` is in place and complete (see :func:`noting_completed`)."""
+    if _COMPLETED:
+        _COMPLETED[-1].append(Path(path))
+
+
+def enclosing_output(path: str | Path) -> Path | None:
+    """The nearest folder above ``path`` (resolved) that holds an output's record, or None."""
+    return next((folder for folder in Path(path).parents if (folder / RECORD_FILE).is_file()), None)
+
+
+@contextmanager
+def staged_output(dest: str | Path, kind: str, needs: int = 0, made_from: str | Path | None = None) -> Iterator[Path]:
     """Build an output of ``kind`` beside ``dest`` and move it to ``dest`` only when the block succeeds.
+
+    ``made_from``: the artifact an export is made from, inside which it may lie (see
+    :func:`check_output_dir`). ``needs``: a lower bound on the bytes the new output will hold;
+    CorpError, before anything is written, when the file system of ``dest`` has less free space.
+    An output it replaces keeps its room until the new one is complete, so what it occupies is not
+    counted as free.
 
     Yields the staging directory to write into (flat files; folders inside it must be outputs of
     their own). On success the record is written, permissions are set from the umask, and the
@@ -92,7 +140,8 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
     last one wins). On any exception, including an interrupt, the staging directory is removed
     and ``dest`` is left as it was.
     """
-    dest = check_output_dir(dest, kind)
+    dest = check_output_dir(dest, kind, made_from)
+    _check_room(dest, kind, needs)
     created = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:NAME_IN_TEMP]}.tmp-", dir=dest.parent))
@@ -104,6 +153,7 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
         with _directory_lock(dest.parent), signals_deferred():  # waiting for the lock stays interruptible
             leftover = _swap_into_place(tmp, dest, kind)
             swapped = True
+            mark_complete(dest)
         if leftover is not None:
             warnings.warn(leftover, stacklevel=2)
     except BaseException:
@@ -114,6 +164,26 @@ def staged_output(dest: str | Path, kind: str) -> Iterator[Path]:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise
+
+
+def _check_room(dest: Path, kind: str, needs: int) -> None:
+    """CorpError when the file system of ``dest`` has fewer than ``needs`` bytes free."""
+    if needs <= 0:
+        return
+    from .resources import check_disk
+
+    replacing = dest.exists()
+    check_disk(
+        f"writing {KINDS[kind]} to {dest}",
+        needs,
+        _nearest_existing(dest.parent),
+        "free some space or choose another -o"
+        + (
+            " (the output there is removed only once the new one is complete: both need room at once)"
+            if replacing
+            else ""
+        ),
+    )
 
 
 def write_record(folder: Path, kind: str) -> dict:
@@ -255,7 +325,10 @@ def foreign_content(folder: Path, kind: str) -> str | None:
         return None
     record = read_record(folder)
     if record is None:
-        return f"it is not empty and holds no {RECORD_FILE} that corp-deploy can read (corp-deploy did not write it)"
+        return (
+            f"it is not empty and holds no {RECORD_FILE} that corp-deploy can read (not an output of "
+            "corp-deploy, or one whose record is gone)"
+        )
     if record["kind"] != kind:
         return f"it holds {KINDS[record['kind']]}, not {KINDS[kind]}"
     return _unrecorded(folder, record)
@@ -272,7 +345,19 @@ def _unrecorded(folder: Path, record: dict) -> str | None:
             return f"{entry} is not a file corp-deploy wrote"
         if entry.is_dir():
             inner = read_record(entry)
-            problem = f"{entry} is a folder corp-deploy did not write" if inner is None else _unrecorded(entry, inner)
+            if inner is None and STAGING_NAME.match(entry.name):
+                return (
+                    f"{entry} is the working folder of a corp-deploy run that was killed or is still running; "
+                    "delete it once no run writes there"
+                )
+            if inner is None:
+                return f"{entry} is a folder without a readable {RECORD_FILE}"
+            if inner["kind"] not in HOLDS[record["kind"]]:
+                return (
+                    f"{entry} is {KINDS[inner['kind']]}, which corp-deploy never writes inside "
+                    f"{KINDS[record['kind']]} (replacing it would remove it)"
+                )
+            problem = _unrecorded(entry, inner)
             if problem is not None:
                 return problem
             continue

@@ -9,7 +9,7 @@ from .parts import UNIT_PARTS
 
 def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
     """PNG of a budget report (``report["budget"]``): per block and part, the fraction of dims
-    kept (left) and the unit's distortion at that size (right, log scale)."""
+    kept (left) and the unit's distortion at that size (right, log scale when any unit is pruned)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,14 +34,14 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
         title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
         f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)",
     )
+    positive = [u["distortion"] for u in budget["units"] if u["distortion"] > 0]
     dist_ax.set(
         xlabel="block",
         ylabel=f"distortion ({budget['distortion']})",
-        yscale="log",
+        yscale="log" if positive else "linear",  # every unit kept whole (a budget of 1): nothing to log
         xticks=blocks,
         title="Distortion at the kept size (none: unit kept whole)",
     )
-    positive = [u["distortion"] for u in budget["units"] if u["distortion"] > 0]
     if positive:  # log scale over the pruned units only
         dist_ax.set_ylim(min(positive) / 3, max(positive) * 3)
     for ax in (kept_ax, dist_ax):

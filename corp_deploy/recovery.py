@@ -44,7 +44,7 @@ from torch import nn
 
 from . import distributed
 from .calibration import load_rgb, model_transform
-from .errors import CorpError, SettingError
+from .errors import CorpError, SettingError, check_setting_types
 from .families import blocks_of
 from .methods.base import option
 
@@ -53,6 +53,9 @@ SETTING_PREFIX = "recover_"
 #: The fewest validation views: each held-out source gives ``ceil(VALIDATION_VIEWS / sources)``
 #: (a calibration set of a few photos cropped many times holds out one or two of them).
 VALIDATION_VIEWS = 32
+#: The most steps a recovery may take (a million steps of 16 images: days on a GPU; more never ends
+#: in practice).
+MAX_STEPS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,19 @@ class RecoveryConfig:
     )
 
     def __post_init__(self) -> None:
-        integers = {"steps": 0, "batch_size": 1, "eval_every": 1, "patience": 1, "seed": 0}
-        for name, least in integers.items():
+        check_setting_types(self, lambda name: SETTING_PREFIX + name)
+        integers = {
+            "steps": (0, MAX_STEPS),
+            "batch_size": (1, None),
+            "eval_every": (1, None),
+            "patience": (1, None),
+            "seed": (0, None),
+        }
+        for name, (least, most) in integers.items():
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise SettingError(f"{{setting}} must be an integer >= {least}, got {value!r}", SETTING_PREFIX + name)
+            if not (value >= least and (most is None or value <= most)):
+                bounds = f">= {least}" if most is None else f"from {least} to {most:,}"
+                raise SettingError(f"{{setting}} must be an integer {bounds}, got {value!r}", SETTING_PREFIX + name)
         ranges = {
             "lr": (0.0, 1.0, False),
             "weight_decay": (0.0, 10.0, True),
@@ -122,8 +133,7 @@ class RecoveryConfig:
         }
         for name, (low, high, low_included) in ranges.items():
             value = getattr(self, name)
-            inside = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not (inside and (low <= value if low_included else low < value) and value <= high):
+            if not (math.isfinite(value) and (low <= value if low_included else low < value) and value <= high):
                 interval = f"{'[' if low_included else '('}{low:g}, {high:g}]"
                 raise SettingError(f"{{setting}} must be in {interval}, got {value!r}", SETTING_PREFIX + name)
 

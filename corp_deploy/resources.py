@@ -120,6 +120,12 @@ def check_disk(what: str, needed: int, folder: str | Path, hint: str) -> None:
     """CorpError when ``needed`` bytes exceed the free space of the file system of ``folder``."""
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise CorpError(
-            f"{what} needs {needed / 2**30:.1f} GiB of disk in {folder} and {free / 2**30:.1f} GiB are free; {hint}"
-        )
+        raise CorpError(f"{what} needs {_size(needed)} of disk in {folder} and {_size(free)} are free; {hint}")
+
+
+def _size(count: int) -> str:
+    """A number of bytes in words: ``1.2 GiB``, ``340 MiB``, ``12 KiB``, ``100 bytes``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} bytes"

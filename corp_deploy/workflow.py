@@ -20,7 +20,7 @@ from .artifact import base_model_spec, load_base_model, read_config, save_artifa
 from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
 from .engine import compress
-from .errors import CorpError
+from .errors import CorpError, check_instance
 from .recovery import RecoveryConfig
 from .resources import check_fits, compress_bytes
 
@@ -99,6 +99,8 @@ def compress_to_artifact(
     (one copy of the weights less; after a failure it is left part-compressed). Under
     torch.distributed every process calibrates on its share and only the first writes.
     """
+    check_instance("config", config, CompressConfig)
+    check_instance("calibration", calibration, CalibrationSpec)
     transform, data_config = model_transform(dense)
     if base_model is None:
         base_model = base_model_spec(dense)
@@ -143,6 +145,9 @@ def recover_artifact(
     out from compression too, which the artifact's own weights, fitted on every calibration image,
     cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). An artifact that was already
     recovered is refused: recover the one compress wrote, with the new settings."""
+    check_instance("recovery", recovery, RecoveryConfig)
+    if calibration is not None:
+        check_instance("calibration", calibration, CalibrationSpec)
     config = read_config(artifact)
     settings = config["settings"]
     if settings.get("recover_steps"):

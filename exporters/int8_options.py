@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from corp_deploy import CorpError
+from corp_deploy.errors import BadUsage, SettingError, check_choice, check_setting_types, described
 from corp_deploy.files import existing_dir
 
 from .keep_float import AUTO
@@ -42,28 +42,28 @@ class Int8Options:
     calib_samples: int | None = _option(None, "--calib-samples")
 
     def __post_init__(self) -> None:
-        if self.calibration not in CALIBRATION_METHODS:
-            raise CorpError(
-                f"int8 calibration must be one of {', '.join(CALIBRATION_METHODS)}; got {self.calibration!r}"
-            )
-        if self.activations not in ACTIVATION_TYPES:
-            raise CorpError(f"int8 activations must be one of {', '.join(ACTIVATION_TYPES)}; got {self.activations!r}")
+        setting = {field: keyword for keyword, field in self.keywords().items()}.get
+        check_setting_types(self, setting)
+        check_choice(setting("calibration"), self.calibration, tuple(CALIBRATION_METHODS))
+        check_choice(setting("activations"), self.activations, tuple(ACTIVATION_TYPES))
         if self.smoothing is not None and not 0 <= self.smoothing <= 1:
-            raise CorpError(f"the int8 smoothing strength must be from 0 to 1 or None, got {self.smoothing!r}")
+            raise SettingError(f"{{setting}} must be from 0 to 1 or None, got {self.smoothing!r}", setting("smoothing"))
         if self.keep_float != AUTO and not (isinstance(self.keep_float, int) and self.keep_float >= 0):
-            raise CorpError(
-                f"the Linear layers kept in float must be {AUTO!r} or a number >= 0, got {self.keep_float!r}"
+            raise SettingError(
+                f"{{setting}} (the Linear layers kept in float) must be {AUTO!r} or a number >= 0, got "
+                f"{described(self.keep_float)}",
+                setting("keep_float"),
             )
         if self.calib is not None:  # recorded absolute: resolves the same from anywhere
             object.__setattr__(self, "calib", existing_dir(self.calib, "--calib"))
         if self.calib_samples is not None and self.calib_samples < 1:
-            raise CorpError(f"the number of calibration samples must be >= 1, got {self.calib_samples}")
+            raise SettingError(f"{{setting}} must be >= 1, got {self.calib_samples}", setting("calib_samples"))
 
     def check(self, *, trt: bool) -> None:
-        """CorpError when these options cannot give a graph for the runtime asked for (``trt``:
+        """BadUsage when these options cannot give a graph for the runtime asked for (``trt``:
         TensorRT engines too)."""
         if trt and self.activations != DEFAULT_ACTIVATIONS:
-            raise CorpError(
+            raise BadUsage(
                 f"--int8-activations {self.activations} is for ONNX Runtime on the CPU: TensorRT "
                 f"needs signed int8 activations with symmetric ranges (--int8-activations "
                 f"{DEFAULT_ACTIVATIONS}, the default)"

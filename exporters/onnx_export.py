@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corp_deploy import CorpError
+from corp_deploy.errors import SettingError, check_choice, described
 
 from .fusable_forms import rewrite_gelu
 from .reduced_precision import for_export
@@ -109,15 +109,15 @@ def export_onnx(
 
 
 def check_settings(opset: int, exporter: str) -> None:
-    """CorpError unless ``exporter`` is known and ``opset`` is one it can write and ONNX Runtime (the
-    parity gate's runtime) can load."""
-    if exporter not in EXPORTERS:
-        raise CorpError(f"exporter must be one of {', '.join(EXPORTERS)}; got {exporter!r}")
+    """SettingError unless ``exporter`` is known and ``opset`` is one it can write and ONNX Runtime
+    (the parity gate's runtime) can load."""
+    check_choice("exporter", exporter, EXPORTERS)
     highest = max_opset(exporter)
-    if not (isinstance(opset, int) and MIN_OPSET <= opset <= highest):
-        raise CorpError(
-            f"--opset must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
-            f"highest that it and this ONNX Runtime support); got {opset}"
+    if not (isinstance(opset, int) and not isinstance(opset, bool) and MIN_OPSET <= opset <= highest):
+        raise SettingError(
+            f"{{setting}} must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
+            f"highest that it and this ONNX Runtime support); got {described(opset)}",
+            "opset",
         )
 
 

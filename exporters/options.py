@@ -7,6 +7,7 @@ from dataclasses import KW_ONLY, InitVar, dataclass
 from pathlib import Path
 
 from corp_deploy import CorpError
+from corp_deploy.errors import BadUsage, SettingError, check_setting_types
 
 from . import tensorrt as trt_backend
 from .int8_options import Int8Options
@@ -65,6 +66,7 @@ class ExportOptions:
     def __post_init__(
         self, int8_calibration, int8_keep_float, int8_smoothing, int8_activations, calib, calib_samples
     ) -> None:
+        check_setting_types(self)
         check_settings(self.opset, self.exporter)
         takes_int8 = precision_named(self.precision).options_class is Int8Options
         self._take_legacy_int8_keywords(
@@ -79,7 +81,7 @@ class ExportOptions:
             takes_int8,
         )
         if self.int8 is not None and not takes_int8:
-            raise CorpError(
+            raise BadUsage(
                 f"the int8 options ({', '.join(Int8Options.flags().values())}) apply only with "
                 f"--precision int8, not {self.precision}"
             )
@@ -88,9 +90,10 @@ class ExportOptions:
         if self.int8 is not None:
             self.int8.check(trt=self.trt)
         if self.workspace_gb is not None and not MIN_WORKSPACE_GB <= self.workspace_gb <= MAX_WORKSPACE_GB:
-            raise CorpError(
-                f"--workspace must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
-                f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}"
+            raise SettingError(
+                f"{{setting}} must be a number of GB from {MIN_WORKSPACE_GB:g} (1 MiB) to "
+                f"{MAX_WORKSPACE_GB:g}; got {self.workspace_gb}",
+                "workspace_gb",
             )
         if self.timing_cache is not None:
             cache = Path(self.timing_cache)
@@ -101,7 +104,7 @@ class ExportOptions:
                 )
             object.__setattr__(self, "timing_cache", cache.resolve())
         if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
-            raise CorpError("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
+            raise BadUsage("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
 
     def _take_legacy_int8_keywords(self, values: dict[str, object], takes_int8: bool) -> None:
         """Set ``int8`` from the flat keywords given (``values``: by keyword, unset ones
@@ -111,7 +114,7 @@ class ExportOptions:
         if not given:
             return
         if self.int8 is not None:
-            raise CorpError(f"the int8 options are given twice, as int8=Int8Options(...) and as {', '.join(given)}")
+            raise BadUsage(f"the int8 options are given twice, as int8=Int8Options(...) and as {', '.join(given)}")
         fields = Int8Options.keywords()
         int8 = Int8Options(**{fields[key]: value for key, value in given.items()})
         if takes_int8 or int8 != Int8Options():

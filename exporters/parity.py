@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from corp_deploy import CorpError
+from corp_deploy.errors import SettingError, check_setting_types
 
 from .metrics import as_rows, cosine, top1_matches
 
@@ -102,12 +102,13 @@ class Tolerance:
     min_top1: float | None = None
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         if self.atol is not None and not (self.atol >= 0 and math.isfinite(self.atol)):
-            raise CorpError(f"--atol must be a finite number >= 0; got {self.atol}")
+            raise SettingError(f"{{setting}} must be a finite number >= 0; got {self.atol}", "atol")
         if self.min_cosine is not None and not -1 <= self.min_cosine <= 1:
-            raise CorpError(f"--min-cosine must be in [-1, 1]; got {self.min_cosine}")
+            raise SettingError(f"{{setting}} must be in [-1, 1]; got {self.min_cosine}", "min_cosine")
         if self.min_top1 is not None and not 0 <= self.min_top1 <= 1:
-            raise CorpError(f"the minimum top-1 agreement must be in [0, 1]; got {self.min_top1}")
+            raise SettingError(f"{{setting}} (top-1 agreement) must be in [0, 1]; got {self.min_top1}", "min_top1")
 
     def with_limits(self, **overrides: float | None) -> Tolerance:
         """These limits with each non-None value of ``overrides`` (``atol=...``) in place of its own."""

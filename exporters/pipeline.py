@@ -32,7 +32,7 @@ from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
 from corp_deploy.files import sha256_file, write_json
-from corp_deploy.outputs import check_output_dir, staged_output
+from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
 
 from . import tensorrt as trt_backend
@@ -88,7 +88,8 @@ def export_artifact(
     config = read_config(artifact)
     made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
-    check_output_dir(out_dir, "export")  # before any work
+    check_output_dir(out_dir, "export", made_from=artifact)  # before any work
+    _check_timing_cache_outside_outputs(options.timing_cache, out_dir)
     tolerance = options.tolerance or precision.tolerance
     models = {"model": load_compressed(artifact)}
     if options.dense:
@@ -112,7 +113,9 @@ def export_artifact(
     entries, graph, onnxruntime = {}, {}, {}
     with (
         tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
-        staged_output(out_dir, "export") as tmp,
+        staged_output(
+            out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values()), made_from=artifact
+        ) as tmp,
         ExitStack() as runners,
     ):
         calibration = (
@@ -247,6 +250,28 @@ def _export_graph(
             int8.activations,
         )
     return {**graph, "files": [path.name], "precision": precision.name}, {**quantized, "source": source}
+
+
+def _check_timing_cache_outside_outputs(cache: Path | None, out_dir: Path) -> None:
+    """CorpError when the TensorRT timing cache (written after the build) would lie inside the
+    export or another output, whose record would not list it."""
+    if cache is None:
+        return
+    owner = resolve(out_dir) if resolve(out_dir) in cache.parents else enclosing_output(cache)
+    if owner is not None:
+        raise CorpError(
+            f"--timing-cache {cache} lies inside {owner}, an output of corp-deploy, which holds only the files "
+            "its record lists (TensorRT writes the cache after the build); keep the cache elsewhere"
+        )
+
+
+def graph_bytes(model: nn.Module, precision: Precision) -> int:
+    """A lower bound on the bytes of ``model``'s ONNX graph in ``precision``: its weights in the
+    traced dtype (an int8 graph: one byte per Linear weight, the rest in float32)."""
+    if not precision.calibrates:
+        return sum(t.numel() for t in model.state_dict().values()) * precision.dtype.itemsize
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return linear + (sum(t.numel() for t in model.state_dict().values()) - linear) * FLOAT32
 
 
 def int8_calibration_images(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corp_deploy import CorpError
+from corp_deploy.errors import check_choice
 
 from .int8_options import Int8Options
 from .parity import Tolerance
@@ -82,10 +82,9 @@ PRECISIONS: dict[str, Precision] = {
 
 
 def precision_named(name: str, among: tuple[str, ...] = tuple(PRECISIONS)) -> Precision:
-    """The record of ``name``; CorpError listing ``among`` (default: every precision) when
+    """The record of ``name``; SettingError listing ``among`` (default: every precision) when
     ``name`` is not one of them."""
-    if name not in among:
-        raise CorpError(f"precision must be one of {', '.join(among)}; got {name!r}")
+    check_choice("precision", name, among)
     return PRECISIONS[name]
 
 

@@ -28,7 +28,8 @@ Measured on the real DINOv2 ViT-S/14 compressed at s = 0.3 (min cosine of int8 v
 9 held-out parity images): with the attention matmuls in int8 too, 0.796 (minmax), 0.796
 (entropy: then minmax under another name, see :data:`CALIBRATOR_OPTIONS`), 0.927 (percentile);
 with them in float, 0.989 (minmax) and 0.928 (percentile), so minmax is the default. Ranges from
-one constant grey image give 0.930, which the gate rejects. Per-tensor activation ranges cannot
+one constant grey image give 0.930, which the gate rejected (such images are now refused before
+calibration: :class:`corp_deploy.calibration.ImageSpan`). Per-tensor activation ranges cannot
 hold the outlier channels of the dense DINOv2 (min cosine 0.947 on the 9 images, below the gate;
 mostly blocks 0-2 and the MLP down projections, benchmarks/RESULTS.md "INT8"): ``input_scales``
 moves them into the weights first (:mod:`exporters.smoothing`), and ``float_modules`` keeps chosen

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from corp_deploy import CorpError
+from corp_deploy.errors import SettingError, described
 
 from .onnx_export import INPUT_NAME, OUTPUT_NAME
 from .runners import Runner
@@ -39,8 +40,13 @@ class BatchProfile:
     max: int = 32
 
     def __post_init__(self) -> None:
+        for name in ("min", "opt", "max"):
+            if not (isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)):
+                raise SettingError(
+                    f"{{setting}} takes whole batch sizes; got {described(getattr(self, name))}", "batch"
+                )
         if not 1 <= self.min <= self.opt <= self.max:
-            raise CorpError(f"batch profile needs 1 <= MIN <= OPT <= MAX; got {self}")
+            raise SettingError(f"{{setting}} (the batch profile) needs 1 <= MIN <= OPT <= MAX; got {self}", "batch")
 
     @classmethod
     def parse(cls, text: str) -> BatchProfile:
@@ -53,7 +59,7 @@ class BatchProfile:
         if len(values) == 1:
             values *= 3
         if len(values) != 3:
-            raise CorpError(f"--batch expects MIN:OPT:MAX (e.g. 1:8:32) or one size; got {text!r}")
+            raise SettingError(f"{{setting}} expects MIN:OPT:MAX (e.g. 1:8:32) or one size; got {text!r}", "batch")
         return cls(*values)
 
     def shapes(self, image_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

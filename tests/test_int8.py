@@ -16,6 +16,7 @@ from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build
 from corp_deploy import (
     CalibrationImages,
     CompressConfig,
+    CorpError,
     load_base_model,
     load_compressed,
     model_transform,
@@ -486,9 +487,11 @@ def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path, run
 )
 def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_written(tmp_path):
     """Real DINOv2 ViT-S/14 (random weights hide it: their activations have no outlier channels):
-    int8 ranges calibrated on one constant grey image clip real images' activations, the gate
-    against float32 on held-out photos fails, exit 4, no files (measured min cosine 0.93 < 0.98;
-    the built-in calibration gives 0.989)."""
+    one constant grey image is refused before anything is exported (its statistics are singular:
+    :class:`corp_deploy.calibration.ImageSpan`); int8 ranges calibrated on one grey image with a
+    little noise (warned about: almost no detail) clip real images' activations, the gate against
+    float32 on held-out photos fails, exit 4, no files (measured min cosine 0.93 < 0.98 on the
+    constant grey; the built-in calibration gives 0.989)."""
     dense = build_dinov2()
     transform, _ = model_transform(dense)
     images = CalibrationImages.from_builtin(transform, count=8, batch_size=8, seed=0)
@@ -504,7 +507,15 @@ def test_a_broken_calibration_is_caught_by_the_fidelity_gate_and_nothing_is_writ
     grey = tmp_path / "grey"
     grey.mkdir()
     Image.new("RGB", (224, 224), (128, 128, 128)).save(grey / "grey.png")
-    with pytest.raises(ParityError, match="parity gate failed"):
+    with pytest.raises(CorpError, match="the one calibration image is of one colour"):
+        export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", int8=Int8Options(calib=grey)))
+    assert not (tmp_path / "out").exists()
+    noise = np.random.default_rng(0).integers(-2, 3, (224, 224, 3))
+    Image.fromarray((128 + noise).astype(np.uint8)).save(grey / "grey.png")
+    with (
+        pytest.warns(UserWarning, match="almost no detail"),
+        pytest.raises(ParityError, match="parity gate failed"),
+    ):
         export_artifact(artifact, tmp_path / "out", ExportOptions(precision="int8", int8=Int8Options(calib=grey)))
     assert not (tmp_path / "out").exists()
 

@@ -109,7 +109,7 @@ def test_bad_method_combinations_are_refused_before_any_work(tmp_path, args, mes
     result, text = run_cli(
         ["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", out], tmp_path / "state"
     )
-    assert result.exit_code == 1 and message in text and "Traceback" not in text, text
+    assert result.exit_code == 2 and message in text and "Traceback" not in text, text
     assert not out.exists()
 
 

@@ -71,11 +71,15 @@ def test_int8_gets_its_default_options_and_the_flat_keywords_still_work(tmp_path
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(calibration="mse"), "int8 calibration must be one of minmax, entropy, percentile; got 'mse'"),
-        (dict(activations="int4"), "int8 activations must be one of int8, uint8; got 'int4'"),
-        (dict(smoothing=1.5), "the int8 smoothing strength must be from 0 to 1 or None, got 1.5"),
-        (dict(keep_float=-1), "the Linear layers kept in float must be 'auto' or a number >= 0, got -1"),
-        (dict(calib_samples=0), "the number of calibration samples must be >= 1, got 0"),
+        (dict(calibration="mse"), "int8_calibration must be one of minmax, entropy, percentile; got 'mse'"),
+        (dict(activations="int4"), "int8_activations must be one of int8, uint8; got 'int4'"),
+        (dict(smoothing=1.5), "int8_smoothing must be from 0 to 1 or None, got 1.5"),
+        (
+            dict(keep_float=-1),
+            r"int8_keep_float \(the Linear layers kept in float\) must be 'auto' or a number >= 0, got -1",
+        ),
+        (dict(calib_samples=0), "calib_samples must be >= 1, got 0"),
+        (dict(smoothing="0.5"), "int8_smoothing must be a number, got str '0.5'"),
         (dict(calib="/nonexistent/dir"), "--calib /nonexistent/dir: not found"),
     ],
 )

@@ -92,9 +92,9 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
     "args, message",
     [
         (["--s", "0.3,1.2"], "--s must be in [0, 1)"),
-        (["--s", "a,b"], "--s takes comma-separated"),
-        (["--s", ""], "--s takes comma-separated"),  # an empty CI variable is not the default grid
-        (["--macs", ""], "--macs takes comma-separated"),
+        (["--s", "a,b"], "'--s': takes comma-separated"),
+        (["--s", ""], "'--s': takes comma-separated"),  # an empty CI variable is not the default grid
+        (["--macs", ""], "'--macs': takes comma-separated"),
         (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
         (["--methods", "corp,corp"], "methods must be distinct"),
         (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
@@ -105,7 +105,7 @@ def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message, run_cli
         ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, *args, "-o", tmp_path / "sweep"],
         tmp_path / "state",
     )
-    assert result.exit_code == 1 and message in text and "Traceback" not in text, text
+    assert result.exit_code == 2 and message in text and "Traceback" not in text, text
     assert not (tmp_path / "sweep").exists()
 
 

@@ -20,7 +20,7 @@ from corp_deploy import (
     model_transform,
 )
 from corp_deploy.cli.group import option_name
-from corp_deploy.errors import CorpError, SettingConflict, SettingError
+from corp_deploy.errors import CorpError, SettingError
 from corp_deploy.methods.corp.sizes import BlockSizes, uniform_sizes
 from corp_deploy.parts import PARTS, TARGET_PARTS, UNIT_PARTS
 from tests.helpers import SMALL_VIT_KWARGS
@@ -99,7 +99,7 @@ def test_from_dict_reads_back_an_artifacts_settings():
 
 @pytest.mark.parametrize("given", [dict(sparsity=0.5), dict(s_vo=0.5), dict(sparsity=0.4, s_mlp=0.5)])
 def test_a_budget_with_sparsities_is_a_conflict_naming_what_was_given(given):
-    with pytest.raises(SettingConflict, match="exclude each other") as raised:
+    with pytest.raises(SettingError, match="exclude each other") as raised:
         CompressConfig.from_settings(macs=0.6, **given)
     named = tuple(name for name in ("sparsity", "s_mlp", "s_attn", "s_vo") if name in given)
     assert raised.value.settings == named and raised.value.exit_code == 2

@@ -3,44 +3,70 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
-from .common import check_apart, given_on_command_line, input_dir, warn
+from benchmarks.gate import BASELINE_GATES
+
+from ..errors import BadUsage
+from .common import check_apart, given_on_command_line, input_dir, results_output, warn
 from .group import cli
-from .options import evaluation_options, parse_sizes, timing_options
+from .options import PATH, evaluation_options, timing_options
+
+#: What configures the comparison with --baseline, by parameter: refused without it.
+_BASELINE_OPTIONS = {
+    "gates": "--gate",
+    "max_regression": "--max-regression",
+    "max_latency_regression": "--max-latency-regression",
+}
 
 
 @cli.command()
-@click.argument("target", required=False, type=click.Path(path_type=Path))
+@click.argument("target", required=False, type=PATH)
 @timing_options
 @click.option(
     "--warmup", type=click.IntRange(0, 10_000), default=3, show_default=True, help="Untimed rounds before timing."
 )
 @evaluation_options
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the full report.")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write tables.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG plot.")
+@click.option("--json", "json_path", type=PATH, default=None, help="Write the full report.")
+@click.option("--markdown", "markdown_path", type=PATH, default=None, help="Write tables.")
+@click.option("--plot", "plot_path", type=PATH, default=None, help="Write a PNG plot.")
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Write bench.json, bench.md and bench.png into this directory.",
 )
 @click.option(
     "--baseline",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
-    help="A previous --json report: fail when latency, speedup or fidelity regress.",
+    help="A previous --json report: fail when what --gate names regresses.",
+)
+@click.option(
+    "--gate",
+    "gates",
+    default=",".join(BASELINE_GATES),
+    show_default=True,
+    metavar="NAMES",
+    help="What --baseline gates, comma-separated: latency (absolute: it moves with the machine's load, "
+    "so only on a dedicated runner), speedup (timed interleaved with the dense model: holds on a shared "
+    "runner), fidelity, int8.",
 )
 @click.option(
     "--max-regression",
     type=float,
     default=0.05,
     show_default=True,
-    help="Allowed relative regression against --baseline.",
+    help="Allowed relative regression against --baseline (of latency too, unless --max-latency-regression).",
+)
+@click.option(
+    "--max-latency-regression",
+    type=float,
+    default=None,
+    help="Allowed relative growth of the compressed model's p50 latency against --baseline "
+    "[default: --max-regression].",
 )
 @click.option("--min-agreement", type=float, default=None, help="Fail below this top-1 agreement with dense.")
 @click.option("--max-kl", type=float, default=None, help="Fail above this mean KL divergence from dense.")
@@ -66,7 +92,9 @@ def bench(
     plot_path,
     output,
     baseline,
+    gates,
     max_regression,
+    max_latency_regression,
     min_agreement,
     max_kl,
     min_cosine,
@@ -86,9 +114,14 @@ def bench(
     are still written).
 
     \b
+    On a shared CI runner, gate what load slows alike: --gate speedup,fidelity (absolute latency
+    moves with the other jobs on the machine).
+
+    \b
     Examples:
       corp-deploy bench --backends ort --batch 1,32 -o bench/
       corp-deploy bench corp-deploy/deit_base-s0.5 --data val/ --json new.json --baseline main.json
+      corp-deploy bench ART --baseline main.json --gate speedup,fidelity --max-regression 0.1
     """
     from benchmarks.backends import parse_families
     from benchmarks.gate import GateLimits
@@ -98,19 +131,25 @@ def bench(
 
     settings = BenchSettings(
         backends=parse_families(backends),
-        batches=parse_sizes(batches, "--batch"),
+        batches=batches,
         threads=threads,
         warmup=warmup,
         min_time=min_time,
     )
     limits = GateLimits(
         max_regression=max_regression,
+        max_latency_regression=max_latency_regression,
+        gates=tuple(gate.strip() for gate in gates.split(",") if gate.strip()),
+        gates_requested=given_on_command_line("gates"),
         min_agreement=min_agreement,
         max_kl=max_kl,
         min_cosine=min_cosine,
         min_parity_cosine=min_parity_cosine,
         parity_requested=given_on_command_line("min_parity_cosine"),
     )
+    named = [option for parameter, option in _BASELINE_OPTIONS.items() if given_on_command_line(parameter)]
+    if named and baseline is None:  # even at their default values: a script that names them expects a gate
+        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --baseline")
     files, folder = check_report_outputs(
         {"json": json_path, "markdown": markdown_path, "plot": plot_path}, output, baseline
     )
@@ -127,7 +166,8 @@ def bench(
         warn=warn,
     )
     written = write_outputs(report, files, folder)
-    print_terminal(report)
+    with results_output() as console:
+        print_terminal(report, console)
     for path in written:
         click.echo(f"wrote {path}", err=True)
     if not report.gate.passed:

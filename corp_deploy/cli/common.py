@@ -3,15 +3,41 @@ model built from the model-source options."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shlex
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
-from ..errors import CorpError
+from ..errors import BadUsage, CorpError
+from .group import COMMAND_LINE
 from .options import parse_model_args
 
 #: Where outputs go without -o.
 DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
+
+
+@contextlib.contextmanager
+def results_output() -> Iterator:
+    """The rich console a command prints its results on (the standard output). When that cannot
+    be written (a closed pipe, a full disk), CorpError saying so: the output written before is
+    complete, which the command group then says (:func:`corp_deploy.outputs.noting_completed`)."""
+    from rich.console import Console
+
+    class Terminal(Console):
+        def on_broken_pipe(self) -> None:  # rich's own answer: exit 1 in silence
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    try:
+        yield Terminal()
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no failing flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise CorpError(f"printing the results on the standard output failed ({exc.strerror or exc})") from None
 
 
 def warn(message: str | None) -> None:
@@ -22,6 +48,16 @@ def warn(message: str | None) -> None:
 def given_on_command_line(parameter: str) -> bool:
     """Whether the running command's ``parameter`` was given on the command line (not defaulted)."""
     return click.get_current_context().get_parameter_source(parameter) == click.core.ParameterSource.COMMANDLINE
+
+
+def command_to_paste(*, argument: str | Path | None = None) -> str:
+    """The running command as the user typed it, shell-quoted so that it is safe to paste (a path
+    with a space, quotes or ``$(...)`` stays one word and runs nothing). ``argument``: a positional
+    argument inserted after the command's name (the artifact a command chose by itself)."""
+    words = ["corp-deploy", *click.get_current_context().find_root().meta[COMMAND_LINE]]
+    if argument is not None:
+        words.insert(2, str(argument))
+    return shlex.join(words)
 
 
 def warn_builtin_calibration() -> None:
@@ -63,7 +99,7 @@ def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None
 
     kwargs = parse_model_args(model_args)
     if checkpoint is not None and no_pretrained:
-        raise CorpError("--checkpoint and --no-pretrained exclude each other")
+        raise BadUsage("--checkpoint and --no-pretrained exclude each other")
     if checkpoint is not None and not checkpoint.is_file():
         raise CorpError(f"--checkpoint {checkpoint}: {'not a file' if checkpoint.exists() else 'not found'}")
     full_name = resolve_model_name(model, kwargs)

@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from ..calibration import DEFAULT_BATCH
 from ..config import DEFAULT_SPARSITY, CompressConfig
-from ..errors import CorpError
+from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import PARTS
 from .common import (
@@ -18,11 +17,12 @@ from .common import (
     check_apart,
     dense_model,
     input_dir,
+    results_output,
     warn,
     warn_builtin_calibration,
 )
 from .group import cli
-from .options import method_options, model_source_options, recovery_options
+from .options import PATH, method_options, model_source_options, recovery_options
 
 
 def default_output_dir(model: str, config: CompressConfig) -> Path:
@@ -100,7 +100,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]",
 )
@@ -192,9 +192,9 @@ def compress(
     for message in result.calibration_warnings():
         warn(message)
     warn(record_latest(result.path))
-    console = Console()
-    for table in summary_tables(result.report, result.path):
-        console.print(table)
+    with results_output() as console:
+        for table in summary_tables(result.report, result.path):
+            console.print(table)
 
 
 def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:
@@ -216,7 +216,7 @@ def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> N
     for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
         if value is not None and target not in method.targets:
             others = [m.name for m in METHODS.values() if target in m.targets]
-            raise CorpError(
+            raise BadUsage(
                 f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
                 f"(use --method {' or '.join(others)})"
             )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
-from pathlib import Path
 
 import click
 
@@ -13,10 +13,10 @@ from exporters.precision import PRECISIONS
 from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
-from ..errors import CorpError
-from .common import check_apart, given_on_command_line
+from ..errors import BadUsage
+from .common import check_apart, command_to_paste, given_on_command_line, results_output
 from .group import cli
-from .options import IMAGE_COUNT, keep_float_count, smoothing_strength
+from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
 INT8_DEFAULTS = Int8Options()
 
@@ -31,7 +31,7 @@ def default_limits(limit: str) -> str:
 
 
 @cli.command()
-@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.argument("artifact", required=False, type=PATH)
 @click.option(
     "--trt",
     is_flag=True,
@@ -95,7 +95,7 @@ def default_limits(limit: str) -> str:
 )
 @click.option(
     "--calib",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="int8: calibration image directory. [default: what compress used, from config.json]",
 )
@@ -115,7 +115,7 @@ def default_limits(limit: str) -> str:
 )
 @click.option(
     "--timing-cache",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="TensorRT timing cache: read if it exists, updated after the build.",
 )
@@ -134,7 +134,7 @@ def default_limits(limit: str) -> str:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Export directory. [default: ARTIFACT/export-<precision>]",
 )
@@ -171,7 +171,6 @@ def export(
       corp-deploy export corp-deploy/deit_base-s0.5 --dense --precision int8 --calib ./images
       corp-deploy export --trt --batch 1:16:64 --workspace 4 --timing-cache ~/.cache/trt.cache
     """
-    from rich.console import Console
 
     from exporters.options import ExportOptions
     from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
@@ -184,8 +183,9 @@ def export(
     takes_int8 = record.options_class is Int8Options
     named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
     if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
-        raise CorpError(f"{', '.join(named)} apply only with --precision int8")
-    if artifact is None:
+        raise BadUsage(f"{', '.join(named)} apply only with --precision int8")
+    chosen = artifact is None
+    if chosen:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
     options = ExportOptions(
@@ -203,16 +203,18 @@ def export(
     calib = options.int8.calib if options.int8 is not None else None
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
-    Console().print(result.summary_table())
+    with results_output() as console:
+        console.print(result.summary_table())
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
         if trt and not result.manifest["tensorrt"]["built"]:
             click.echo(
-                f"To build the engines on the target GPU machine, either run\n"
-                f"  {INSTALL_HINT} && corp-deploy export {artifact} --trt ...   (builds and checks)\n"
+                f"To build the engines on the target GPU machine, either run this command there (it builds "
+                f"and checks them)\n"
+                f"  {INSTALL_HINT} && {command_to_paste(argument=artifact if chosen else None)}\n"
                 f"or, with TensorRT's trtexec there,\n"
-                f"  bash {result.out_dir / SCRIPT_NAME}",
+                f"  bash {shlex.quote(str(result.out_dir / SCRIPT_NAME))}",
                 err=True,
             )
         sys.exit(EXIT_INCOMPLETE)

@@ -2,11 +2,12 @@
 
 Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
 traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
-and interrupts (SIGINT, SIGTERM) by the entry point, :mod:`corp_deploy.launch`.
+and interrupts (SIGINT, SIGTERM, SIGHUP, SIGQUIT) by the entry point, :mod:`corp_deploy.launch`.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -14,25 +15,40 @@ import click
 
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
-from ..launch import OWN_MODULES
+from ..launch import OWN_MODULES, Interrupted
+from ..outputs import noting_completed
 
+#: The exit status of a run whose output is complete when a later step failed.
+OUTPUT_COMPLETE = 5
 #: Exit statuses of every command (README, "Guarantees").
 EXIT_CODES = {
     0: "done",
-    1: "error: bad input, a refusal, or a failure; nothing half-written",
-    2: "bad usage",
+    1: "error: what a value names cannot be used (a missing file, a model timm cannot build, weights that "
+    "do not fit), a refusal, or a failure; nothing half-written",
+    2: "bad usage: a value refused as such (its range, type, choices or form, or it does nothing) or "
+    "options that exclude each other",
     3: "export: files written, a step needs TensorRT or a GPU to finish",
     4: "a gate failed (export: nothing written; bench: reports written)",
+    5: "the output is complete, but a step after it failed (e.g. printing the results): the message names both",
+    129: "stopped by SIGHUP (terminal closed, ssh dropped)",
     130: "interrupted by SIGINT",
+    131: "stopped by SIGQUIT",
     143: "terminated by SIGTERM",
 }
-#: Settings (CompressConfig and CalibrationSpec fields) whose option is not ``--<field with dashes>``.
+#: Settings (fields of the config classes) whose option is not ``--<field with dashes>``.
 _SETTING_OPTIONS = {
     "compensation": "--no-compensation",
     "sparsity": "--s",
     "samples": "--calib-samples",
     "source": "--calib",
+    "workspace_gb": "--workspace",
+    "budgets": "--macs",
+    "gates": "--gate",
 }
+
+
+#: Where the group keeps the running command's arguments as typed (``ctx.meta``).
+COMMAND_LINE = "corp_deploy.command_line"
 
 
 def option_name(setting: str) -> str:
@@ -46,48 +62,65 @@ class _Commands(click.Group):
     no permission) or a dependency missing from the installation becomes one message too. Other
     exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
 
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except SettingError as exc:
-            raise _click_error(exc.naming(option_name), exc.exit_code) from None
-        except CorpError as exc:
-            raise _click_error(str(exc), exc.exit_code) from None
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
-        except Exception as exc:
-            if _out_of_memory(exc):
-                raise _click_error(
-                    f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
-                ) from None
-            if isinstance(exc, OSError) and exc.errno is not None:
-                where = f" ({exc.filename})" if exc.filename else ""
-                raise _click_error(
-                    f"the file system refused: {exc.strerror or exc}{where}; nothing partial was left behind", 1
-                ) from None
-            missing = _missing_dependency(exc)
-            if missing:
-                raise _click_error(
-                    f"the Python module '{missing}' is not installed, and this command needs it: "
-                    "install corp-deploy with its dependencies (pip install without --no-deps)",
-                    1,
-                ) from None
-            from ..distributed import lost_peer
+    def parse_args(self, ctx, args):
+        ctx.meta[COMMAND_LINE] = list(args)  # as typed, for commands that print a command to run again
+        return super().parse_args(ctx, args)
 
-            if lost_peer(exc):
-                raise _click_error(
-                    "another process of this torchrun job stopped (its message says why); this one "
-                    "stopped with it, and no artifact was written",
-                    1,
-                ) from None
-            if os.environ.get("CORP_DEPLOY_DEBUG"):
+    def invoke(self, ctx):
+        with noting_completed() as done:
+            try:
+                return super().invoke(ctx)
+            except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise
+            except Interrupted as exc:
+                exc.completed = tuple(done)  # the entry point says what was written before it
+                raise
+            except Exception as exc:
+                message, exit_code = _failure(exc, completed=bool(done))
+        if done:
             raise _click_error(
-                f"internal error ({type(exc).__name__}: {first_line(exc)}); "
-                "this is a bug in corp-deploy: rerun with CORP_DEPLOY_DEBUG=1 for the traceback "
-                "and report it",
-                1,
-            ) from None
+                f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
+                f"failure), but a later step failed: {message}",
+                OUTPUT_COMPLETE,
+            )
+        raise _click_error(message, exit_code)
+
+
+def _failure(exc: Exception, completed: bool) -> tuple[str, int]:
+    """The one message and the exit status of a command that raised ``exc`` (see :class:`_Commands`),
+    ``completed`` when it had put an output in place before."""
+    if isinstance(exc, SettingError):
+        return exc.naming(option_name), exc.exit_code
+    if isinstance(exc, CorpError):
+        return str(exc), exc.exit_code
+    if _out_of_memory(exc):
+        return f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
+    refused = file_system_refusal(exc)
+    if refused:
+        partial = "" if completed else "; nothing partial was left behind"
+        return f"the file system refused: {refused}{partial}", 1
+    missing = _missing_dependency(exc)
+    if missing:
+        return (
+            f"the Python module '{missing}' is not installed, and this command needs it: "
+            "install corp-deploy with its dependencies (pip install without --no-deps)",
+            1,
+        )
+    from ..distributed import lost_peer
+
+    if lost_peer(exc):
+        return (
+            "another process of this torchrun job stopped (its message says why); this one stopped with it, "
+            "and no artifact was written",
+            1,
+        )
+    if os.environ.get("CORP_DEPLOY_DEBUG"):
+        raise exc
+    return (
+        f"internal error ({type(exc).__name__}: {first_line(exc)}); this is a bug in corp-deploy: rerun with "
+        "CORP_DEPLOY_DEBUG=1 for the traceback and report it",
+        1,
+    )
 
 
 def _out_of_memory(exc: Exception) -> bool:
@@ -97,6 +130,45 @@ def _out_of_memory(exc: Exception) -> bool:
         or type(exc).__name__ == "OutOfMemoryError"
         or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
     )
+
+
+#: The OS errors of a file system that refuses a write or a read, as libraries that wrap them in
+#: their own exception types still quote them (safetensors: ``IoError(Os { code: 28, kind:
+#: StorageFull, message: "No space left on device" })``).
+_FILE_SYSTEM_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.EIO,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EMFILE,
+    errno.ENAMETOOLONG,
+)
+#: Library messages of a failed write that name no OS error (torch.save's stream writer).
+_FAILED_WRITES = ("file write failed",)
+
+
+def file_system_refusal(exc: BaseException) -> str | None:
+    """What the file system refused, in words (``No space left on device (PATH)``), when ``exc``
+    is an OS error or wraps one: as its cause, or quoted in the message of a library's
+    own exception type (safetensors, torch.save, the ONNX exporters). None for anything else."""
+    chain, seen = [], exc
+    while seen is not None and seen not in chain:  # the explicit causes (``raise ... from``) only
+        chain.append(seen)
+        seen = seen.__cause__
+    for error in chain:
+        if isinstance(error, OSError) and error.errno is not None:
+            return f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+    text = " ".join(str(error) for error in chain)
+    library = type(exc).__module__.split(".")[0]
+    for code in _FILE_SYSTEM_ERRNOS:
+        if os.strerror(code) in text:
+            return f"{os.strerror(code)} (reported by {library})"
+    if any(failure in text for failure in _FAILED_WRITES):
+        return f"a write failed, the disk may be full (reported by {library})"
+    return None
 
 
 def _missing_dependency(exc: Exception) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from ..calibration import DEFAULT_IMAGES
-from ..errors import CorpError
+from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import TARGETS
 from ..recovery import SETTING_PREFIX, RecoveryConfig
@@ -32,12 +32,65 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
+class GivenPath(click.Path):
+    """A path that names something: an empty value (``--calib ""``, an unset shell variable) is
+    refused, not read as the current directory."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            self.fail("an empty path names no file or folder", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class BatchSizes(click.ParamType):
+    """Comma-separated batch sizes (``1,8,32``): positive integers, each once."""
+
+    name = "SIZES"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            sizes = tuple(int(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            self.fail(f"takes comma-separated positive integers (e.g. 1,8,32); got {value!r}", param, ctx)
+        repeated = sorted({size for size in sizes if sizes.count(size) > 1})
+        if repeated:
+            self.fail(f"gives batch size {', '.join(map(str, repeated))} more than once: {value!r}", param, ctx)
+        return sizes
+
+
+class Numbers(click.ParamType):
+    """Comma-separated numbers (``0.1,0.3,0.5``), at least one; ``example`` shows the form."""
+
+    name = "NUMBERS"
+
+    def __init__(self, example: str) -> None:
+        self.example = example
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            values = tuple(float(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values:
+            self.fail(f"takes comma-separated numbers (e.g. {self.example}); got {value!r}", param, ctx)
+        return values
+
+
+#: Every path option and argument.
+PATH = GivenPath(path_type=Path)
 #: How many images an option may ask for (a decoded 224 px image is 0.6 MB).
 IMAGE_COUNT = click.IntRange(1, 10_000_000)
 #: CPU threads: at most four per core (more only slows the run, and far more crashes the runtimes).
 THREADS = click.IntRange(1, 4 * (os.cpu_count() or 1))
-#: A positive, finite number of seconds.
-SECONDS = FiniteFloatRange(min=0, min_open=True)
+#: A positive, finite number of seconds, at most an hour (a time per measurement: more never ends
+#: in practice).
+SECONDS = FiniteFloatRange(min=0, min_open=True, max=3600)
 
 
 def options(*options):
@@ -103,7 +156,7 @@ model_source_options = options(
     ),
     click.option(
         "--calib",
-        type=click.Path(path_type=Path),
+        type=PATH,
         default=None,
         help="Directory of unlabelled deployment images (recursive; jpg/png/webp/bmp). "
         "Default: built-in photos from scikit-image.",
@@ -124,7 +177,7 @@ model_source_options = options(
     ),
     click.option(
         "--checkpoint",
-        type=click.Path(path_type=Path),
+        type=PATH,
         default=None,
         help="Local weights: .safetensors, or .pth/.pt state dict (loaded with weights_only=True).",
     ),
@@ -171,32 +224,12 @@ def parse_model_args(pairs: tuple[str, ...]) -> dict:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise CorpError(f"--model-arg expects KEY=VALUE, got {pair!r}")
+            raise BadUsage(f"--model-arg expects KEY=VALUE, got {pair!r}")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
             out[key] = raw
     return out
-
-
-def parse_sizes(text: str, option: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise CorpError(f"{option} takes comma-separated positive integers (e.g. 1,8,32); got {text!r}")
-    return sizes
-
-
-def parse_values(text: str, option: str, example: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values:
-        raise CorpError(f"{option} takes comma-separated numbers (e.g. {example}); got {text!r}")
-    return values
 
 
 #: What is timed, where, and for how long (bench, sweep).
@@ -207,7 +240,9 @@ timing_options = options(
         show_default=True,
         help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines).",
     ),
-    click.option("--batch", "batches", default="1,8,32", show_default=True, help="Batch sizes to time."),
+    click.option(
+        "--batch", "batches", type=BatchSizes(), default="1,8,32", show_default=True, help="Batch sizes to time."
+    ),
     click.option(
         "--threads", type=THREADS, default=None, help="CPU threads for PyTorch and ONNX Runtime. [default: PyTorch's]"
     ),
@@ -224,7 +259,7 @@ timing_options = options(
 evaluation_options = options(
     click.option(
         "--data",
-        type=click.Path(path_type=Path),
+        type=PATH,
         default=None,
         help="Held-out images for fidelity (kept out of calibration); a class_index.json makes it "
         "labelled (ImageFolder layout, see docs/bench.md). [default: 5 bundled photos kept out of "

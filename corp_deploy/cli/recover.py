@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
-from rich.console import Console
 
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, warn
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, results_output, warn
 from .group import cli
-from .options import IMAGE_COUNT, recovery_options
+from .options import IMAGE_COUNT, PATH, recovery_options
 
 
 @cli.command()
-@click.argument("artifact", type=click.Path(path_type=Path), required=False)
+@click.argument("artifact", type=PATH, required=False)
 @recovery_options
 @click.option(
     "--calib",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Directory of unlabelled images. [default: those the artifact was calibrated on]",
 )
@@ -29,7 +27,7 @@ from .options import IMAGE_COUNT, recovery_options
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="The recovered artifact. [default: ./corp-deploy/<artifact name>-rec<STEPS>]",
 )
@@ -79,7 +77,8 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     for message in result.calibration_warnings():
         warn(message)
     warn(record_latest(result.path))
-    Console().print(recovery_table(result.report["recovery"], result.path))
+    with results_output() as console:
+        console.print(recovery_table(result.report["recovery"], result.path))
 
 
 #: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 
 import click
 
 from ..config import CompressConfig
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, warn_builtin_calibration
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, results_output, warn_builtin_calibration
 from .group import cli
-from .options import (
-    evaluation_options,
-    model_source_options,
-    parse_sizes,
-    parse_values,
-    recovery_options,
-    timing_options,
-)
+from .options import PATH, Numbers, evaluation_options, model_source_options, recovery_options, timing_options
 
+#: The sparsities of a sweep given neither --s nor --macs.
+DEFAULT_SPARSITIES = (0.1, 0.3, 0.5, 0.7)
 #: Under torchrun, how long the other processes wait while the first exports and times one point.
 FIRST_RANK_WAIT = timedelta(hours=24)
 
@@ -28,6 +22,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "--s",
     "sparsities",
+    type=Numbers("0.1,0.3,0.5"),
     default=None,
     help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
     "0.1,0.3,0.5,0.7 without --macs]",
@@ -35,6 +30,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "--macs",
     "budgets",
+    type=Numbers("0.8,0.6,0.4"),
     default=None,
     help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
     "sparsities; methods corp and uncompensated.",
@@ -52,7 +48,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=None,
     help="Sweep directory. [default: ./corp-deploy/sweep-<model>[-<target>]]",
 )
@@ -108,10 +104,8 @@ def sweep(
     if sparsities is not None and budgets is not None:
         raise click.UsageError("--s and --macs exclude each other: a sweep runs sparsities or budgets")
     spec = SweepSpec(
-        sparsities=()
-        if budgets is not None
-        else parse_values("0.1,0.3,0.5,0.7" if sparsities is None else sparsities, "--s", "0.1,0.3,0.5"),
-        budgets=parse_values(budgets, "--macs", "0.8,0.6,0.4") if budgets is not None else (),
+        sparsities=() if budgets is not None else sparsities or DEFAULT_SPARSITIES,
+        budgets=budgets or (),
         target=target,
         methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
         calib=input_dir(calib, "--calib"),
@@ -121,7 +115,7 @@ def sweep(
         seed=seed,
         bench=BenchSettings(
             backends=parse_families(backends),
-            batches=parse_sizes(batches, "--batch"),
+            batches=batches,
             threads=threads,
             min_time=min_time,
         ),
@@ -143,5 +137,6 @@ def sweep(
     finally:
         distributed.shutdown()
     if result is not None:
-        click.echo((out_dir / "sweep.md").read_text())
+        with results_output():
+            click.echo((out_dir / "sweep.md").read_text())
         click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)

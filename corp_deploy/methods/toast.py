@@ -22,7 +22,7 @@ from torch import nn
 from .. import channels
 from ..blocks import block_forward
 from ..dims import kept_count
-from ..errors import CorpError, SettingError
+from ..errors import CorpError, SettingError, check_setting_types
 from ..families import blocks_of, is_plain_attention, token_groups
 from ..layers import PrunedAttention, block_dims, head_dims
 from ..models import uses_class_token
@@ -40,6 +40,7 @@ class ToastOptions(MethodOptions):
     token_fraction: float = option(0.1, "fraction of patch tokens per image sampled for FFN channel importance.")
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         if not 0.0 < self.token_fraction <= 1.0:
             raise SettingError(f"{{setting}} must be in (0, 1], got {self.token_fraction!r}", "token_fraction")
 

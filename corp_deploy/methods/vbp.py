@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import channels, distributed
 from ..blocks import block_forward
-from ..errors import SettingError
+from ..errors import SettingError, check_setting_types
 from ..families import blocks_of
 from ..layers import block_dims
 from .base import BlockRun, Method, MethodOptions, option
@@ -34,6 +34,7 @@ class VbpOptions(MethodOptions):
     layer_floor: float = option(0.1, "fraction of every MLP's channels always kept.")
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         if not 0.0 <= self.layer_floor <= 1.0:
             raise SettingError(f"{{setting}} must be in [0, 1], got {self.layer_floor!r}", "layer_floor")
 

@@ -29,6 +29,8 @@ def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tupl
     shapes = unit_shapes(model, run.cache.tokens, config.parts)
     prunable = sum(total * per_dim for total, per_dim in shapes)
     check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, options.unit_floor)  # before the work
+    if budget_macs >= dense_macs:
+        return _whole_model(model, run, config, dense_macs, budget_macs)
     with run.timer("budget_curves"):
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
     kept = allocate(
@@ -65,6 +67,33 @@ def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tupl
             for c, k in zip(curves, kept)
         ],
     }
+    return sizes, report
+
+
+def _whole_model(
+    model: nn.Module, run: BlockRun, config: CompressConfig, dense_macs: int, budget_macs: int
+) -> tuple[list[BlockSizes], dict]:
+    """:func:`plan_budget`'s answer, at once, for a budget that the dense model fits (``--macs 1``,
+    ``--speedup 1``): every unit keeps all its dims, with no error; no curve is measured."""
+    blocks = blocks_of(model)
+    for _ in blocks:
+        run.block_done()  # the measuring pass, skipped
+    full = [(i, part, part.total(block)) for i, block in enumerate(blocks) for part in config.pruned_parts]
+    report = {
+        "macs_fraction": config.options.macs_fraction,
+        "dense_macs": dense_macs,
+        "budget_macs": budget_macs,
+        "planned_macs": dense_macs,
+        "distortion": config.options.distortion,
+        "units": [
+            {"block": i, "part": part.name, "total": total, "kept": total, "error": 0.0, "distortion": 0.0}
+            for i, part, total in full
+        ],
+    }
+    sizes = [
+        BlockSizes(**{field: part.total(block) for part in config.pruned_parts for field in part.size_fields})
+        for block in blocks
+    ]
     return sizes, report
 
 

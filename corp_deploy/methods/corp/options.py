@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ... import channels
-from ...errors import SettingError, check_choice
+from ...errors import SettingError, check_choice, check_setting_types
 from ..base import MethodOptions, option
 from .refit import REFIT_LAYERS
 
@@ -103,6 +103,7 @@ class CorpOptions(MethodOptions):
     refit_shrink: float = option(1.0, "the refit's ridge alpha, shrinking toward CORP's solution.")
 
     def __post_init__(self) -> None:
+        check_setting_types(self)
         self._check_budget()
         if self.ranker is None:
             object.__setattr__(self, "ranker", BUDGET_RANKER if self.has_budget else UNIFORM_RANKER)
@@ -129,13 +130,11 @@ class CorpOptions(MethodOptions):
     def _check_budget(self) -> None:
         if self.macs is not None and self.speedup is not None:
             raise SettingError("give the budget as {setting} or as {setting}, not both", "macs", "speedup")
-        if self.macs is not None and not (isinstance(self.macs, (int, float)) and 0.0 < self.macs <= 1.0):
+        if self.macs is not None and not 0.0 < self.macs <= 1.0:
             raise SettingError(
                 f"the MAC budget {{setting}} must be a fraction of the dense MACs in (0, 1], got {self.macs!r}", "macs"
             )
-        if self.speedup is not None and not (
-            isinstance(self.speedup, (int, float)) and self.speedup >= 1.0 and math.isfinite(self.speedup)
-        ):
+        if self.speedup is not None and not (self.speedup >= 1.0 and math.isfinite(self.speedup)):
             raise SettingError(
                 f"the speedup budget {{setting}} must be a finite number >= 1, got {self.speedup!r}", "speedup"
             )
