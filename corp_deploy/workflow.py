@@ -16,11 +16,12 @@ from typing import Any
 from torch import nn
 
 from . import distributed
-from .artifact import base_model_spec, load_base_model, read_config, save_artifact
+from .artifact import WEIGHTS_FILE, base_model_spec, load_base_model, read_config, save_artifact
 from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
 from .engine import compress
 from .errors import CorpError, check_instance
+from .outputs import verify_files
 from .recovery import RecoveryConfig
 from .resources import check_fits, compress_bytes
 
@@ -149,6 +150,7 @@ def recover_artifact(
     if calibration is not None:
         check_instance("calibration", calibration, CalibrationSpec)
     config = read_config(artifact)
+    verify_files(artifact, "artifact", [WEIGHTS_FILE])  # not read, but a damaged artifact is not recovered
     settings = config["settings"]
     if settings.get("recover_steps"):
         raise CorpError(

@@ -294,3 +294,13 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
     assert result.exit_code == 2 and "recovers nothing" in text
     result, text = run_cli(["export", tmp_path / "r", "-o", tmp_path / "x"], state)
     assert result.exit_code == 0, text
+
+
+def test_recover_refuses_an_artifact_whose_weights_are_damaged(tiny_artifact_copy, tmp_path, run_cli):
+    """recover does not read the artifact's weights (it compresses again), but it checks them against
+    the record like every command: a damaged artifact is refused, nothing written."""
+    weights = tiny_artifact_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result, text = run_cli(["recover", tiny_artifact_copy, "-o", tmp_path / "rec"], tmp_path / "state")
+    assert result.exit_code == 1 and "does not match" in text and "Traceback" not in text, text
+    assert not (tmp_path / "rec").exists()
