@@ -68,7 +68,7 @@ class RecoveryConfig:
         batch_size: images per step (under torch.distributed: in all, split over the processes).
         weight_decay: AdamW's decoupled weight decay.
         warmup: the fraction of the steps over which the learning rate rises linearly from 0.
-        validation: the fraction of the images held out for validation (at least one image).
+        validation: the fraction of the sources held out for validation (at least one, at most half).
         eval_every: steps between two validation measurements.
         patience: measurements in a row without improvement after which recovery stops.
         crop_scale: the smallest area of a random resized crop, as a fraction of the image.
@@ -124,7 +124,7 @@ class RecoveryConfig:
             "lr": (0.0, 1.0, False),
             "weight_decay": (0.0, 10.0, True),
             "warmup": (0.0, 1.0, True),
-            "validation": (0.0, 1.0, False),
+            "validation": (0.0, 0.5, False),  # at least half the sources train
             "crop_scale": (0.0, 1.0, False),
             "color": (0.0, 1.0, True),
             "mix": (0.0, 1.0, True),
