@@ -72,12 +72,12 @@ BACKENDS: dict[str, tuple[str, MakeRunner]] = {
 
 
 def parse_families(text: str) -> tuple[str, ...]:
-    """``"torch,ort,trt"`` -> the families, validated."""
-    families = tuple(f.strip() for f in text.split(",") if f.strip())
+    """``"torch,ort,trt"`` -> the families, validated: each known, each once, no empty item."""
+    families = tuple(f.strip() for f in text.split(","))
     unknown = [f for f in families if f not in FAMILIES]
-    if not families or unknown:
+    if unknown or len(set(families)) < len(families):
         raise SettingError(
-            f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}; got {text!r}", "backends"
+            f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}, each once; got {text!r}", "backends"
         )
     return families
 

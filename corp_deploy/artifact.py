@@ -19,11 +19,11 @@ from torch import nn
 
 from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
-from .errors import CorpError, first_line
+from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, create_base_model, state_mismatch
+from .models import base_skeleton, check_finite, create_base_model, state_mismatch
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
@@ -208,8 +208,11 @@ def recorded_checksums(path: str | Path) -> dict[str, str] | None:
 
 def load_compressed(path: str | Path) -> nn.Module:
     """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
-    weights file must match the artifact's record."""
+    weights file must match the artifact's record, and its weights must be finite."""
     from safetensors.torch import load_file
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadUsage(f"path must be a str or a pathlib.Path, not {type(path).__name__}")
 
     config = read_config(path)
     verify_files(path, "artifact", [WEIGHTS_FILE])
@@ -227,6 +230,7 @@ def load_compressed(path: str | Path) -> nn.Module:
     if problem is not None:
         raise CorpError(f"the weights of {path} do not match its {CONFIG_FILE}: {problem}")
     model.load_state_dict(state, strict=True)
+    check_finite(model, f"the weights of {path}", "no export or measurement of them could mean anything")
     return model.eval()
 
 

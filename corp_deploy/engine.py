@@ -38,7 +38,7 @@ from .calibration import model_transform
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
-from .errors import CorpError, SettingError, check_instance
+from .errors import CorpError, SettingError, check_instance, first_line
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
@@ -177,6 +177,19 @@ def _refuse_pruning_nothing(config: CompressConfig, part: Part, sparsity: float,
     )
 
 
+def _embedded(model: nn.Module, images: torch.Tensor):
+    """:func:`embed_tokens` of one calibration batch; CorpError when the model cannot take images
+    of its shape (channels or size other than the model's)."""
+    try:
+        return embed_tokens(model, images)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise CorpError(
+            f"the model cannot take calibration images of shape {tuple(images.shape[1:])}: {first_line(exc)}"
+        ) from None
+
+
 def _embed_all(
     model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device, on_batch: Callable[[int], None]
 ) -> tuple[BoundaryCache, int]:
@@ -189,6 +202,10 @@ def _embed_all(
     for index, images in enumerate(batches):
         if not isinstance(images, torch.Tensor) or images.ndim != 4:
             raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
+        if not images.is_floating_point():
+            raise CorpError(
+                f"calibration batches must be preprocessed (normalised, floating-point) images; got {images.dtype}"
+            )
         if not torch.isfinite(images).all():
             raise CorpError("calibration batch contains NaN or infinite values")
         if cache.input_size and tuple(images.shape[1:]) != cache.input_size:
@@ -197,7 +214,7 @@ def _embed_all(
             )
         cache.input_size = tuple(images.shape[1:])
         if index % distributed.world_size() == distributed.rank():
-            cache.batches.append(embed_tokens(model, images.to(device, torch.float32)))
+            cache.batches.append(_embedded(model, images.to(device, torch.float32)))
             cache.offsets.append(seen)
             n += images.shape[0]
         seen += images.shape[0]

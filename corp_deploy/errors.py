@@ -1,6 +1,7 @@
 """The exception types that carry a user-facing message, and the checks of settings' values."""
 
 import dataclasses
+import numbers
 import typing
 
 
@@ -85,6 +86,8 @@ def check_setting_types(settings: object, setting: typing.Callable[[str], str] =
             raise SettingError(
                 f"{SETTING} must be {' or '.join(expected)}, got {described(value)}", setting(field.name)
             )
+        if isinstance(value, numbers.Number) and type(value) not in (int, float, bool):  # NumPy's, as Python's
+            object.__setattr__(settings, field.name, int(value) if _is(value, int) else float(value))
 
 
 #: What each checked type is called in messages.
@@ -92,10 +95,11 @@ _TYPE_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "tru
 
 
 def _is(value: object, kind: type) -> bool:
+    """Whether ``value`` is of ``kind``; NumPy's numbers count as numbers, a bool never does."""
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 

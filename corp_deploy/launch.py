@@ -1,12 +1,15 @@
 """The ``corp-deploy`` entry point: interrupts and what reaches the terminal, set up before the
 heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cleanly.
 
-Every signal that ends a terminal job (:data:`INTERRUPTS`: SIGINT from Ctrl-C, SIGTERM from
-``kill`` or a job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\\)
-raises :class:`Interrupted` in the main thread, so every ``with`` block on the way out removes what
-it was writing (:mod:`corp_deploy.outputs`); the command then exits with 128 + the signal's number
-(130, 143, 129, 131) and one line: an output being written was either completed or removed. Only
-SIGKILL, which no process can catch, can leave a staging folder behind. Library
+Every signal that ends a process by default and is sent from outside, not raised by a fault of the
+process itself such as SIGSEGV (:data:`INTERRUPTS`: SIGINT from Ctrl-C, SIGTERM from ``kill`` or a
+job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\\, the timers and
+user signals other tools send, SIGXCPU and SIGXFSZ at resource limits) raises :class:`Interrupted`
+in the main thread, so every ``with`` block on the way out removes what it was writing
+(:mod:`corp_deploy.outputs`); the command then exits with 128 + the signal's number (130, 143, 129,
+131, ...) and one line: an output being written was either completed or removed. Only SIGKILL, which
+no process can catch, can leave a staging folder behind (SIGPIPE is ignored by Python: a closed pipe
+is an error of the write, handled as such). Library
 warnings and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
 """
 
@@ -23,7 +26,19 @@ OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
 
 
 #: The signals that end a run cleanly, each with exit status 128 + its number.
-INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+INTERRUPTS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGVTALRM,
+    signal.SIGPROF,
+    signal.SIGXCPU,
+    signal.SIGXFSZ,
+)
 
 
 class Interrupted(BaseException):

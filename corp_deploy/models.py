@@ -166,11 +166,11 @@ def _given(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no --model-arg"
 
 
-def check_finite(model: nn.Module, what: str) -> None:
+def check_finite(model: nn.Module, what: str, consequence: str = "these weights cannot be compressed") -> None:
     """CorpError naming the first parameter or buffer of ``model`` that holds NaN or infinity."""
     for key, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CorpError(f"{what}: {key} holds NaN or infinite values; these weights cannot be compressed")
+            raise CorpError(f"{what}: {key} holds NaN or infinite values; {consequence}")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

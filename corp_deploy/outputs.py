@@ -112,6 +112,12 @@ def noting_completed() -> Iterator[list[Path]]:
         _COMPLETED.pop()
 
 
+def in_place(completed: list[Path]) -> list[Path]:
+    """The outputs of ``completed`` (:func:`noting_completed`) still in place: not one completed
+    inside another output's staging folder that was removed since (a sweep's artifacts)."""
+    return [path for path in completed if path.exists()]
+
+
 def mark_complete(path: str | Path) -> None:
     """Note that the output ``path`` is in place and complete (see :func:`noting_completed`)."""
     if _COMPLETED:

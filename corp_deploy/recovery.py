@@ -44,7 +44,7 @@ from torch import nn
 
 from . import distributed
 from .calibration import load_rgb, model_transform
-from .errors import CorpError, SettingError, check_setting_types
+from .errors import CorpError, SettingError, check_instance, check_setting_types
 from .families import blocks_of
 from .methods.base import option
 
@@ -470,6 +470,7 @@ def recover(
     ``on_measure(step, student)``, if given, is called at each validation measurement (step 0
     included) with the student holding the weights measured, the blended ones (for studies and
     logging; it must not train)."""
+    check_instance("config", config, RecoveryConfig)
     check_teacher(student, teacher)
     world = distributed.world_size()
     if config.batch_size % world:

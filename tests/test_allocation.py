@@ -88,6 +88,10 @@ def test_a_budget_below_the_floors_is_refused():
     with pytest.raises(CorpError, match="below what the floors allow"):
         allocate(units, 50, 50 + 2 * 10 * 2 - 1, floor=0.2)
     assert allocate(units, 50, 50 + 2 * 10 * 2, floor=0.2) == [2, 2]
+    with pytest.raises(CorpError, match=r"floor \(4 dims\) .*; raise the budget or lower round_to"):
+        allocate(units, 50, 50 + 2 * 4 * 2 - 1, round_to=4)
+    with pytest.raises(CorpError, match=r"floor \(1 dim\) .* GMACs; raise the budget$"):
+        allocate(units, 50, 50 + 2 * 1 * 2 - 1)
 
 
 @pytest.fixture

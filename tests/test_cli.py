@@ -154,7 +154,7 @@ def bad_inputs(tmp_path):
         ([*base, "--s-attn", "-0.2"], "must be in [0, 1)"),
         ([*base, "--ridge", "-1"], "ridge"),
         ([*base, "--round-to", "0"], "'--round-to': 0 is not in the range x>=1"),
-        ([*base, "--calib-samples", "0"], "'--calib-samples': 0 is not in the range 1<=x<=10000000"),
+        ([*base[:-2], "--calib-samples", "0"], "'--calib-samples': 0 is not in the range 1<=x<=10000000"),
         ([*base, "--calib", str(empty)], "no images"),
         ([*base, "--calib", str(tmp_path / "missing")], "not found"),
         ([*base, "--calib", str(unreadable)], "could be read"),
@@ -190,7 +190,8 @@ def test_bad_inputs_give_one_message_and_leave_nothing(tmp_path, monkeypatch):
         (["--macs", "0.6", "--speedup", "2"], "as --macs or as --speedup, not both", 2),
         (["--macs", "0.6", "--s", "0.5"], "exclude each other", 2),
         (["--speedup", "2", "--s-vo", "0.5"], "exclude each other", 2),
-        (["--macs", "0.02"], "below what the floors allow", 2),
+        (["--macs", "0.02"], "its floor (10% of its dims, at least 1 dim) the model still needs", 2),
+        (["--macs", "0.5", "--unit-floor", "1"], "(100% of its dims, at least 1 dim) the model still", 2),
         (["--macs", "0.5", "--unit-floor", "1.5"], "--unit-floor must be in [0, 1]", 2),
         (["--macs", "0.6", "--method", "vbp"], "--macs applies to --method corp only", 2),
         (

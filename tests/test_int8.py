@@ -558,9 +558,9 @@ def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_pat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--int8-calibration", "entropy"], "apply only with --precision int8"),
-        (["--int8-keep-float", 2], "apply only with --precision int8"),
-        (["--int8-smoothing", "none"], "apply only with --precision int8"),
+        (["--int8-calibration", "entropy"], "--int8-calibration applies only with --precision int8"),
+        (["--int8-keep-float", 2], "--int8-keep-float applies only with --precision int8"),
+        (["--int8-smoothing", "none"], "--int8-smoothing applies only with --precision int8"),
         (["--precision", "int8", "--int8-smoothing", 1.5], "expected 'none' or a number from 0 to 1"),
         (["--precision", "int8", "--int8-smoothing", "nan"], "expected 'none' or a number from 0 to 1"),
         (["--precision", "int8", "--int8-keep-float", -1], "Invalid value for '--int8-keep-float'"),
@@ -569,8 +569,8 @@ def test_smoothing_makes_the_dense_real_dinov2_pass_the_gate_all_in_int8(tmp_pat
         (["--precision", "int8", "--calib", "/nonexistent/dir"], "--calib /nonexistent/dir: not found"),
         (["--precision", "int8", "--int8-calibration", "mse"], "Invalid value for '--int8-calibration'"),
         (["--precision", "int4"], "Invalid value for '--precision'"),
-        (["--int8-activations", "uint8"], "apply only with --precision int8"),
-        (["--int8-smoothing", 0.5, "--int8-activations", "int8"], "apply only with --precision int8"),  # defaults too
+        (["--int8-activations", "uint8"], "--int8-activations applies only with --precision int8"),
+        (["--int8-smoothing", 0.5, "--int8-activations", "int8"], "--int8-activations apply only with"),  # defaults too
         (["--precision", "int8", "--int8-activations", "uint8", "--trt"], "TensorRT needs signed int8 activations"),
         (["--precision", "int8", "--int8-activations", "int4"], "Invalid value for '--int8-activations'"),
     ],

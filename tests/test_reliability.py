@@ -57,6 +57,29 @@ def invoke(args, state: Path):
     return result.exit_code, result.output, result.exception
 
 
+def setting(args: list, option: str, value, aliases: tuple[str, ...] = ()) -> list:
+    """``args`` with ``option`` (or one of its ``aliases``, e.g. ``-o`` for ``--output``) set to
+    ``value``: replaced where ``args`` give it, else appended (the CLI refuses an option of one
+    value given twice)."""
+    for i, arg in enumerate(args):
+        if arg == option or arg in aliases:
+            return [*args[:i], option, value, *args[i + 2 :]]
+    return [*args, option, value]
+
+
+def model_arg(args: list, pair: str) -> list:
+    """``args`` with ``--model-arg KEY=VALUE`` replacing the one of that key (each key once, as the CLI
+    requires)."""
+    key, out, tokens = pair.partition("=")[0] + "=", [], iter(args)
+    for arg in tokens:
+        value = next(tokens) if arg == "--model-arg" else None
+        if value is None:
+            out.append(arg)
+        elif not value.startswith(key):
+            out += [arg, value]
+    return [*out, "--model-arg", pair]
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every file and folder under ``root`` with its content hash (folders: ``dir``)."""
     out = {}
@@ -414,13 +437,13 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "--model-arg", "num_classes=-5", "-o", w / "o"], 1, "num_classes must not be negative"
     ),
     "compress-model-arg-negative-in-a-list": Refusal(
-        lambda w: [*BASE, "--model-arg", "img_size=[32,-32]", "-o", w / "o"], 1, "img_size must not be negative"
+        lambda w: [*model_arg(BASE, "img_size=[32,-32]"), "-o", w / "o"], 1, "img_size must not be negative"
     ),
     "compress-calib-empty-string": Refusal(lambda w: [*BASE, "--calib", "", "-o", w / "o"], 2, "an empty path"),
     "compress-o-empty-string": Refusal(lambda w: [*BASE, "-o", ""], 2, "an empty path"),
     "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2**70, "-o", w / "o"], 2, "--seed"),
     "compress-zero-calibration-samples": Refusal(
-        lambda w: [*BASE, "--calib-samples", 0, "-o", w / "o"], 2, "--calib-samples"
+        lambda w: [*setting(BASE, "--calib-samples", 0), "-o", w / "o"], 2, "--calib-samples"
     ),
     "compress-zero-batch-size": Refusal(lambda w: [*BASE, "--batch-size", 0, "-o", w / "o"], 2, "--batch-size"),
     "compress-budget-and-sparsity": Refusal(
@@ -487,15 +510,41 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "--checkpoint", _checkpoint(w, lambda s: s), "-o", w / "o"], 2, "exclude each other"
     ),
     "compress-model-arg-depth-0": Refusal(
-        lambda w: [*BASE, "--model-arg", "depth=0", "-o", w / "o"], 1, "no transformer blocks"
+        lambda w: [*model_arg(BASE, "depth=0"), "-o", w / "o"], 1, "no transformer blocks"
     ),
     "compress-model-arg-patch-larger-than-image": Refusal(
-        lambda w: [*BASE, "--model-arg", "patch_size=1000", "-o", w / "o"], 1, "patch grid is (0, 0)"
+        lambda w: [*model_arg(BASE, "patch_size=1000"), "-o", w / "o"], 1, "patch grid is (0, 0)"
     ),
     "compress-model-arg-timm-refuses": Refusal(
-        lambda w: [*BASE, "--model-arg", "embed_dim=50", "-o", w / "o"],
+        lambda w: [*model_arg(BASE, "embed_dim=50"), "-o", w / "o"],
         1,
         "timm cannot build deit_tiny_patch16_224 with",
+    ),
+    "compress-option-given-twice": Refusal(
+        lambda w: [*BASE, "--s=0.5", "--s", 0.7, "-o", w / "o"],
+        2,
+        "--s is given more than once (--s 0.5, then --s 0.7)",
+    ),
+    "compress-model-arg-key-given-twice": Refusal(
+        lambda w: [*BASE, "--model-arg", "depth=3", "-o", w / "o"], 2, "--model-arg depth is given more than once"
+    ),
+    "compress-model-arg-a-yes-no-word": Refusal(
+        lambda w: [*BASE, "--model-arg", "qkv_bias=no", "-o", w / "o"], 2, "write a yes/no value as true or false"
+    ),
+    "bench-backends-repeated": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"], 2, "subset of torch,ort,trt, each once"
+    ),
+    "bench-batch-empty-item": Refusal(
+        lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,,2")], 2, "takes comma-separated positive"
+    ),
+    "sweep-sparsity-trailing-comma": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--s", "0.5,", "-o", w / "o"], 2, "takes comma-separated numbers"
+    ),
+    "compress-flag-given-twice": Refusal(
+        lambda w: [*BASE, "--no-compensation", "--no-compensation", "-o", w / "o"], 2, "--no-compensation is given more"
+    ),
+    "bench-option-given-twice": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--batch", 2, "-o", w / "o"], 2, "--batch is given more than once"
     ),
     "compress-model-arg-malformed": Refusal(lambda w: [*BASE, "--model-arg", "depth", "-o", w / "o"], 2, "KEY=VALUE"),
     # compress: outputs
@@ -562,6 +611,9 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "-o", _killed_run_left(w / "art")],
         1,
         "is the working folder of a corp-deploy run that was killed or is still running",
+    ),
+    "recover-o-the-artifact-itself": Refusal(
+        lambda w: ["recover", w / "art", "-o", w / "art"], 1, "{w}/art is ARTIFACT itself, which this command reads"
     ),
     "recover-o-inside-another-artifact": Refusal(
         lambda w: ["recover", w / "art", "-o", w / "other" / "rec"], 1, "lies inside {w}/other, an output"
@@ -722,7 +774,9 @@ REFUSALS: dict[str, Refusal] = {
         "lies inside --calib",
     ),
     "export-int8-option-without-int8": Refusal(
-        lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"], 2, "apply only with --precision int8"
+        lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"],
+        2,
+        "--calib-samples applies only with --precision int8",
     ),
     "export-int8-recorded-calibration-gone": Refusal(
         lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"],
@@ -879,13 +933,13 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "bench-threads-too-many": Refusal(lambda w: ["bench", w / "art", *BENCH, "--threads", 10**20], 2, "--threads"),
     "bench-min-time-nan": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--min-time", "nan"], 2, "nan is not a finite number"
+        lambda w: ["bench", w / "art", *setting(BENCH, "--min-time", "nan")], 2, "nan is not a finite number"
     ),
     "bench-min-time-beyond-an-hour": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--min-time", 1e6], 2, "--min-time"
+        lambda w: ["bench", w / "art", *setting(BENCH, "--min-time", 1e6)], 2, "--min-time"
     ),
     "bench-repeated-batch-size": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--batch", "1,8,1"], 2, "gives batch size 1 more than once"
+        lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,8,1")], 2, "gives batch size 1 more than once"
     ),
     "bench-data-empty-string": Refusal(lambda w: ["bench", w / "art", *BENCH, "--data", ""], 2, "an empty path"),
     "export-artifact-empty-string": Refusal(lambda w: ["export", "", "-o", w / "o"], 2, "an empty path"),
@@ -970,7 +1024,9 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, "{oops")], 1, "cannot read"
     ),
     "bench-batch-that-cannot-fit": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--batch", 10**9], 1, "timing at batch 1000000000 needs at least"
+        lambda w: ["bench", w / "art", *setting(BENCH, "--batch", 10**9)],
+        1,
+        "timing at batch 1000000000 needs at least",
     ),
     # sweep
     "sweep-o-foreign-folder-with-sweep-json": Refusal(
@@ -1070,7 +1126,7 @@ def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command
     if isinstance(param, click.Argument):
         args[1] = value
     else:
-        args += [param.opts[-1], value]
+        args = setting(args, param.opts[-1], value, aliases=tuple(param.opts))
     before = snapshot(work)
     code, text, exception = invoke(args, work.parent / "state")
     named = param.human_readable_name if isinstance(param, click.Argument) else param.opts[-1]
@@ -1507,10 +1563,10 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     """A library caller's value of the wrong type is named as such (not as out of range, and never
     a TypeError from deep inside), and so is a dict given where a config class is expected."""
     from benchmarks.gate import GateLimits
-    from corp_deploy import CalibrationSpec, CompressConfig, compress, compress_to_artifact
+    from corp_deploy import CalibrationSpec, CompressConfig, compress, compress_to_artifact, load_compressed
     from corp_deploy.errors import BadUsage, SettingError
     from corp_deploy.methods import CorpOptions
-    from corp_deploy.recovery import RecoveryConfig
+    from corp_deploy.recovery import RecoveryConfig, recover
     from corp_deploy.workflow import recover_artifact
     from exporters.options import ExportOptions
     from exporters.parity import Tolerance
@@ -1537,6 +1593,9 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
             lambda: recover_artifact(tiny_artifact, {"steps": 10}, tmp_path / "o"),
             "recovery must be a RecoveryConfig, not dict",
         ),
+        (lambda: recover(model, model, [], {"steps": 2}), "config must be a RecoveryConfig, not dict"),
+        (lambda: load_compressed(None), "path must be a str or a pathlib.Path, not NoneType"),
+        (lambda: load_compressed(bytes(tiny_artifact)), "path must be a str or a pathlib.Path, not bytes"),
     ]
     for make, message in cases:
         with pytest.raises(BadUsage) as raised:
@@ -1546,6 +1605,26 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
         if isinstance(raised.value, SettingError):
             assert raised.value.settings  # the CLI names them as options
     assert not (tmp_path / "o").exists()
+    numpy_numbers = CompressConfig(sparsity=np.float32(0.5), round_to=np.int64(2))  # numbers, as Python's
+    assert (numpy_numbers.sparsity, numpy_numbers.round_to) == (0.5, 2) and type(numpy_numbers.round_to) is int
+
+
+def test_calibration_batches_the_model_cannot_take_are_named_as_such():
+    """Raw 8-bit images, another channel count or another image size: one CorpError naming the
+    batches, not a RuntimeError or AssertionError from inside the model."""
+    from corp_deploy import CompressConfig, compress
+    from corp_deploy.errors import CorpError
+
+    model, generator = build_small_vit(), torch.Generator().manual_seed(0)
+    cases = [
+        (torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator), "got torch.uint8"),
+        (torch.randn(2, 1, 32, 32, generator=generator), "cannot take calibration images of shape (1, 32, 32)"),
+        (torch.randn(2, 3, 64, 64, generator=generator), "cannot take calibration images of shape (3, 64, 64)"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(CorpError) as raised:
+            compress(model, [batch], CompressConfig(sparsity=0.5))
+        assert message in str(raised.value), str(raised.value)
 
 
 def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_bug(work, monkeypatch):
@@ -1623,7 +1702,7 @@ def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
     quadruples: the latency gate reports it, the speedup (timed interleaved, so slowed alike) and
     fidelity gates pass."""
     state = work.parent / "state"
-    bench = ["bench", work / "art", *BENCH, "--backends", "torch", "--threads", "1", "--min-time", "0.2"]
+    bench = ["bench", work / "art", *setting(BENCH, "--min-time", "0.2"), "--backends", "torch", "--threads", "1"]
     code, text, _ = invoke([*bench, "--json", work / "base.json"], state)
     assert code == 0, text
     with a_busy_neighbour(turns=3):
@@ -1855,6 +1934,30 @@ FAULTS = {
     "export-sigquit-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGQUIT", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
     ),
+    "export-sigusr1-while-exporting-onnx": Fault(
+        "exporters.pipeline", "export_onnx", 2, "SIGUSR1", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
+    "sweep-sigquit-once-its-first-artifact-is-complete": Fault(
+        "corp_deploy.outputs",
+        "mark_complete",
+        1,
+        "SIGQUIT",
+        lambda w: [
+            "sweep",
+            *BASE[1:],
+            "--s",
+            0.5,
+            "--batch",
+            1,
+            "--min-time",
+            0.01,
+            "--backends",
+            "torch",
+            "-o",
+            w / "sw",
+        ],
+        "sw",
+    ),
     "export-sigterm-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGTERM", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
     ),
@@ -1981,6 +2084,8 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     after = snapshot(work)
     if name.endswith("-after-the-output-is-complete"):  # the message says so, not "nothing partial"
         assert f"{work / 'art'} was written before it and is complete" in done.stderr, done.stderr
+    if name.startswith("sweep-"):  # the point's artifact went with the sweep's staging folder
+        assert "nothing partial was left behind" in done.stderr and not (work / "sw").exists(), done.stderr
     if name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
         # the swap is held together: the signal waits for it, so the new artifact is complete
         assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5

@@ -36,7 +36,8 @@ _BASELINE_OPTIONS = {
     "--output",
     type=PATH,
     default=None,
-    help="Write bench.json, bench.md and bench.png into this directory.",
+    help="Write bench.json, bench.md and bench.png into this directory (a report named by --json, "
+    "--markdown or --plot goes to that file instead).",
 )
 @click.option(
     "--baseline",

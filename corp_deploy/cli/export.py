@@ -183,7 +183,7 @@ def export(
     takes_int8 = record.options_class is Int8Options
     named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
     if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
-        raise BadUsage(f"{', '.join(named)} apply only with --precision int8")
+        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --precision int8")
     chosen = artifact is None
     if chosen:
         artifact = latest_artifact()

@@ -16,7 +16,7 @@ import click
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
 from ..launch import OWN_MODULES, Interrupted
-from ..outputs import noting_completed
+from ..outputs import in_place, noting_completed
 
 #: The exit status of a run whose output is complete when a later step failed.
 OUTPUT_COMPLETE = 5
@@ -56,26 +56,64 @@ def option_name(setting: str) -> str:
     return _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
 
 
+class _Command(click.Command):
+    """A command that refuses an option of one value given more than once (click would keep the
+    last one silently: ``--s 0.5 --s 0.7`` would compress at 0.7 with no word said)."""
+
+    def parse_args(self, ctx, args):
+        _refuse_repeated_options(self, args)
+        return super().parse_args(ctx, args)
+
+
+def _refuse_repeated_options(command: click.Command, args: list[str]) -> None:
+    """UsageError (exit 2) naming the first option of one value that ``args`` gives twice; the
+    names of a flag pair (``--x/--no-x``) count as one option."""
+    options = {
+        name: param
+        for param in command.params
+        if isinstance(param, click.Option) and not (param.multiple or param.count)
+        for name in (*param.opts, *param.secondary_opts)
+    }
+    given: dict[str, list[str]] = {}
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        name, has_value, value = token.partition("=")
+        param = options.get(name if token.startswith("--") else token)
+        if param is None:
+            continue
+        if not (param.is_flag or has_value):
+            value = next(tokens, "")
+        typed = given.setdefault(param.name, [])
+        typed.append(f"{name} {value}".strip() if not param.is_flag else name)
+        if len(typed) > 1:
+            raise click.UsageError(f"{name} is given more than once ({', then '.join(typed)}); give it once")
+
+
 class _Commands(click.Group):
     """The command group: a :class:`CorpError` becomes its message and exit status, a setting's
     name in it becomes its option, and running out of memory, a failing file system (no space,
     no permission) or a dependency missing from the installation becomes one message too. Other
     exceptions are bugs: one line says so (``CORP_DEPLOY_DEBUG=1`` shows the traceback)."""
 
+    command_class = _Command
+
     def parse_args(self, ctx, args):
         ctx.meta[COMMAND_LINE] = list(args)  # as typed, for commands that print a command to run again
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
-        with noting_completed() as done:
+        with noting_completed() as noted:
             try:
                 return super().invoke(ctx)
             except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise
             except Interrupted as exc:
-                exc.completed = tuple(done)  # the entry point says what was written before it
+                exc.completed = tuple(in_place(noted))  # the entry point says what was written before it
                 raise
             except Exception as exc:
+                done = in_place(noted)
                 message, exit_code = _failure(exc, completed=bool(done))
         if done:
             raise _click_error(

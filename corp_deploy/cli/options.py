@@ -15,7 +15,7 @@ from ..calibration import DEFAULT_IMAGES
 from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import TARGETS
-from ..recovery import SETTING_PREFIX, RecoveryConfig
+from ..recovery import MAX_STEPS, SETTING_PREFIX, RecoveryConfig
 from .group import option_name
 
 #: The largest seed every random generator used here accepts.
@@ -51,7 +51,7 @@ class BatchSizes(click.ParamType):
         if isinstance(value, tuple):
             return value
         try:
-            sizes = tuple(int(v) for v in value.split(",") if v.strip())
+            sizes = tuple(int(v) for v in value.split(","))
         except ValueError:
             sizes = ()
         if not sizes or min(sizes) < 1:
@@ -74,8 +74,8 @@ class Numbers(click.ParamType):
         if isinstance(value, tuple):
             return value
         try:
-            values = tuple(float(v) for v in value.split(",") if v.strip())
-        except ValueError:
+            values = tuple(float(v) for v in value.split(","))
+        except ValueError:  # also an empty item: "0.5," or "0.1,,0.5"
             values = ()
         if not values:
             self.fail(f"takes comma-separated numbers (e.g. {self.example}); got {value!r}", param, ctx)
@@ -134,11 +134,24 @@ def method_options(func):
     return func
 
 
-def recovery_options(func):
+def recovery_options(func=None, *, steps: int | None = None):
     """The recovery's command-line settings (:class:`corp_deploy.recovery.RecoveryConfig` fields
-    made with ``option``) as ``--recover-<name>`` options."""
+    made with ``option``) as ``--recover-<name>`` options. ``steps``: the default number of steps of
+    a command that always recovers (``recover``; 0, off, is then refused), instead of the field's 0."""
+    if func is None:
+        return lambda func: recovery_options(func, steps=steps)
     for field in reversed(dataclasses.fields(RecoveryConfig)):
-        if "help" in field.metadata:
+        if "help" not in field.metadata:
+            continue
+        if field.name == "steps" and steps is not None:
+            func = click.option(
+                option_name(SETTING_PREFIX + field.name),
+                type=click.IntRange(1, MAX_STEPS),
+                default=steps,
+                show_default=True,
+                help="Distillation steps (recovery stops earlier when its validation images stop improving).",
+            )(func)
+        else:
             func = _field_option(field, "", SETTING_PREFIX)(func)
     return func
 
@@ -219,17 +232,30 @@ def keep_float_count(ctx, param, value: str) -> int | str:
 
 
 def parse_model_args(pairs: tuple[str, ...]) -> dict:
-    """``KEY=VALUE`` strings to a dict; values are parsed as JSON when they can be."""
+    """``KEY=VALUE`` strings to a dict; values are parsed as JSON when they can be (``true``,
+    ``3``, ``[32, 48]``), Python's ``True``/``False``/``None`` too. BadUsage for a key given twice
+    and for a yes/no word that is not JSON (``no``: timm would read the string as true)."""
     out = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise BadUsage(f"--model-arg expects KEY=VALUE, got {pair!r}")
+        if key in out:
+            raise BadUsage(f"--model-arg {key} is given more than once; give it once")
         try:
-            out[key] = json.loads(raw)
+            out[key] = json.loads(_PYTHON_LITERALS.get(raw, raw))
         except json.JSONDecodeError:
+            if raw.lower() in _TRUTH_WORDS:
+                raise BadUsage(
+                    f"--model-arg {pair}: write a yes/no value as true or false ({raw!r} would reach timm "
+                    "as a string, which counts as true)"
+                ) from None
             out[key] = raw
     return out
+
+
+_PYTHON_LITERALS = {"True": "true", "False": "false", "None": "null"}
+_TRUTH_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false", "t", "f"}
 
 
 #: What is timed, where, and for how long (bench, sweep).

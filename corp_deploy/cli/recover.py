@@ -6,14 +6,18 @@ import sys
 
 import click
 
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, given_on_command_line, input_dir, results_output, warn
+from .common import DEFAULT_OUTPUT_ROOT, check_apart, input_dir, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, recovery_options
+
+#: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU
+#: about 9 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
+DEFAULT_STEPS = 100
 
 
 @cli.command()
 @click.argument("artifact", type=PATH, required=False)
-@recovery_options
+@recovery_options(steps=DEFAULT_STEPS)
 @click.option(
     "--calib",
     type=PATH,
@@ -53,10 +57,6 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     from ..recovery import RecoveryConfig, recovery_table
     from ..workflow import recover_artifact
 
-    if not given_on_command_line("recover_steps"):
-        recovery_settings["recover_steps"] = DEFAULT_STEPS
-    elif recovery_settings["recover_steps"] == 0:
-        raise click.UsageError("--recover-steps 0 recovers nothing; give a number of steps, or leave it out")
     recovery = RecoveryConfig.from_settings(recovery_settings)
     artifact = input_dir(artifact, "ARTIFACT") if artifact is not None else latest_artifact()
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.name}-rec{recovery.steps}", "artifact")
@@ -79,8 +79,3 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     warn(record_latest(result.path))
     with results_output() as console:
         console.print(recovery_table(result.report["recovery"], result.path))
-
-
-#: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU
-#: about 9 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
-DEFAULT_STEPS = 100

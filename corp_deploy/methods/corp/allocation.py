@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import SettingError
+from ...errors import BadUsage, SettingError
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,22 @@ def check_feasible(
     unit's ``(total, macs_per_dim)``."""
     lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
     if lowest > budget_macs:
-        raise SettingError(
-            f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with "
-            f"every unit at its floor ({floor:g} of its dims) the model still needs "
-            f"{lowest / 1e9:.4g} GMACs; raise the budget or lower {{setting}}",
-            "unit_floor",
+        needs = (
+            f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with every unit "
+            f"at its floor ({floor_text(floor, round_to)}) the model still needs {lowest / 1e9:.4g} GMACs; "
+            "raise the budget"
         )
+        if floor > 0:
+            raise SettingError(f"{needs} or lower {{setting}}", "unit_floor")
+        if round_to > 1:
+            raise SettingError(f"{needs} or lower {{setting}}", "round_to")
+        raise BadUsage(needs)
+
+
+def floor_text(floor: float, round_to: int) -> str:
+    """The smallest size a unit may keep, in words: ``floor`` of its dims, and at least one ``round_to`` step."""
+    step = f"{round_to} dim{'s' if round_to > 1 else ''}"
+    return f"{floor:.0%} of its dims, at least {step}" if floor > 0 else step
 
 
 def allocate(
