@@ -293,6 +293,19 @@ def _killed_run_left(folder: Path) -> Path:
     return folder
 
 
+def _weights_with_nan(w: Path) -> Path:
+    """The artifact ``w/art`` with one weight NaN and its record rewritten to match (as a broken
+    training or hand edit would leave it, record and all)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = w / "art" / "model.safetensors"
+    state = load_file(str(weights))
+    state[next(key for key, tensor in state.items() if tensor.is_floating_point())].view(-1)[0] = float("nan")
+    save_file(state, str(weights))
+    write_record(w / "art", "artifact")
+    return w / "art"
+
+
 def _sparse_checkpoint(w: Path) -> Path:
     path = w / "sparse.pth"
     torch.save({k: v.to_sparse() if v.ndim == 2 else v for k, v in build_small_vit().state_dict().items()}, path)
@@ -635,6 +648,9 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["sweep", *BASE[1:], "--s", 0.5, "-o", w / "art" / "sweep"], 1, "lies inside {w}/art, an output"
     ),
     # export: the artifact read
+    "export-weights-holding-nan-with-a-matching-record": Refusal(
+        lambda w: ["export", _weights_with_nan(w), "-o", w / "o"], 1, "holds NaN or infinite values; no export"
+    ),
     "export-flipped-weight-byte": Refusal(
         lambda w: flip_byte(w / "art" / "model.safetensors") or ["export", w / "art", "-o", w / "o"],
         1,
