@@ -64,7 +64,9 @@ def eval_images(
         )
     root = existing_dir(data, "evaluation data directory")
     if not (root / CLASS_INDEX_FILE).is_file():
-        images = CalibrationImages.from_directory(root, transform, limit=limit, batch_size=batch_size, seed=seed)
+        images = CalibrationImages.from_directory(
+            root, transform, limit=limit, batch_size=batch_size, seed=seed, purpose="evaluation"
+        )
         description = {"source": "directory", "path": str(root), "labelled": False}
         return EvalImages(lambda: _described(images, description), description, False)
     mapping, samples = labelled_samples(root)

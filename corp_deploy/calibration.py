@@ -142,9 +142,12 @@ class ImageSpan:
     - ``within``: the mean over images and channels of the standard deviation over an image's
       pixels (an image of one colour: 0; the bundled photos: about 0.7);
     - ``constant``: how many images are of one colour (every channel constant).
+
+    ``purpose``: what the images are for, as messages name them ("calibration", "evaluation").
     """
 
-    def __init__(self) -> None:
+    def __init__(self, purpose: str = "calibration") -> None:
+        self.purpose = purpose
         self.images = self.constant = 0
         self._within = 0.0
         self._sum: torch.Tensor | None = None
@@ -185,35 +188,45 @@ class ImageSpan:
     def refusal(self) -> str | None:
         """Why these images cannot calibrate anything, or None: every image is of one colour, so
         every statistic over their patches is singular (no patch differs from another but by the
-        position embedding)."""
-        if self.images and self.constant == self.images:
+        position embedding). Images for another purpose are never refused (:meth:`warnings`)."""
+        if self.purpose == "calibration" and self.images and self.constant == self.images:
             return (
-                f"{'the one calibration image is' if self.images == 1 else f'all {self.images} calibration images are'}"
-                " of one colour (e.g. all black): no patch differs from another but by its position, so the "
-                "statistics calibration gathers over them are singular; calibrate on photos like those the "
-                "model will see"
+                f"{self._all()} of one colour (e.g. all black): no patch differs from another but by its "
+                "position, so the statistics calibration gathers over them are singular; calibrate on photos "
+                "like those the model will see"
             )
         return None
+
+    def _all(self) -> str:
+        return (
+            f"the one {self.purpose} image is" if self.images == 1 else f"all {self.images} {self.purpose} images are"
+        )
 
     def warnings(self) -> list[str]:
         """How little these images span, when it is little (:data:`LOW_SPAN`): images of one colour
         among them, images near-identical to each other, images with almost no detail."""
-        found, n = [], self.images
-        if 0 < self.constant < n:
+        found, n, purpose = [], self.images, self.purpose
+        if 0 < self.constant < n and purpose == "calibration":
             found.append(
                 f"{self.constant} of the {n} calibration images are of one colour (e.g. all black): they "
                 "add nothing but the position embeddings to the statistics"
             )
+        if 0 < self.constant and purpose != "calibration":
+            found.append(
+                f"{self._all() if self.constant == n else f'{self.constant} of the {n} {purpose} images are'} of "
+                "one colour (e.g. all black): what is measured on them says little about the images the model "
+                "will see"
+            )
         if n > 1 and self.across < LOW_SPAN:
             found.append(
-                f"the {n} calibration images are near-identical: they vary by {self.across:.2g} across "
-                f"images (per input value; the bundled photos: about 1), so the statistics describe one "
-                "image, not the images the model will see; calibrate on varied photos"
+                f"the {n} {purpose} images are near-identical: they vary by {self.across:.2g} across images "
+                "(per input value; the bundled photos: about 1), so they stand for one image, not the images "
+                "the model will see; use varied photos"
             )
         if self.constant < n and self.within < LOW_SPAN:
             found.append(
-                f"the calibration images have almost no detail: they vary by {self.within:.2g} within an "
-                "image (the bundled photos: about 0.7); calibrate on photos like those the model will see"
+                f"the {purpose} images have almost no detail: they vary by {self.within:.2g} within an image "
+                "(the bundled photos: about 0.7); use photos like those the model will see"
             )
         return found
 
@@ -242,6 +255,7 @@ class CalibrationImages:
         description: dict,
         limit: int,
         crop_seed: int | None = None,
+        purpose: str = "calibration",
     ) -> None:
         if batch_size < 1:
             raise SettingError(f"{{setting}} must be >= 1, got {batch_size}", "batch_size")
@@ -256,7 +270,7 @@ class CalibrationImages:
         self.used = 0
         self.skipped: list[str] = []
         self.image_sources: list[Path] = []
-        self.span = ImageSpan()
+        self.span = ImageSpan(purpose)
 
     @classmethod
     def from_directory(
@@ -267,6 +281,7 @@ class CalibrationImages:
         limit: int = DEFAULT_IMAGES,
         batch_size: int = DEFAULT_BATCH,
         seed: int = 0,
+        purpose: str = "calibration",
     ) -> CalibrationImages:
         paths = find_images(directory)
         if not paths:
@@ -278,6 +293,7 @@ class CalibrationImages:
             batch_size,
             {"source": "directory", "path": str(Path(directory).resolve()), "files_found": len(paths)},
             limit,
+            purpose=purpose,
         )
 
     @classmethod
@@ -321,7 +337,7 @@ class CalibrationImages:
         return cls.from_directory(directory, transform, limit=limit, batch_size=batch_size, seed=seed)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan()
+        self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan(self.span.purpose)
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
         for path in self._sources:

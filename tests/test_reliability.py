@@ -1153,6 +1153,16 @@ def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command
 # ---------------------------------------------------------------- accepted with a warning, or replaced
 
 
+def test_evaluation_images_of_one_colour_are_warned_about_not_refused_as_calibration(work):
+    """bench --data of black images: nothing is calibrated on them, so they are not refused for
+    singular calibration statistics; the warning names them as evaluation images."""
+    data = plain(work / "black", ((0, 0, 0),) * 2)
+    args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", data]
+    with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what is"):
+        code, text, exception = invoke(args, work.parent / "state")
+    assert code == 0 and exception is None and "calibration images" not in text, text
+
+
 def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
     """Also a dangling link and a FIFO named as images: counted, not left out unsaid (and the FIFO
     is never opened, which would wait forever)."""
