@@ -151,6 +151,31 @@ def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSet
         )
 
 
+#: What describes the evaluation images in a report (``fidelity.data``) and must be equal for a
+#: baseline's fidelity and int8 numbers to compare with this run's.
+_DATA_KEYS = ("source", "path", "photos", "labelled", "images")
+
+
+def check_same_data(baseline: BenchReport, path: str | Path, data: dict, limits: GateLimits) -> None:
+    """CorpError when the fidelity the baseline gates (``fidelity`` or ``int8`` among
+    ``limits.gates``) was measured on other evaluation images than this run's ``data``
+    (``fidelity.data``: another source, folder, photos, labelling or number of images); one
+    message names every difference. What the baseline does not record is not compared."""
+    old = baseline.fidelity.data if baseline.fidelity is not None else None
+    if not ({"fidelity", "int8"} & set(limits.gates)) or not old:
+        return
+    differences = [
+        f"{key} {old[key]!r} in the baseline, {data[key]!r} here"
+        for key in _DATA_KEYS
+        if key in old and key in data and old[key] != data[key]
+    ]
+    if differences:
+        raise CorpError(
+            f"baseline {path} measured fidelity on other images than this run ({'; '.join(differences)}); a "
+            "gate compares like with like: use the same --data and --data-samples, or gate speedup and latency only"
+        )
+
+
 def _millions(count: int) -> str:
     return f"{count / 1e6:.4g} M"
 

@@ -11,7 +11,7 @@ from corp_deploy import model_transform
 from corp_deploy.resources import check_fits, inference_bytes
 
 from .data import check_labels, eval_images
-from .gate import GateLimits, check_comparable, read_baseline, regressions
+from .gate import GateLimits, check_comparable, check_same_data, read_baseline, regressions
 from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
@@ -35,7 +35,8 @@ def bench_target(
     regressions found against ``limits`` and the ``baseline`` report. ``log`` says what is being
     done, ``warn`` what the user should know (evaluation images that overlap calibration,
     unreadable files). CorpError before any timing for a bad baseline (or one that measured other
-    things: :func:`~benchmarks.gate.check_comparable`), target or data."""
+    things: :func:`~benchmarks.gate.check_comparable`), target or data; after the run for a baseline
+    whose fidelity was measured on other images (:func:`~benchmarks.gate.check_same_data`)."""
     previous = read_baseline(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     log(
@@ -68,6 +69,8 @@ def bench_target(
         report.int8 = Int8Result(skipped=int8.skipped)
     elif int8.graphs:
         report.int8 = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
+    if previous is not None:
+        check_same_data(previous, baseline, report.fidelity.data if report.fidelity else {}, limits)
     found = regressions(report, limits, previous)
     report.gate = GateResult(str(baseline) if baseline else None, limits.to_dict(), not found, found)
     return report

@@ -292,7 +292,7 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
     assert result.exit_code == 1 and "already recovered" in text and not (tmp_path / "again").exists()
     result, text = run_cli(["recover", tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
     assert result.exit_code == 2 and "'--recover-steps': 0 is not in the range 1<=x<=1000000" in text
-    assert "[default: 100]" in run_cli(["recover", "--help"], state)[1]  # what it does with no --recover-steps
+    assert "[default: 100;" in run_cli(["recover", "--help"], state)[1]  # what it does with no --recover-steps
     result, text = run_cli(["export", tmp_path / "r", "-o", tmp_path / "x"], state)
     assert result.exit_code == 0, text
 

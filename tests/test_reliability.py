@@ -898,6 +898,17 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "compressed model precision fp16 in the baseline, fp32 here",
     ),
+    "bench-baseline-whose-fidelity-was-measured-on-other-images": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(w, lambda r: r["fidelity"].update(data={"source": "builtin", "images": 64})),
+        ],
+        1,
+        "measured fidelity on other images than this run (images 64 in the baseline, 2 here)",
+    ),
     "bench-baseline-of-other-batch-sizes-and-backends": Refusal(
         lambda w: [
             "bench",
