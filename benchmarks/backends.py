@@ -86,20 +86,28 @@ def open_runners(
     families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack, threads: int | None = None
 ) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
     """Runners ``{backend: {model name: runner}}`` for every backend of ``families`` that can
-    run all ``models``, and ``{backend: reason}`` for those that cannot (naming the model when
-    others opened on that backend: an export without ``dense.onnx``). The runners are closed
+    run all ``models``, and ``{backend: reason}`` for those that cannot (naming each model that
+    cannot, unless none can for the same reason: an export without ``dense.onnx`` names the dense
+    model). The runners are closed
     with ``stack``; those of a backend that cannot run every model, at once."""
     runners, skipped = {}, {}
     for name, (family, make) in BACKENDS.items():
         if family not in families:
             continue
-        group, opened = ExitStack(), {}
-        try:
-            for key, model in models.items():
+        group, opened, failed = ExitStack(), {}, {}
+        for key, model in models.items():
+            try:
                 opened[key] = group.enter_context(make(model, threads))
-        except BackendUnavailable as exc:
+            except BackendUnavailable as exc:
+                failed[key] = str(exc)
+        if failed:
             group.close()
-            skipped[name] = f"the {key} model: {exc}" if opened else str(exc)
+            shared = len(failed) == len(models) and len(set(failed.values())) == 1
+            skipped[name] = (
+                next(iter(failed.values()))
+                if shared
+                else "; ".join(f"the {key} model: {reason}" for key, reason in failed.items())
+            )
         else:
             stack.enter_context(group)
             runners[name] = opened

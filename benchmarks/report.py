@@ -87,7 +87,7 @@ def to_markdown(report: BenchReport) -> str:
         "",
         "| model | params (M) | GMACs / image |",
         "|---|---|---|",
-        *[f"| {name} | {m[name].params / 1e6:.2f} | {m[name].macs / 1e9:.3f} |" for name in ("dense", "compressed")],
+        *[f"| {name} | {m[name].params / 1e6:.2f} | {m[name].macs / 1e9:.4g} |" for name in ("dense", "compressed")],
         "",
         f"MAC-ideal speedup: {report.ideal_speedup:.3f}x.",
         "",

@@ -428,7 +428,7 @@ def to_markdown(result: SweepResult) -> str:
     first = result.rows[0]
     lines += [
         "",
-        f"Dense: {first.params.dense / 1e6:.2f} M parameters, {first.macs.dense / 1e9:.3f} "
+        f"Dense: {first.params.dense / 1e6:.2f} M parameters, {first.macs.dense / 1e9:.4g} "
         "GMACs. Per-run bench reports (latency percentiles, parity, all fidelity numbers) are in "
         "sweep.json.",
         "",

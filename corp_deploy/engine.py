@@ -338,7 +338,7 @@ def summary_tables(report: dict, path) -> list:
     table.add_column("after", justify="right")
     p, m = report["params"], report["macs"]
     table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
-    table.add_row("GMACs / image", f"{m['dense'] / 1e9:.2f}", f"{m['compressed'] / 1e9:.2f}")
+    table.add_row("GMACs / image", f"{m['dense'] / 1e9:.4g}", f"{m['compressed'] / 1e9:.4g}")
     for part in PARTS.values():
         rows = [
             layer[part.report_key] for layer in layers if "relative_error_compensated" in layer.get(part.report_key, {})

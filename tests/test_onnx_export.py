@@ -156,3 +156,5 @@ def test_tolerance_names_each_violation():
         "top-1 agreement 0.500 < 0.85"
     ]
     assert PRECISIONS["bf16"].tolerance.violations(replace(result, top1_agreement=None)) == []
+    just_below = replace(result, cosine=0.99999999)  # as many digits as show it below the limit
+    assert PRECISIONS["fp32"].tolerance.with_limits(min_cosine=1.0).violations(just_below)[1] == "cosine 0.99999999 < 1"

@@ -39,7 +39,7 @@ def test_each_cpu_runner_is_a_context_manager_that_closes(model_and_graph, image
 
 def test_a_backend_that_cannot_run_one_model_names_it(model_and_graph):
     """An export without ``dense.onnx``: ONNX Runtime is skipped, and the reason says which model
-    has no file; when the first model already cannot run, the reason names none."""
+    has no file, also when it comes first; when no model can run for one reason, it names none."""
     from contextlib import ExitStack
 
     from benchmarks.backends import ModelFiles, open_runners
@@ -54,4 +54,6 @@ def test_a_backend_that_cannot_run_one_model_names_it(model_and_graph):
         _, skipped = open_runners(
             ("ort",), {"dense": ModelFiles(model), "compressed": ModelFiles(model, onnx=path)}, stack
         )
+        assert skipped["ort-cpu"].startswith("the dense model: no ONNX file")
+        _, skipped = open_runners(("ort",), {"dense": ModelFiles(model), "compressed": ModelFiles(model)}, stack)
         assert skipped["ort-cpu"].startswith("no ONNX file")

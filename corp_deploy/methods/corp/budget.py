@@ -105,7 +105,7 @@ def allocation_table(budget: dict):
     parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
     table = Table(
         title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
-        f"{budget['planned_macs'] / 1e9:.3f} of {budget['dense_macs'] / 1e9:.3f} GMACs",
+        f"{budget['planned_macs'] / 1e9:.4g} of {budget['dense_macs'] / 1e9:.4g} GMACs",
         caption=f"kept / full (distortion, {budget['distortion']})",
     )
     table.add_column("block", justify="right")
