@@ -190,20 +190,33 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _is_safetensors(path: Path) -> bool:
+    """Whether ``path`` begins as a safetensors file does: an 8-byte header length, then JSON."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    return path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{")
+
+
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Load a local state dict strictly: safetensors, or a torch file read with weights_only=True."""
+    """Load a local state dict strictly: safetensors (told by its content, whatever the file's
+    name), or a torch file read with weights_only=True."""
     path = Path(path)
     if not path.is_file():
         raise CorpError(f"checkpoint not found: {path}")
     try:
-        if path.suffix == ".safetensors":
+        if _is_safetensors(path):
             from safetensors.torch import load_file
 
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CorpError(f"cannot read checkpoint {path}: {exc}") from None
+        if "Weights only load failed" in str(exc):
+            raise CorpError(
+                f"cannot read checkpoint {path}: it holds Python objects other than tensors, and corp-deploy "
+                "never unpickles those (weights_only=True); save a state dict of tensors or a .safetensors file"
+            ) from None
+        raise CorpError(f"cannot read checkpoint {path}: {first_line(exc)}") from None
     for key in ("state_dict", "model", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

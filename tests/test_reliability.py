@@ -1646,6 +1646,28 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     assert (numpy_numbers.sparsity, numpy_numbers.round_to) == (0.5, 2) and type(numpy_numbers.round_to) is int
 
 
+def test_a_checkpoint_is_read_by_its_content_and_pickled_objects_are_refused_plainly(tmp_path):
+    """A safetensors file named ``.bin`` loads; a torch file holding a Python object is refused
+    with corp-deploy's reason, not torch's advice to unpickle it."""
+    import argparse
+
+    from safetensors.torch import save_file
+
+    from corp_deploy.errors import CorpError
+    from corp_deploy.models import load_checkpoint
+
+    model, target = build_small_vit(), build_small_vit()
+    torch.nn.init.constant_(target.head.weight, 0.5)
+    save_file(target.state_dict(), str(tmp_path / "weights.bin"))
+    load_checkpoint(model, tmp_path / "weights.bin")
+    assert torch.equal(model.head.weight, target.head.weight)
+    torch.save({"state_dict": target.state_dict(), "args": argparse.Namespace(lr=1)}, tmp_path / "pickled.pth")
+    with pytest.raises(CorpError) as raised:
+        load_checkpoint(model, tmp_path / "pickled.pth")
+    assert "holds Python objects other than tensors, and corp-deploy never unpickles those" in str(raised.value)
+    assert "weights_only set to False" not in str(raised.value)
+
+
 def test_calibration_batches_the_model_cannot_take_are_named_as_such():
     """Raw 8-bit images, another channel count or another image size: one CorpError naming the
     batches, not a RuntimeError or AssertionError from inside the model."""
