@@ -190,6 +190,10 @@ def _listed(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
+#: Where each fidelity number of a report lies (a baseline's outside it was edited or corrupted).
+_FIDELITY_RANGES = {"feature_cosine": (-1.0, 1.0), "top1_agreement": (0.0, 1.0), "kl_mean": (0.0, math.inf)}
+
+
 def _baseline_problem(report: BenchReport) -> str | None:
     """What makes a well-formed report unusable as a baseline, or None."""
     if not report.latency:
@@ -202,6 +206,10 @@ def _baseline_problem(report: BenchReport) -> str | None:
     accuracy = report.fidelity.accuracy or {}
     if not all(_finite(numbers.top1) for numbers in accuracy.values()):
         return "fidelity.accuracy needs a numeric top1 per model"
+    for name, (low, high) in _FIDELITY_RANGES.items():
+        value = getattr(report.fidelity, name)
+        if _finite(value) and not low - 1e-6 <= value <= high + 1e-6:  # NaN stays: it fails every limit
+            return f"fidelity.{name} {value:g} is outside [{low:g}, {high:g}], where it always lies"
     int8 = report.int8
     if int8 is not None and int8.skipped is None:
         usable = (

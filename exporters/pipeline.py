@@ -31,6 +31,7 @@ from corp_deploy import (
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
+from corp_deploy.errors import BadUsage
 from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
@@ -183,14 +184,14 @@ def export_artifact(
 
 
 def _check_keep_float_leaves_int8(models: dict[str, nn.Module], int8: Int8Options) -> None:
-    """CorpError when ``--int8-keep-float N`` would keep every Linear layer of a model in float: an
-    "int8" graph without an int8 layer."""
+    """BadUsage when ``--int8-keep-float N`` would keep every Linear layer of a model in float: an
+    "int8" graph without an int8 layer (a value that does nothing, exit 2)."""
     if int8.keep_float == AUTO:
         return
     for key, model in models.items():
         linears = sum(isinstance(module, nn.Linear) for module in model.modules())
         if int8.keep_float >= linears:
-            raise CorpError(
+            raise BadUsage(
                 f"--int8-keep-float {int8.keep_float} would keep all {linears} Linear layers of "
                 f"the {'dense' if key == 'dense' else 'compressed'} model in float, leaving no int8 "
                 f"layer; give fewer than {linears}, or auto"

@@ -789,6 +789,11 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "lies inside --calib",
     ),
+    "export-int8-keep-float-as-many-as-the-layers": Refusal(
+        lambda w: ["export", w / "art", "--precision", "int8", "--int8-keep-float", 1000, "-o", w / "o"],
+        2,
+        "--int8-keep-float 1000 would keep all",
+    ),
     "export-int8-option-without-int8": Refusal(
         lambda w: ["export", w / "art", "--calib-samples", 4, "-o", w / "o"],
         2,
@@ -908,6 +913,17 @@ REFUSALS: dict[str, Refusal] = {
         ],
         1,
         "measured fidelity on other images than this run (images 64 in the baseline, 2 here)",
+    ),
+    "bench-baseline-with-a-cosine-above-one": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(w, lambda r: r["fidelity"].update(feature_cosine=1.5)),
+        ],
+        1,
+        "fidelity.feature_cosine 1.5 is outside [-1, 1], where it always lies",
     ),
     "bench-baseline-of-other-batch-sizes-and-backends": Refusal(
         lambda w: [
