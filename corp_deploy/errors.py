@@ -71,7 +71,8 @@ def check_setting_types(settings: object, setting: typing.Callable[[str], str] =
     """SettingError for the first field of the dataclass ``settings`` whose value is not of its
     annotated type (float: any real number but a bool; int: an integer but a bool; str; bool; each
     possibly ``| None``), named as a wrong type (``s_mlp must be a number, got str '0.5'``), so that
-    range checks only ever see numbers. Fields of other types are left to their own checks.
+    range checks only ever see numbers; a NumPy number is accepted and stored as Python's (so the
+    settings serialise to JSON). Fields of other types are left to their own checks.
     ``setting``: the setting each field is named as (``recover_steps`` for ``RecoveryConfig.steps``)."""
     hints = typing.get_type_hints(type(settings))
     for field in dataclasses.fields(settings):
