@@ -26,25 +26,29 @@ FAMILIES = ("torch", "ort", "trt")
 @dataclass
 class ModelFiles:
     """One model in each form ``bench`` can run: the PyTorch module and, where exported, its
-    ONNX file and TensorRT engine, and their ``precision`` (``export.json``'s; None: not exported)."""
+    ONNX file and TensorRT engine, and their ``precision``, ONNX ``exporter`` and ``opset``
+    (``export.json``'s; None: not exported)."""
 
     torch: nn.Module
     onnx: Path | None = None
     engine: Path | None = None
     precision: str | None = None
+    exporter: str | None = None
+    opset: int | None = None
 
 
-#: Makes a backend's runner for one model with a CPU thread count (None: the default), or
-#: raises BackendUnavailable.
-MakeRunner = Callable[[ModelFiles, int | None], Runner]
+#: Makes a backend's runner for one model with a CPU thread count (None: the default) and the
+#: precision PyTorch backends run in (:data:`exporters.runners.TORCH_PRECISIONS`), or raises
+#: BackendUnavailable.
+MakeRunner = Callable[[ModelFiles, int | None, str], Runner]
 
 
 def _torch(device: str) -> MakeRunner:
-    return lambda model, threads: TorchRunner(model.torch, device)
+    return lambda model, threads, precision: TorchRunner(model.torch, device, precision)
 
 
 def _onnxruntime(device: str) -> MakeRunner:
-    def make(model: ModelFiles, threads: int | None) -> Runner:
+    def make(model: ModelFiles, threads: int | None, precision: str) -> Runner:
         if model.onnx is None:
             raise BackendUnavailable("no ONNX file (run `corp-deploy export ... --dense` first)")
         return OnnxRuntimeRunner(model.onnx, device, threads)
@@ -52,7 +56,7 @@ def _onnxruntime(device: str) -> MakeRunner:
     return make
 
 
-def _tensorrt(model: ModelFiles, threads: int | None) -> Runner:
+def _tensorrt(model: ModelFiles, threads: int | None, precision: str) -> Runner:
     missing = trt_backend.unavailable_reason()
     if missing:
         raise BackendUnavailable(missing)
@@ -83,10 +87,15 @@ def parse_families(text: str) -> tuple[str, ...]:
 
 
 def open_runners(
-    families: tuple[str, ...], models: dict[str, ModelFiles], stack: ExitStack, threads: int | None = None
+    families: tuple[str, ...],
+    models: dict[str, ModelFiles],
+    stack: ExitStack,
+    threads: int | None = None,
+    torch_precision: str = "fp32",
 ) -> tuple[dict[str, dict[str, Runner]], dict[str, str]]:
     """Runners ``{backend: {model name: runner}}`` for every backend of ``families`` that can
-    run all ``models``, and ``{backend: reason}`` for those that cannot (naming each model that
+    run all ``models`` (the PyTorch ones in ``torch_precision``; ONNX Runtime and TensorRT run the
+    exported files as they are), and ``{backend: reason}`` for those that cannot (naming each model that
     cannot, unless none can for the same reason: an export without ``dense.onnx`` names the dense
     model). The runners are closed
     with ``stack``; those of a backend that cannot run every model, at once."""
@@ -97,7 +106,7 @@ def open_runners(
         group, opened, failed = ExitStack(), {}, {}
         for key, model in models.items():
             try:
-                opened[key] = group.enter_context(make(model, threads))
+                opened[key] = group.enter_context(make(model, threads, torch_precision))
             except BackendUnavailable as exc:
                 failed[key] = str(exc)
         if failed:

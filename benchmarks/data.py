@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from corp_deploy import CalibrationImages, CorpError
 from corp_deploy.calibration import (
     HELD_OUT_PHOTOS,
     UNREADABLE,
+    file_digest,
     find_images,
     held_out_images,
     load_rgb,
@@ -39,12 +40,15 @@ CLASS_INDEX_FILE = "class_index.json"
 class EvalImages:
     """Batches of ``(images (B, 3, H, W) float32, labels (B,) int64 or None)``.
 
-    ``description`` says where the images come from; ``labelled`` whether labels exist.
+    ``description`` says where the images come from; ``labelled`` whether labels exist;
+    ``digests``, once iterated, the :func:`~corp_deploy.calibration.file_digest` of each file a
+    folder's images came from (empty for the bundled photos).
     """
 
     batches: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor | None]]]
     description: dict
     labelled: bool
+    digests: set[str] = field(default_factory=set)
 
     def __iter__(self):
         return self.batches()
@@ -68,7 +72,8 @@ def eval_images(
             root, transform, limit=limit, batch_size=batch_size, seed=seed, purpose="evaluation"
         )
         description = {"source": "directory", "path": str(root), "labelled": False}
-        return EvalImages(lambda: _described(images, description), description, False)
+        digests: set[str] = set()
+        return EvalImages(lambda: _described(images, description, digests), description, False, digests)
     mapping, samples = labelled_samples(root)
     random.Random(seed).shuffle(samples)
     samples = samples[:limit]
@@ -80,7 +85,10 @@ def eval_images(
         "classes": len(mapping),
         "highest_label": max(mapping.values()),
     }
-    return EvalImages(lambda: _labelled_batches(samples, transform, batch_size, description), description, True)
+    digests: set[str] = set()
+    return EvalImages(
+        lambda: _labelled_batches(samples, transform, batch_size, description, digests), description, True, digests
+    )
 
 
 def read_class_index(root: Path) -> dict[str, int]:
@@ -132,10 +140,12 @@ def check_labels(evaluation: EvalImages, num_classes: int) -> None:
         raise CorpError(f"{index} maps a class to output {top}, but the model has {num_classes} outputs")
 
 
-def _described(images: CalibrationImages, description: dict):
-    """Unlabelled batches; afterwards ``description`` counts the images used and the files skipped."""
+def _described(images: CalibrationImages, description: dict, digests: set[str]):
+    """Unlabelled batches; afterwards ``description`` counts the images used and the files skipped,
+    and ``digests`` holds the used files' digests."""
     for x in images:
         yield x, None
+    digests.update(images.digests())
     summary = images.summary()
     description.update(
         images=summary["images_used"],
@@ -144,14 +154,18 @@ def _described(images: CalibrationImages, description: dict):
     )
 
 
-def _labelled_batches(samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict):
+def _labelled_batches(
+    samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict, digests: set[str]
+):
     images, labels, skipped = [], [], []
     for path, label in samples:
         try:
-            images.append(transform(load_rgb(path)))
+            image, digest = transform(load_rgb(path)), file_digest(path)
         except UNREADABLE as exc:
             skipped.append(unreadable_reason(path, exc))
             continue
+        images.append(image)
+        digests.add(digest)
         labels.append(label)
         if len(images) == batch_size:
             yield torch.stack(images), torch.tensor(labels)

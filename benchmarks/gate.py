@@ -124,22 +124,35 @@ def read_baseline(path: str | Path) -> BenchReport:
 
 def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSettings, models: dict) -> None:
     """CorpError, before any timing, when ``baseline`` measured other things than this run will:
-    another model (its parameters, MACs per image or precision differ: another artifact, dense
-    model or export), other batch sizes, backends or thread counts; one message names every
-    difference. What the baseline does not record (a report written by hand) is not compared.
+    another model (its parameters, MACs per image, precision, ONNX exporter or opset differ: another
+    artifact, dense model or export), other batch sizes, backends, thread counts or PyTorch
+    precision; one message names every difference. What the baseline does not record (a report
+    written by hand) is not compared.
     ``models``: this run's :class:`~benchmarks.results.ModelEntry` by model name."""
     differences = []
     for name, entry in models.items():
         old = baseline.models.get(name)
         if old is None:
             continue
-        for number, said in (("params", _millions), ("macs", _giga), ("precision", str)):
+        for number, said in (
+            ("params", _millions),
+            ("macs", _giga),
+            ("precision", str),
+            ("exporter", str),
+            ("opset", str),
+        ):
             was, now = getattr(old, number), getattr(entry, number)
             if was is not None and now is not None and was != now:
                 differences.append(f"{name} model {number} {said(was)} in the baseline, {said(now)} here")
     old = baseline.settings
     if old is not None:
-        for setting, option in (("batches", "--batch"), ("backends", "--backends"), ("threads", "--threads")):
+        settings_compared = (
+            ("batches", "--batch"),
+            ("backends", "--backends"),
+            ("threads", "--threads"),
+            ("torch_precision", "--torch-precision"),
+        )
+        for setting, option in settings_compared:
             was, now = getattr(old, setting), getattr(settings, setting)
             if _listed(was) != _listed(now):
                 differences.append(f"{option} {_listed(was)} in the baseline, {_listed(now)} here")
@@ -147,7 +160,7 @@ def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSet
         raise CorpError(
             f"baseline {path} measured other things than this run would ({'; '.join(differences)}); a gate "
             "compares like with like: make the baseline from the same artifact and export with the same "
-            "--backends, --batch and --threads"
+            "--backends, --batch, --threads and --torch-precision"
         )
 
 
@@ -277,11 +290,13 @@ def _absolute(report: BenchReport, limits: GateLimits) -> list[str]:
             for backend, numbers in backends.items()
         ]
         if not measured and limits.parity_requested:
-            found.append("parity: --min-parity-cosine was given but no backend other than torch-cpu ran")
+            found.append(
+                "parity: --min-parity-cosine was given but nothing ran other than the fp32 torch-cpu reference"
+            )
         for model, backend, numbers in measured:
             if not numbers.cosine >= limits.min_parity_cosine:
                 found.append(
-                    f"parity: {model} on {backend} vs torch-cpu: cosine {numbers.cosine:.6f} "
+                    f"parity: {model} on {backend} vs torch-cpu fp32: cosine {numbers.cosine:.6f} "
                     f"< {limits.min_parity_cosine}"
                 )
     return found

@@ -18,6 +18,7 @@ from exporters.manifest import versions
 from exporters.parity import Comparison, compare_outputs
 from exporters.runners import TorchRunner
 
+from .attention_kernels import attention_kernels, kernel_summary
 from .backends import ModelFiles, open_runners
 from .data import EvalImages
 from .fidelity import FidelityMeter, features_and_logits
@@ -37,7 +38,8 @@ def run_bench(
     """Measure ``compressed`` against ``dense`` and return the report (:class:`BenchReport`): the
     machine, versions and settings, both models' sizes, the MAC-ideal speedup, each backend's
     status (ran, or the reason it was skipped), parity (each model on each backend against PyTorch
-    on the CPU), a latency row per backend and batch size, and the fidelity of ``compressed``
+    on the CPU in float32), the attention kernels each PyTorch backend ran, a latency row per
+    backend and batch size, and the fidelity of ``compressed``
     against ``dense`` on ``eval_set`` (``held_out`` says whether those images were kept out of
     calibration).
     """
@@ -51,12 +53,13 @@ def run_bench(
     ideal = entries["dense"].macs / entries["compressed"].macs
     parity_x = _first_images(eval_set, settings.parity_images)
     with ExitStack() as stack:
-        runners, skipped = open_runners(settings.backends, models, stack, settings.threads)
+        runners, skipped = open_runners(settings.backends, models, stack, settings.threads, settings.torch_precision)
         backends = {
             **{name: BackendStatus("ran") for name in runners},
             **{name: BackendStatus("skipped", why) for name, why in skipped.items()},
         }
         parity = _parity(runners, models, parity_x, classifier)
+        attention = _attention(runners, parity_x)
         latency = [
             _latency_row(name, group, batch, image_shape, ideal, settings, log)
             for name, group in runners.items()
@@ -73,6 +76,7 @@ def run_bench(
         ideal_speedup=ideal,
         backends=backends,
         parity=parity,
+        attention=attention,
         latency=latency,
         fidelity=Fidelity.from_dict({**measured, "data": eval_set.description, "held_out": held_out}),
     )
@@ -80,7 +84,7 @@ def run_bench(
 
 def model_entries(dense: ModelFiles, compressed: ModelFiles) -> dict[str, ModelEntry]:
     """What a report records of each model (by :data:`~benchmarks.results.MODELS` name): its
-    parameters, MACs per image, files and their precision."""
+    parameters, MACs per image, files and their precision, exporter and opset."""
     image_shape = (3, *compressed.torch.patch_embed.img_size)
     return {
         name: ModelEntry(
@@ -89,6 +93,8 @@ def model_entries(dense: ModelFiles, compressed: ModelFiles) -> dict[str, ModelE
             onnx=str(m.onnx) if m.onnx else None,
             engine=str(m.engine) if m.engine else None,
             precision=m.precision,
+            exporter=m.exporter,
+            opset=m.opset,
         )
         for name, m in {"dense": dense, "compressed": compressed}.items()
     }
@@ -107,7 +113,8 @@ def _first_images(eval_set: EvalImages, count: int) -> np.ndarray:
 def _parity(
     runners: dict, models: dict[str, ModelFiles], images: np.ndarray, classifier: bool
 ) -> dict[str, dict[str, Comparison]]:
-    """Each model on each backend against PyTorch on the CPU, on the same images."""
+    """Each model on each backend against PyTorch on the CPU in float32, on the same images (a
+    ``torch-cpu`` runner in float32 is that reference, and is not compared with itself)."""
     out = {}
     for key, model in models.items():
         with TorchRunner(model.torch) as torch_cpu:
@@ -115,9 +122,22 @@ def _parity(
         out[key] = {
             name: compare_outputs(reference, group[key].infer(images), top1=classifier)
             for name, group in runners.items()
-            if name != "torch-cpu"
+            if not (name == "torch-cpu" and group[key].dtype == torch.float32)
         }
     return out
+
+
+def _attention(runners: dict, images: np.ndarray) -> dict[str, dict[str, str]]:
+    """``{backend: {model: kernels}}``: the attention kernels each PyTorch runner's model ran on
+    ``images`` (:func:`benchmarks.attention_kernels.kernel_summary`)."""
+    return {
+        name: {
+            key: kernel_summary(attention_kernels(r.model, torch.from_numpy(images).to(r.device, r.dtype)))
+            for key, r in group.items()
+        }
+        for name, group in runners.items()
+        if isinstance(next(iter(group.values())), TorchRunner)
+    }
 
 
 def _latency_row(

@@ -91,7 +91,7 @@ def to_markdown(report: BenchReport) -> str:
         "",
         f"MAC-ideal speedup: {report.ideal_speedup:.3f}x.",
         "",
-        "## Latency (dense and compressed timed interleaved)",
+        f"## Latency (dense and compressed timed interleaved; PyTorch in {_torch_precision(report)})",
         "",
         "| " + " | ".join(LATENCY_HEADER) + " |",
         "|" + "---|" * len(LATENCY_HEADER),
@@ -102,7 +102,7 @@ def to_markdown(report: BenchReport) -> str:
     if skipped:
         lines += ["Skipped backends:", "", *[f"- {name}: {reason}" for name, reason in skipped.items()], ""]
     lines += [
-        "## Parity against PyTorch on the CPU",
+        "## Parity against PyTorch fp32 on the CPU",
         "",
         "| model | backend | max abs | max rel | min cosine | top-1 agreement |",
         "|---|---|---|---|---|---|",
@@ -113,6 +113,9 @@ def to_markdown(report: BenchReport) -> str:
         for model, backends in report.parity.items()
         for backend, n in backends.items()
     ]
+    if report.attention:
+        lines += ["", "## Attention kernels PyTorch ran", "", "| backend | dense | compressed |", "|---|---|---|"]
+        lines += [f"| {backend} | {k['dense']} | {k['compressed']} |" for backend, k in report.attention.items()]
     lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
     lines += int8_markdown(report.int8)
     if report.gate:
@@ -126,6 +129,10 @@ def to_markdown(report: BenchReport) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _torch_precision(report: BenchReport) -> str:
+    return report.settings.torch_precision if report.settings is not None else "fp32"
 
 
 def int8_markdown(int8: Int8Result | None) -> list[str]:
@@ -214,7 +221,9 @@ def print_terminal(report: BenchReport, console: Console | None = None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x)")
+    table = Table(
+        title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x; PyTorch {_torch_precision(report)})"
+    )
     for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
         table.add_column(column, justify="left" if column == "backend" else "right")
     for r in report.latency:
@@ -233,6 +242,8 @@ def print_terminal(report: BenchReport, console: Console | None = None) -> None:
     if worst:
         cosine, where = min(worst)
         console.print(f"parity vs torch-cpu: worst cosine {cosine:.6f} ({where})")
+    for backend, kernels in report.attention.items():
+        console.print(f"attention kernels on {backend}: dense {kernels['dense']}; compressed {kernels['compressed']}")
     console.print("fidelity: " + fidelity_summary(report))
     int8 = report.int8
     if int8 is not None and int8.skipped is not None:

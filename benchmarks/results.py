@@ -26,7 +26,9 @@ from corp_deploy.documents import (
     from_json,
     optional_entry,
 )
+from corp_deploy.errors import CorpError
 from exporters.parity import Comparison
+from exporters.runners import TORCH_PRECISIONS
 
 from .backends import FAMILIES
 
@@ -41,7 +43,9 @@ class BenchSettings(Record):
     """How to measure. ``min_time``: seconds each model is timed per backend and batch size
     (at least ``min_rounds`` interleaved rounds after ``warmup``); ``threads``: CPU threads
     for PyTorch and ONNX Runtime (None: PyTorch's default); ``parity_images``: held-out
-    images on which every backend is compared with PyTorch on the CPU."""
+    images on which every backend is compared with PyTorch on the CPU in float32;
+    ``torch_precision``: what the PyTorch backends run in (``fp32``, ``fp16``, ``bf16``; absent from
+    reports before it was recorded, which ran fp32)."""
 
     backends: tuple[str, ...] = FAMILIES
     batches: tuple[int, ...] = (1, 8, 32)
@@ -50,6 +54,11 @@ class BenchSettings(Record):
     min_time: float = 2.0
     min_rounds: int = 5
     parity_images: int = 8
+    torch_precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.torch_precision not in TORCH_PRECISIONS:
+            raise CorpError(f"torch_precision is one of {', '.join(TORCH_PRECISIONS)}, not {self.torch_precision!r}")
 
 
 @dataclass(kw_only=True)
@@ -96,13 +105,16 @@ class LatencyRow(Record):
 @dataclass
 class ModelEntry(Record):
     """One model's size (parameters, MACs per image), the files it was run from (None: not
-    exported) and their precision (None: not exported; absent from reports before it was recorded)."""
+    exported) and their precision, ONNX exporter and opset (None: not exported; absent from reports
+    before they were recorded)."""
 
     params: int
     macs: int
     onnx: str | None
     engine: str | None
     precision: str | None = optional_entry()
+    exporter: str | None = optional_entry()
+    opset: int | None = optional_entry()
 
 
 @dataclass
@@ -212,8 +224,9 @@ class BenchReport(Document):
     """One bench run: when and where (``created``, ``machine``, library ``versions``), how
     (``settings``), both models' sizes and files (``models``, by :data:`MODELS` name), the MAC-ideal
     speedup (dense MACs / compressed MACs), each backend's status, parity (``parity[model][backend]``:
-    the backend against PyTorch on the CPU), latency rows, fidelity, and when measured the int8
-    section and the gate's verdict."""
+    the backend against PyTorch on the CPU), the attention kernels each PyTorch backend ran
+    (``attention[backend][model]``, :func:`benchmarks.attention_kernels.kernel_summary`), latency rows,
+    fidelity, and when measured the int8 section and the gate's verdict."""
 
     FORMAT = BENCH_FORMAT
 
@@ -225,6 +238,7 @@ class BenchReport(Document):
     ideal_speedup: float | None = None
     backends: dict[str, BackendStatus] = field(default_factory=dict)
     parity: dict[str, dict[str, Comparison]] = field(default_factory=dict)
+    attention: dict[str, dict[str, str]] = field(default_factory=dict)
     latency: list[LatencyRow]
     fidelity: Fidelity
     int8: Int8Result | None = optional_entry()

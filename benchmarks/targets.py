@@ -60,10 +60,19 @@ def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelF
     if export is not None:
         manifest = read_manifest(export)
         for key in manifest["models"]:
-            files[key] = {**model_files(export, manifest, key), "precision": manifest["precision"]}
+            made = {name: manifest.get(name) for name in ("precision", "exporter", "opset")}
+            files[key] = {**model_files(export, manifest, key), **made}
     compressed = ModelFiles(load_compressed(artifact), **files["model"])
     dense = ModelFiles(load_base_model(artifact), **files["dense"])
     return compressed, dense
+
+
+def copied_calibration_images(artifact: Path, eval_digests: set[str]) -> int:
+    """How many of the evaluation files (by :func:`~corp_deploy.calibration.file_digest`) are
+    byte-identical to a file the artifact was calibrated on, wherever the copy lies (0 for an artifact
+    calibrated on the bundled photos, or made before the digests were recorded)."""
+    calibrated = read_config(artifact).get("calibration", {}).get("image_digests", [])
+    return len(eval_digests & set(calibrated))
 
 
 def calibration_overlap(artifact: Path, eval_description: dict) -> bool:

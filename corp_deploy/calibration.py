@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import warnings
@@ -63,9 +64,17 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
 def find_images(directory: str | Path) -> list[Path]:
     """Entries under ``directory`` named as images (recursive, sorted, by extension), folders
     excepted: regular files, and dangling links or special files (FIFOs, devices), which
-    :func:`load_rgb` refuses, so that they are counted as unreadable rather than left out unsaid."""
+    :func:`load_rgb` refuses, so that they are counted as unreadable rather than left out unsaid.
+    Hidden entries (a name starting with ``.``, or inside such a folder: ``.ipynb_checkpoints``,
+    ``.thumbnails``, macOS's ``._*`` files) are not images of the set."""
     root = existing_dir(directory, "image directory")
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and not p.is_dir())
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.suffix.lower() in IMAGE_EXTENSIONS
+        and not p.is_dir()
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
 
 
 #: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
@@ -100,6 +109,12 @@ def load_rgb(path: str | Path) -> Image.Image:
                     levels = levels / 257.0
                 return Image.fromarray(np.clip(levels.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
             return image.convert("RGB")
+
+
+def file_digest(path: str | Path) -> str:
+    """A short digest of a file's bytes (BLAKE2b, 8 bytes, hex): equal for byte-identical copies,
+    whatever their names, so that evaluation images can be checked against calibration's."""
+    return hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
 
 
 def unreadable_reason(path: Path, exc: BaseException) -> str:
@@ -243,7 +258,8 @@ class CalibrationImages:
     Each full iteration yields the same images in the same order. ``summary()``
     describes what the last iteration used (with how much the images span, :class:`ImageSpan`),
     ``image_sources`` the file each of its images came from (a bundled photo once per crop), in
-    order. At the end of an iteration, images that span little are warned about
+    order; for a directory, ``summary()["image_digests"]`` holds the :func:`file_digest` of each file
+    used (sorted, each once). At the end of an iteration, images that span little are warned about
     (``warnings.warn``), and images that are all of one colour are refused (CorpError).
     """
 
@@ -270,6 +286,7 @@ class CalibrationImages:
         self.used = 0
         self.skipped: list[str] = []
         self.image_sources: list[Path] = []
+        self._digests: list[str] = []
         self.span = ImageSpan(purpose)
 
     @classmethod
@@ -338,6 +355,7 @@ class CalibrationImages:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan(self.span.purpose)
+        self._digests: list[str] = []
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
         for path in self._sources:
@@ -347,6 +365,8 @@ class CalibrationImages:
                 im = load_rgb(path)
                 if self._crop_seed is not None:
                     im = _random_crop_flip(im, rng)
+                else:  # a directory's file: its digest, for the overlap with other image sets
+                    self._digests.append(file_digest(path))
                 batch.append(self._transform(im))
                 self.image_sources.append(path)
             except UNREADABLE as exc:
@@ -376,8 +396,9 @@ class CalibrationImages:
 
     def summary(self) -> dict:
         """Where the images came from, how many were asked for and used, which files were
-        skipped (``path: reason``, the first five) and how much the images span
-        (:meth:`ImageSpan.to_dict`)."""
+        skipped (``path: reason``, the first five), how much the images span
+        (:meth:`ImageSpan.to_dict`) and, for a directory, the digests of the files used."""
+        digests = {"image_digests": self.digests()} if self._description["source"] == "directory" else {}
         return {
             **self._description,
             "images_requested": self._limit,
@@ -385,7 +406,12 @@ class CalibrationImages:
             "files_skipped": len(self.skipped),
             "skipped_examples": self.skipped[:5],
             "span": self.span.to_dict(),
+            **digests,
         }
+
+    def digests(self) -> list[str]:
+        """The :func:`file_digest` of each file the last iteration used (from a directory), sorted, each once."""
+        return sorted(set(self._digests))
 
 
 @dataclass(frozen=True)

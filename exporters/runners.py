@@ -73,24 +73,33 @@ class Runner(ABC):
         """Drop what the runner holds (nothing by default)."""
 
 
+#: PyTorch's floating-point precisions by name (``bench --torch-precision``).
+TORCH_PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 class TorchRunner(Runner):
-    """A PyTorch module in eval mode, float32, on ``device`` (``cpu`` is the parity reference;
-    for another device a copy of the module is moved there)."""
+    """A PyTorch module in eval mode on ``device`` in ``precision`` (:data:`TORCH_PRECISIONS`:
+    the module and the images cast to it, the outputs cast back to float32). The caller's module
+    runs as it is for ``cpu`` and ``fp32`` (the parity reference); otherwise a cast copy runs.
+    float16 runs on CUDA only (a CPU has no fast float16 kernels to time; bf16 runs on both)."""
 
     name = "pytorch"
 
-    def __init__(self, model: nn.Module, device: str = "cpu") -> None:
+    def __init__(self, model: nn.Module, device: str = "cpu", precision: str = "fp32") -> None:
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("PyTorch sees no CUDA GPU")
-        self.device = torch.device(device)
-        self.model = (model if device == "cpu" else copy.deepcopy(model)).eval().float().to(self.device)
+        if precision == "fp16" and device == "cpu":
+            raise BackendUnavailable("fp16 is timed on CUDA only (on the CPU, use bf16)")
+        self.device, self.dtype = torch.device(device), TORCH_PRECISIONS[precision]
+        copied = device != "cpu" or precision != "fp32"
+        self.model = (copy.deepcopy(model) if copied else model).eval().to(self.device, self.dtype)
 
     @torch.no_grad()
     def _infer(self, images: np.ndarray) -> np.ndarray:
-        return self.model(torch.from_numpy(images).to(self.device)).cpu().numpy()
+        return self.model(torch.from_numpy(images).to(self.device, self.dtype)).float().cpu().numpy()
 
     def _release(self) -> None:
-        del self.model  # frees a GPU copy; the caller's CPU module is the caller's
+        del self.model  # frees a cast or GPU copy; the caller's CPU module is the caller's
 
 
 class OnnxRuntimeRunner(Runner):

@@ -344,7 +344,7 @@ def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str |
 
 def _of_model(w: Path, **compressed) -> Callable[[dict], None]:
     """A change of a baseline: its compressed model recorded with ``compressed`` (params, macs,
-    precision) in place of ``w/art``'s (read from it, so that only what is given differs)."""
+    precision, exporter, opset) in place of ``w/art``'s (read from it, so that only what is given differs)."""
 
     def change(report: dict) -> None:
         from benchmarks.harness import model_entries
@@ -890,7 +890,7 @@ REFUSALS: dict[str, Refusal] = {
     "bench-limit-nothing-measured": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--backends", "torch", "--min-parity-cosine", 0.99],
         4,
-        "--min-parity-cosine was given but no backend other than torch-cpu ran",
+        "--min-parity-cosine was given but nothing ran other than the fp32 torch-cpu reference",
         hide_cuda=True,
     ),
     "bench-baseline-of-another-model": Refusal(
@@ -902,6 +902,18 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w, _of_model(w, precision="fp16"))],
         1,
         "compressed model precision fp16 in the baseline, fp32 here",
+    ),
+    "bench-baseline-of-another-export": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(w, _of_model(w, exporter="torchscript", opset=17)),
+        ],
+        1,
+        "compressed model exporter torchscript in the baseline, dynamo here; "
+        "compressed model opset 17 in the baseline, ",
     ),
     "bench-baseline-whose-fidelity-was-measured-on-other-images": Refusal(
         lambda w: [
@@ -2240,3 +2252,47 @@ def test_docs_list_every_case():
         }
     )
     assert documented == cases, (sorted(cases - documented), sorted(documented - cases))
+
+
+def test_byte_identical_copies_of_calibration_images_are_not_held_out(tmp_path):
+    """bench --data of a copy of the calibration folder elsewhere (new names too): the files' digests
+    recorded in the artifact find the copies, so fidelity is reported as not held out, with a warning."""
+    calib = image_folder(tmp_path / "calib", count=4)
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", tmp_path / "art"], tmp_path / "state")
+    assert code == 0, text
+    copied, fresh = tmp_path / "elsewhere", tmp_path / "fresh"
+    copied.mkdir()
+    for i in range(2):  # other pixels (image_folder's would be the same files again)
+        png(fresh / f"{i}.png", seed=10 + i)
+    for i, path in enumerate(sorted(calib.iterdir())[:2]):
+        shutil.copy(path, copied / f"renamed-{i}.png")
+    for data, held_out in ((copied, False), (fresh, True)):
+        out = tmp_path / f"{data.name}.json"
+        code, text, _ = invoke(
+            ["bench", tmp_path / "art", *BENCH, "--backends", "torch", "--data", data, "--json", out],
+            tmp_path / "state",
+        )
+        assert code == 0, text
+        assert json.loads(out.read_text())["fidelity"]["held_out"] is held_out
+        assert ("byte-identical copies of calibration images" in " ".join(text.split())) is not held_out, text
+
+
+def test_hidden_files_and_folders_in_calib_are_not_calibrated_on(tmp_path):
+    """``.thumbnails/`` and ``._photo.png`` (what file browsers and macOS leave) are left out of the
+    calibration images, as bench leaves hidden folders out of its classes."""
+    calib = image_folder(tmp_path / "calib", count=2)
+    png(calib / ".thumbnails" / "t.png", seed=7)
+    png(calib / "._0.png", seed=8)
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", tmp_path / "art"], tmp_path / "state")
+    assert code == 0, text
+    calibration = json.loads((tmp_path / "art" / "config.json").read_text())["calibration"]
+    assert calibration["files_found"] == 2 and calibration["images_used"] == 2
+
+
+def test_sparsity_zero_says_the_artifact_is_the_dense_model(tmp_path):
+    """``--s 0`` is accepted (the exactness check: every dim kept) and says so, rather than
+    finishing as if it had compressed."""
+    code, text, _ = invoke([*BASE, "--s", "0", "-o", tmp_path / "art"], tmp_path / "state")
+    assert code == 0 and "every sparsity is 0: every dim is kept" in " ".join(text.split()), text
+    code, text, _ = invoke([*BASE, "--s", "0.5", "-o", tmp_path / "half"], tmp_path / "state")
+    assert code == 0 and "every sparsity is 0" not in text, text

@@ -86,6 +86,7 @@ def bench(
     threads,
     warmup,
     min_time,
+    torch_precision,
     data,
     data_samples,
     json_path,
@@ -136,6 +137,7 @@ def bench(
         threads=threads,
         warmup=warmup,
         min_time=min_time,
+        torch_precision=torch_precision,
     )
     limits = GateLimits(
         max_regression=max_regression,

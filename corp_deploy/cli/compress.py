@@ -148,6 +148,7 @@ def compress(
     from ..artifact import record_latest
     from ..calibration import CalibrationSpec
     from ..engine import resolve_device, summary_tables
+    from ..layers import unfusable_heads, unfusable_heads_text
     from ..outputs import check_output_dir
     from ..workflow import compress_to_artifact
 
@@ -166,6 +167,11 @@ def compress(
         **method_options,
     )
     _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
+    if not config.has_budget and not any(config.sparsity_of(part) for part in config.pruned_parts):
+        warn(
+            "every sparsity is 0: every dim is kept, and the artifact is the dense model (the exactness "
+            "check; useful as a dense reference), not a compressed one"
+        )
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed)
     check_apart([out_dir], {"--calib": calibration.source}, records_state=True)
@@ -191,6 +197,9 @@ def compress(
         return
     for message in result.calibration_warnings():
         warn(message)
+    unfusable = unfusable_heads(result.model)
+    if unfusable:
+        warn(f"the artifact has {unfusable_heads_text(unfusable)}")
     warn(record_latest(result.path))
     with results_output() as console:
         for table in summary_tables(result.report, result.path):

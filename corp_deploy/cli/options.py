@@ -279,6 +279,14 @@ timing_options = options(
         show_default=True,
         help="Seconds each model is timed per backend and batch size (at least 5 rounds).",
     ),
+    click.option(
+        "--torch-precision",
+        type=click.Choice(["fp32", "fp16", "bf16"]),
+        default="fp32",
+        show_default=True,
+        help="What the torch backends run in: fp16 on CUDA only, bf16 on CUDA and the CPU (the model "
+        "and images cast; parity is still against fp32 on the CPU).",
+    ),
 )
 
 #: The held-out images fidelity is measured on (bench, sweep).

@@ -70,6 +70,7 @@ def sweep(
     batches,
     threads,
     min_time,
+    torch_precision,
     output,
     **recovery_settings,
 ):
@@ -118,6 +119,7 @@ def sweep(
             batches=batches,
             threads=threads,
             min_time=min_time,
+            torch_precision=torch_precision,
         ),
         recovery=RecoveryConfig.from_settings(recovery_settings),
     )
