@@ -132,6 +132,7 @@ def bench_report(**changes) -> dict:
         "parity": {
             "compressed": {"ort-cpu": {"max_abs": 1e-7, "max_rel": 1e-5, "cosine": 1.0, "top1_agreement": None}}
         },
+        "attention": {"torch-cpu": {"dense": "flash x2", "compressed": "math x2"}},
         "latency": [
             {
                 "backend": "ort-cpu",
