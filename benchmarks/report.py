@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -276,6 +277,8 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     from corp_deploy.outputs import check_creatable, enclosing_output, resolve
 
     given = Path(path)
+    if given.exists() and not (given.is_file() or given.is_dir()):  # /dev/stdout, a FIFO, a device
+        raise BadUsage(f"{given} is not a file path (a device, pipe or socket): bench writes its reports to files")
     path = resolve(given)
     if rendering == "plot" and path.suffix.lower() != ".png":
         raise BadUsage(f"--plot writes a PNG image; {given} does not end in .png")
@@ -283,8 +286,8 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
         raise CorpError(f"{given} is a directory; give a file path (or use -o DIR)")
     if path.exists() and not _written_by_bench(path, rendering):
         raise CorpError(
-            f"refusing to overwrite {given}: it is not a bench {rendering} file that corp-deploy "
-            "wrote; nothing was changed"
+            f"refusing to overwrite {given}: it is not a bench {rendering} file as corp-deploy wrote it "
+            "(another file, or edited since); nothing was changed"
         )
     owner = enclosing_output(path)
     if owner is not None:
@@ -333,13 +336,33 @@ def _written_by_bench(path: Path, rendering: str) -> bool:
         if rendering == "json":
             return json.loads(path.read_text()).get("format") == BENCH_FORMAT.name
         if rendering == "markdown":
-            return path.read_text().startswith(MARKDOWN_TITLE)
+            return _unedited_markdown(path.read_text())
         from PIL import Image
 
         with Image.open(path) as image:
             return getattr(image, "text", {}).get("Software") == PLOT_SOFTWARE
     except (OSError, ValueError, AttributeError):
         return False
+
+
+#: The last line of a bench Markdown report: the SHA-256 of everything above it, so that a later run
+#: replaces the report only while nobody has edited it.
+_MARKDOWN_DIGEST = "<!-- corp-deploy bench: sha256 {} of the text above -->\n"
+
+
+def _signed_markdown(text: str) -> str:
+    return text + _MARKDOWN_DIGEST.format(hashlib.sha256(text.encode()).hexdigest())
+
+
+def _unedited_markdown(text: str) -> bool:
+    """Whether ``text`` is a bench Markdown report as bench wrote it: its title first and its digest
+    line last, matching (a report from before the digest line: its title alone)."""
+    if not text.startswith(MARKDOWN_TITLE):
+        return False
+    if "<!-- corp-deploy bench: sha256 " not in text:
+        return True
+    body, _, _ = text.rstrip("\n").rpartition("\n")
+    return _signed_markdown(body + "\n") == text
 
 
 def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
@@ -350,7 +373,7 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
 
     writers = {
         "json": lambda p: p.write_text(json_text(report.to_dict())),
-        "markdown": lambda p: p.write_text(to_markdown(report)),
+        "markdown": lambda p: p.write_text(_signed_markdown(to_markdown(report))),
         "plot": lambda p: plot(report, p),
     }
     files = {rendering: Path(path) for rendering, path in files.items()}

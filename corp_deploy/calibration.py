@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,19 +63,26 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
 
 
 def find_images(directory: str | Path) -> list[Path]:
-    """Entries under ``directory`` named as images (recursive, sorted, by extension), folders
-    excepted: regular files, and dangling links or special files (FIFOs, devices), which
-    :func:`load_rgb` refuses, so that they are counted as unreadable rather than left out unsaid.
-    Hidden entries (a name starting with ``.``, or inside such a folder: ``.ipynb_checkpoints``,
-    ``.thumbnails``, macOS's ``._*`` files) are not images of the set."""
+    """Entries under ``directory`` named as images (recursive, links to folders followed, each folder
+    once; sorted; by extension), folders excepted: regular files, and dangling links or special files
+    (FIFOs, devices), which :func:`load_rgb` refuses, so that they are counted as unreadable rather
+    than left out unsaid. Hidden entries (a name starting with ``.``, or inside such a folder:
+    ``.ipynb_checkpoints``, ``.thumbnails``, macOS's ``._*`` files) are not images of the set."""
     root = existing_dir(directory, "image directory")
-    return sorted(
-        p
-        for p in root.rglob("*")
-        if p.suffix.lower() in IMAGE_EXTENSIONS
-        and not p.is_dir()
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
+    found, seen = [], set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        found += [
+            Path(folder, name)
+            for name in files
+            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS
+        ]
+    return sorted(found)
 
 
 #: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
@@ -397,7 +405,8 @@ class CalibrationImages:
     def summary(self) -> dict:
         """Where the images came from, how many were asked for and used, which files were
         skipped (``path: reason``, the first five), how much the images span
-        (:meth:`ImageSpan.to_dict`) and, for a directory, the digests of the files used."""
+        (:meth:`ImageSpan.to_dict`; None before any image was read: the images are read lazily, as
+        they are iterated) and, for a directory, the digests of the files used."""
         digests = {"image_digests": self.digests()} if self._description["source"] == "directory" else {}
         return {
             **self._description,
@@ -405,7 +414,7 @@ class CalibrationImages:
             "images_used": self.used,
             "files_skipped": len(self.skipped),
             "skipped_examples": self.skipped[:5],
-            "span": self.span.to_dict(),
+            "span": self.span.to_dict() if self.used else None,
             **digests,
         }
 

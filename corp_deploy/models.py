@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .bundled_weights import bundled_model
-from .errors import CorpError, first_line
+from .errors import BadUsage, CorpError, check_instance, first_line
 from .families import standard_form, structure_problem, supported_summary
 
 ALIASES = {
@@ -257,7 +257,13 @@ def state_mismatch(own: dict, state: dict, state_is: str, own_is: str) -> str | 
 
 def check_vit(model: nn.Module) -> None:
     """CorpError unless ``model`` has a structure corp-deploy can compress (see
-    :func:`~corp_deploy.families.structure_problem`)."""
+    :func:`~corp_deploy.families.structure_problem`); BadUsage for what is not a module at all, and
+    for a module whose weights are not float32 (compress fits in float32: cast it with ``.float()``)."""
+    check_instance("model", model, nn.Module)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes - {torch.float32}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise BadUsage(f"the model's weights are {names}; compress takes a float32 model (call model.float() first)")
     problem = structure_problem(model)
     if problem is not None:
         raise CorpError(f"this model cannot be compressed: {problem}. Supported: {supported_summary()}")

@@ -306,7 +306,12 @@ def _recorded_path(folder: Path, record: dict, name: str) -> Path:
     if entry is None:  # (recorded names are plain names inside the folder: read_record)
         raise CorpError(f"{folder / name} is not listed in {folder / RECORD_FILE}")
     path = folder / name
-    if path.is_symlink() or not path.is_file():
+    if path.is_symlink():
+        raise CorpError(
+            f"{path} is a symbolic link, not the file corp-deploy wrote (listed in {RECORD_FILE}); "
+            "an output's files are read only as written, so put the file itself back"
+        )
+    if not path.is_file():
         raise CorpError(f"{path} is missing (it is listed in {RECORD_FILE})")
     if path.stat().st_size != entry["bytes"]:
         raise _changed(path)
@@ -475,6 +480,21 @@ def _name_max(folder: Path) -> int:
         return os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
+
+
+def check_apart(outputs: list[str | Path], inputs: dict[str, str | Path | None]) -> None:
+    """CorpError when an output path is an input folder or lies inside one (the run would replace
+    what it reads, or a later run would read the tool's own files as its images); ``inputs`` by the
+    name the message gives them (an option, ``ARTIFACT``), None where not given."""
+    for output in map(resolve, outputs):
+        for name, folder in inputs.items():
+            if folder is None:
+                continue
+            folder = resolve(folder)
+            if output == folder:
+                raise CorpError(f"{output} is {name} itself, which this command reads; write the output elsewhere")
+            if folder in output.parents:
+                raise CorpError(f"{output} lies inside {name} {folder}, which this command reads; write it elsewhere")
 
 
 def resolve(path: str | Path) -> Path:

@@ -21,7 +21,7 @@ from .calibration import CalibrationImages, CalibrationSpec, model_transform
 from .config import CompressConfig
 from .engine import compress
 from .errors import CorpError, check_instance
-from .outputs import verify_files
+from .outputs import check_apart, verify_files
 from .recovery import RecoveryConfig
 from .resources import check_fits, compress_bytes
 
@@ -102,6 +102,7 @@ def compress_to_artifact(
     """
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
+    check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
     if base_model is None:
         base_model = base_model_spec(dense)
@@ -158,6 +159,7 @@ def recover_artifact(
             "compress wrote, with more --steps if needed"
         )
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
+    check_apart([out_dir], {"the artifact to recover": artifact})
     return compress_to_artifact(
         load_base_model(artifact),
         compression,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corp_deploy.errors import SettingError, check_choice, described
+from corp_deploy.errors import CorpError, SettingError, check_choice, described, first_line
 
 from .fusable_forms import rewrite_gelu
 from .reduced_precision import for_export
@@ -71,7 +71,8 @@ def export_onnx(
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as work:
         raw = Path(work) / "raw" / "model.onnx"
         raw.parent.mkdir()
-        _run_exporter(traced, example, raw, opset, exporter)
+        with _exporter_failure(opset, exporter):
+            _run_exporter(traced, example, raw, opset, exporter)
         proto = onnx.load(str(raw))  # also reads any external weight files
         rewrite_gelu(proto.graph)
         staged = Path(work) / path.name
@@ -89,10 +90,11 @@ def export_onnx(
         else:
             onnx.save_model(proto, str(staged))
         del proto
-        onnx.checker.check_model(str(staged), full_check=True)
-        onnx.shape_inference.infer_shapes_path(
-            str(staged), str(staged), check_type=True, strict_mode=True, data_prop=True
-        )
+        with _exporter_failure(opset, exporter):
+            onnx.checker.check_model(str(staged), full_check=True)
+            onnx.shape_inference.infer_shapes_path(
+                str(staged), str(staged), check_type=True, strict_mode=True, data_prop=True
+            )
         if data_name is not None:
             os.replace(Path(work) / data_name, path.parent / data_name)
         os.replace(staged, path)
@@ -155,6 +157,25 @@ def max_opset(exporter: str) -> int:
         except Exception:  # noqa: BLE001 - ORT refuses an opset it does not know with its own error types
             continue
     return MIN_OPSET
+
+
+@contextlib.contextmanager
+def _exporter_failure(opset: int, exporter: str):
+    """An exporter or ONNX check failing on this model at ``opset`` as one CorpError naming both (a
+    full disk or memory stays what it is): an opset the libraries list is not one that every
+    exporter writes for every op (torch's exporter fails on attention at opset 26, say)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - torch's and ONNX's exporters raise many types
+        cause = exc
+        while cause is not None:  # an OS error wrapped by the exporter is reported as one
+            if isinstance(cause, (OSError, MemoryError)):
+                raise
+            cause = cause.__cause__ or cause.__context__
+        raise CorpError(
+            f"the {exporter} exporter could not write a valid opset-{opset} graph of this model "
+            f"({first_line(exc)}); choose another --opset (default {DEFAULT_OPSET})"
+        ) from None
 
 
 def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: int, exporter: str) -> None:

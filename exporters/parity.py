@@ -128,7 +128,7 @@ class Tolerance:
         if self.atol is not None and not result.max_abs <= self.atol:
             failed.append(f"max abs error {result.max_abs:.3g} > atol {self.atol:g}")
         if self.min_cosine is not None and not result.cosine >= self.min_cosine:
-            failed.append(f"cosine {_below(result.cosine, self.min_cosine)} < {self.min_cosine:g}")
+            failed.append(f"cosine {below(result.cosine, self.min_cosine)} < {self.min_cosine:g}")
         top1 = result.top1_agreement
         if self.min_top1 is not None and top1 is not None and not top1 >= self.min_top1:
             failed.append(f"top-1 agreement {top1:.3f} < {self.min_top1:g}")
@@ -138,7 +138,7 @@ class Tolerance:
         return asdict(self)
 
 
-def _below(value: float, limit: float) -> str:
+def below(value: float, limit: float) -> str:
     """``value`` written with as many digits as it takes to show it below ``limit`` (at least 6
     decimals, at most 17 significant digits): never ``1.000000 < 1``."""
     for digits in range(6, 17):

@@ -335,10 +335,7 @@ def _onnxruntime_runner(path: Path, precision: Precision) -> tuple[OnnxRuntimeRu
     try:
         return OnnxRuntimeRunner(path, precision.onnxruntime_device), None
     except BackendUnavailable as exc:
-        return None, (
-            f"{precision.not_on_cpu} and {exc}; verify it on a GPU machine with "
-            f"`corp-deploy export --precision {precision.name}`"
-        )
+        return None, (f"{precision.not_on_cpu} and {exc}; verify it on a GPU machine by running this export there")
 
 
 def _write_build_script(folder: Path, names: list[str], options: ExportOptions, input_size) -> None:

@@ -33,7 +33,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from corp_deploy import load_compressed
+from corp_deploy import CorpError, load_compressed
 from corp_deploy.calibration import CalibrationImages, load_rgb
 from corp_deploy.cli import cli
 from corp_deploy.files import write_json
@@ -340,6 +340,15 @@ def _baseline(w: Path, change: Callable[[dict], None] | None = None, text: str |
         change(report)
     path.write_text(text if text is not None else json.dumps(report))
     return path
+
+
+def _weights_as_link(w: Path) -> Path:
+    """A copy of ``w/art`` whose weights file is a symbolic link to the same bytes elsewhere."""
+    art = w / "linked"
+    shutil.copytree(w / "art", art)
+    (art / "model.safetensors").rename(w / "weights-elsewhere.safetensors")
+    (art / "model.safetensors").symlink_to(w / "weights-elsewhere.safetensors")
+    return art
 
 
 def _of_model(w: Path, **compressed) -> Callable[[dict], None]:
@@ -903,6 +912,21 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "compressed model precision fp16 in the baseline, fp32 here",
     ),
+    "export-batch-profile-without-trt": Refusal(
+        lambda w: ["export", w / "art", "--batch", "1:2:4", "-o", w / "x"],
+        2,
+        "--batch is the TensorRT engines' batch profile; it applies only with --trt",
+    ),
+    "bench-json-to-a-device": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--json", "/dev/null"],
+        2,
+        "/dev/null is not a file path (a device, pipe or socket)",
+    ),
+    "bench-a-weights-file-replaced-by-a-link": Refusal(
+        lambda w: ["bench", _weights_as_link(w), *BENCH],
+        1,
+        "model.safetensors is a symbolic link, not the file corp-deploy wrote",
+    ),
     "bench-baseline-of-another-export": Refusal(
         lambda w: [
             "bench",
@@ -971,7 +995,7 @@ REFUSALS: dict[str, Refusal] = {
     "bench-json-over-a-user-file": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--json", (w / "notes.json").write_text("{}") and w / "notes.json"],
         1,
-        "notes.json: it is not a bench json file that corp-deploy wrote",
+        "notes.json: it is not a bench json file as corp-deploy wrote it",
     ),
     "bench-json-inside-the-o-folder": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "-o", w / "b", "--json", w / "b" / "r.json"], 1, "r.json lies inside -o"
@@ -2296,3 +2320,116 @@ def test_sparsity_zero_says_the_artifact_is_the_dense_model(tmp_path):
     assert code == 0 and "every sparsity is 0: every dim is kept" in " ".join(text.split()), text
     code, text, _ = invoke([*BASE, "--s", "0.5", "-o", tmp_path / "half"], tmp_path / "state")
     assert code == 0 and "every sparsity is 0" not in text, text
+
+
+def test_the_library_refuses_an_output_that_is_its_own_input(tmp_path, built):
+    """``recover_artifact`` into the artifact it reads (or inside it), ``compress_to_artifact`` into
+    its calibration folder: refused up front as the commands refuse them; nothing is changed."""
+    from corp_deploy import CalibrationSpec, CompressConfig, compress_to_artifact, recover_artifact
+    from corp_deploy.recovery import RecoveryConfig
+    from tests.helpers import build_small_vit
+
+    art = tmp_path / "art"
+    shutil.copytree(built / "art", art)
+    before = sorted((p.relative_to(art), p.read_bytes()) for p in art.rglob("*") if p.is_file())
+    for out in (art, art / "sub"):
+        with pytest.raises(CorpError, match="the artifact to recover"):
+            recover_artifact(art, RecoveryConfig(steps=2), out)
+    assert sorted((p.relative_to(art), p.read_bytes()) for p in art.rglob("*") if p.is_file()) == before
+    calib = image_folder(tmp_path / "calib")
+    with pytest.raises(CorpError, match="lies inside the calibration folder"):
+        compress_to_artifact(build_small_vit(), CompressConfig(), CalibrationSpec(calib, samples=4), calib / "out")
+    assert sorted(p.name for p in calib.iterdir()) == ["0.png", "1.png", "2.png", "3.png"]
+
+
+def test_an_opset_the_exporter_cannot_write_is_one_message(tmp_path, monkeypatch):
+    """An opset in the supported range that torch's exporter still fails on for this model (its
+    attention at opset 26 with torch 2.14, say): one message naming the exporter and the opset, not
+    "a bug"; an OS error inside the exporter stays an OS error."""
+    from exporters import onnx_export
+
+    def fails(*args):
+        raise ValueError("No Op registered for Attention with domain_version of 18")
+
+    monkeypatch.setattr(onnx_export, "_run_exporter", fails)
+    with pytest.raises(CorpError, match="the dynamo exporter could not write a valid opset-18 graph of this model"):
+        onnx_export.export_onnx(build_small_vit_model(), tmp_path / "m.onnx", (3, 32, 32))
+
+    def disk_full(*args):
+        raise RuntimeError("serialisation failed") from OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onnx_export, "_run_exporter", disk_full)
+    with pytest.raises(RuntimeError, match="serialisation failed"):
+        onnx_export.export_onnx(build_small_vit_model(), tmp_path / "m.onnx", (3, 32, 32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def build_small_vit_model():
+    from tests.helpers import build_small_vit
+
+    return build_small_vit()
+
+
+def test_the_library_names_a_model_that_compress_cannot_take(image_batches):
+    """``compress(None, ...)`` names the wrong type; a float16 model is told to be cast, not blamed
+    on the images."""
+    from corp_deploy import CompressConfig, compress
+    from corp_deploy.errors import BadUsage
+    from tests.helpers import build_small_vit
+
+    batches = image_batches(1, 4)
+    with pytest.raises(BadUsage, match="model must be a Module, not NoneType"):
+        compress(None, batches, CompressConfig())
+    with pytest.raises(BadUsage, match=r"weights are float16; compress takes a float32 model \(call model.float"):
+        compress(build_small_vit().half(), batches, CompressConfig())
+
+
+def test_calibration_follows_links_to_folders_once_and_says_nothing_before_it_reads(tmp_path):
+    """A link to a folder inside ``--calib`` is followed (its images are calibration images), a link
+    back up the tree is not walked twice; ``summary()`` before the images are read has no span."""
+    calib = image_folder(tmp_path / "calib", count=1)
+    image_folder(tmp_path / "more", count=3)
+    (calib / "linked").symlink_to(tmp_path / "more")
+    (calib / "loop").symlink_to(calib)
+    found = CalibrationImages.from_directory(calib, lambda im: torch.zeros(3, 4, 4), limit=8)
+    assert found.summary()["files_found"] == 4 and found.summary()["span"] is None
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", tmp_path / "art"], tmp_path / "state")
+    assert code == 0 and "fewer than" not in text, text
+    assert json.loads((tmp_path / "art" / "config.json").read_text())["calibration"]["images_used"] == 4
+
+
+def test_an_edited_bench_markdown_report_is_not_replaced(tmp_path, built):
+    """bench's Markdown report ends with the digest of what it wrote: a later run replaces it while
+    it is unedited, and refuses once someone added to it (their words are kept)."""
+    report = tmp_path / "r.md"
+    args = ["bench", built / "art", *BENCH, "--backends", "torch", "--markdown", report]
+    for _ in range(2):
+        code, text, _ = invoke(args, tmp_path / "state")
+        assert code == 0, text
+    report.write_text(report.read_text() + "Sign-off: approved, keep this\n")
+    code, text, _ = invoke(args, tmp_path / "state")
+    assert code == 1 and "refusing to overwrite" in text and "edited" in text, text
+    assert report.read_text().endswith("Sign-off: approved, keep this\n")
+
+
+def test_the_follow_up_command_of_an_unverified_export_is_the_whole_command(tmp_path, built):
+    """A bf16 export that cannot be checked here prints the command to run on a GPU machine with the
+    artifact and every option given (never a command that would export another artifact there)."""
+    code, text, _ = invoke(["export", built / "art", "--precision", "bf16", "--dense", "-o", tmp_path / "x"], tmp_path)
+    assert code == 3, text
+    assert f"corp-deploy export {built / 'art'} --precision bf16 --dense -o {tmp_path / 'x'}" in text, text
+
+
+def test_a_parity_cosine_below_its_limit_is_printed_with_the_digits_that_show_it():
+    """``--min-parity-cosine 1.0`` against a cosine of 0.99999999: the gate's line shows it below
+    the limit, never ``1.000000 < 1.0``."""
+    from benchmarks.gate import GateLimits, regressions
+    from benchmarks.results import BenchReport
+
+    numbers = {"max_abs": 1e-7, "max_rel": 1e-6, "cosine": 0.99999999, "top1_agreement": None}
+    report = BenchReport.from_dict(
+        {"format": "corp-deploy-bench", "latency": [], "fidelity": {}, "parity": {"dense": {"ort-cpu": numbers}}}
+    )
+    assert regressions(report, GateLimits(min_parity_cosine=1.0)) == [
+        "parity: dense on ort-cpu vs torch-cpu fp32: cosine 0.99999999 < 1.0"
+    ]

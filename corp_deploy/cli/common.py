@@ -75,21 +75,15 @@ def input_dir(path: Path | None, option: str) -> Path | None:
 
 
 def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
-    """CorpError when an output path is an input folder or lies inside one (the command would replace
-    what it reads, or the next run would read the tool's own files as images) or, for a command that
-    ``records_state`` (compress), the state folder lies inside its output (it would become a file the
-    output's record does not list)."""
+    """:func:`corp_deploy.outputs.check_apart` and, for a command that ``records_state`` (compress),
+    CorpError when the state folder lies inside its output (it would become a file the output's
+    record does not list)."""
     from ..artifact import state_dir
+    from ..outputs import check_apart as check_outputs_apart
 
+    check_outputs_apart(outputs, inputs)
     state = state_dir().resolve()
     for output in outputs:
-        for option, folder in inputs.items():
-            if folder is None:
-                continue
-            if output == folder:
-                raise CorpError(f"{output} is {option} itself, which this command reads; write the output elsewhere")
-            if folder in output.parents:
-                raise CorpError(f"{output} lies inside {option} {folder}, which this command reads; write it elsewhere")
         if records_state and (state == output or output in state.parents):
             raise CorpError(
                 f"the state folder {state} lies inside {output}; choose another -o (or set "

@@ -200,6 +200,8 @@ def export(
         tolerance=record.tolerance.with_limits(atol=atol, min_cosine=min_cosine),
         int8=Int8Options(**{fields[k]: v for k, v in int8_options.items()}) if takes_int8 else None,
     )
+    if given_on_command_line("batch") and not trt:  # the profile of the engines; nothing else reads it
+        raise BadUsage("--batch is the TensorRT engines' batch profile; it applies only with --trt")
     calib = options.int8.calib if options.int8 is not None else None
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
@@ -208,13 +210,16 @@ def export(
     if result.incomplete:
         for reason in result.incomplete:
             click.secho(f"not done here: {reason}", fg="yellow", err=True)
+        command = command_to_paste(argument=artifact if chosen else None)
         if trt and not result.manifest["tensorrt"]["built"]:
             click.echo(
                 f"To build the engines on the target GPU machine, either run this command there (it builds "
                 f"and checks them)\n"
-                f"  {INSTALL_HINT} && {command_to_paste(argument=artifact if chosen else None)}\n"
+                f"  {INSTALL_HINT} && {command}\n"
                 f"or, with TensorRT's trtexec there,\n"
                 f"  bash {shlex.quote(str(result.out_dir / SCRIPT_NAME))}",
                 err=True,
             )
+        else:
+            click.echo(f"To finish on a GPU machine, run this command there:\n  {INSTALL_HINT} && {command}", err=True)
         sys.exit(EXIT_INCOMPLETE)
