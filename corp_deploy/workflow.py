@@ -102,7 +102,8 @@ def compress_to_artifact(
     """
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
-    check_apart([out_dir], {"the calibration folder": calibration.source})
+    if out_dir is not None:
+        check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
     if base_model is None:
         base_model = base_model_spec(dense)
