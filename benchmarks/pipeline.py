@@ -20,16 +20,18 @@ from .results import BenchReport, BenchSettings, GateResult, Int8Result
 from .targets import calibration_overlap, copied_calibration_images, load_models, resolve_target
 
 
-def _fused_kernel_advice(model) -> str:
-    """Why ``model`` (compressed) runs attention unfused where its dense base does not, and the
-    compress option that keeps a fused kernel (benchmarks/RESULTS.md "Half precision on a CUDA GPU")."""
+def _fused_kernel_advice(model, backend: str) -> str:
+    """Why ``model`` (compressed) runs attention unfused on ``backend`` where its dense base does
+    not, and the compress option that keeps a fused kernel (benchmarks/RESULTS.md "Half precision on
+    a CUDA GPU"): on CUDA, head dims that are not multiples of 8; on the CPU, whose only fused kernel
+    is flash, query/key head dims unlike the value head dims."""
     unfusable = unfusable_heads(model)
-    if unfusable:
+    if backend != "torch-cpu" and unfusable:
         return f"it has {unfusable_heads_text(unfusable)}"
     return (
         "its query/key head dims differ from its value head dims, which PyTorch's flash kernel (the CPU's "
         "only fused one) refuses; for PyTorch on the CPU compress with --target all --equal-head-dims "
-        "(on CUDA the cuDNN and memory-efficient kernels take unequal dims)"
+        "(on CUDA the cuDNN and memory-efficient kernels take unequal dims that are multiples of 8)"
     )
 
 
@@ -82,7 +84,7 @@ def bench_target(
             "fidelity is not held out"
         )
     for backend, change in lost_fused_kernels(report.attention).items():
-        warn(f"on {backend} {change}: {_fused_kernel_advice(compressed.torch)}")
+        warn(f"on {backend} {change}: {_fused_kernel_advice(compressed.torch, backend)}")
     evaluated = report.fidelity.data
     if evaluated.get("files_skipped"):
         warn(

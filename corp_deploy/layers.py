@@ -246,16 +246,16 @@ def head_dims(attn: nn.Module) -> tuple[int, int]:
     return head_dim, head_dim
 
 
-#: PyTorch's fused attention kernels (flash, memory-efficient, cuDNN) take head dims that are
-#: multiples of this only; other head dims run the unfused math path (benchmarks/RESULTS.md
-#: "Half precision on a CUDA GPU").
+#: PyTorch's fused attention kernels on CUDA (flash, memory-efficient, cuDNN) take head dims that
+#: are multiples of this only; other head dims run the unfused math path there (benchmarks/RESULTS.md
+#: "Half precision on a CUDA GPU"; the CPU's flash kernel takes any equal dims).
 FUSED_HEAD_DIM_MULTIPLE = 8
 
 
 def unfusable_heads(model: nn.Module) -> dict[int, tuple[int, int]]:
     """``{block index: (query/key, value) head dims}`` of the :class:`PrunedAttention` layers in
     ``model.blocks`` whose head dims are not multiples of :data:`FUSED_HEAD_DIM_MULTIPLE`: PyTorch
-    runs their attention unfused (empty for a model without any)."""
+    runs their attention unfused on CUDA (empty for a model without any)."""
     return {
         i: (block.attn.qk_head_dim, block.attn.v_head_dim)
         for i, block in enumerate(getattr(model, "blocks", ()))
@@ -270,9 +270,9 @@ def unfusable_heads_text(heads: dict[int, tuple[int, int]]) -> str:
     more = f" and {len(heads) - 3} more" if len(heads) > 3 else ""
     return (
         f"query/key or value head dims that are not multiples of {FUSED_HEAD_DIM_MULTIPLE} ({shown}{more}): "
-        "PyTorch's fused attention kernels refuse them and the unfused path is slow (on a GPU in half "
-        f"precision it made the compressed model slower than the dense one); compress with --round-to "
-        f"{FUSED_HEAD_DIM_MULTIPLE}"
+        "PyTorch's fused attention kernels on CUDA refuse them and the unfused path is slow (in half "
+        "precision it made the compressed model slower than the dense one); for CUDA, compress with "
+        f"--round-to {FUSED_HEAD_DIM_MULTIPLE}"
     )
 
 

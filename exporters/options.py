@@ -7,7 +7,7 @@ from dataclasses import KW_ONLY, InitVar, dataclass
 from pathlib import Path
 
 from corp_deploy import CorpError
-from corp_deploy.errors import BadUsage, SettingError, check_setting_types
+from corp_deploy.errors import BadUsage, SettingError, check_instance, check_setting_types
 
 from . import tensorrt as trt_backend
 from .int8_options import Int8Options
@@ -67,6 +67,7 @@ class ExportOptions:
         self, int8_calibration, int8_keep_float, int8_smoothing, int8_activations, calib, calib_samples
     ) -> None:
         check_setting_types(self)
+        check_instance("batch", self.batch, trt_backend.BatchProfile)
         check_settings(self.opset, self.exporter)
         takes_int8 = precision_named(self.precision).options_class is Int8Options
         self._take_legacy_int8_keywords(

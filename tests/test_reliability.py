@@ -2433,3 +2433,13 @@ def test_a_parity_cosine_below_its_limit_is_printed_with_the_digits_that_show_it
     assert regressions(report, GateLimits(min_parity_cosine=1.0)) == [
         "parity: dense on ort-cpu vs torch-cpu fp32: cosine 0.99999999 < 1.0"
     ]
+
+
+def test_a_batch_profile_of_the_wrong_type_is_named():
+    """``ExportOptions(batch=(1, 8, 32))``: one BadUsage naming the type, not an AttributeError deep
+    inside the export."""
+    from corp_deploy.errors import BadUsage
+    from exporters.options import ExportOptions
+
+    with pytest.raises(BadUsage, match="batch must be a BatchProfile, not tuple"):
+        ExportOptions(batch=(1, 8, 32))
