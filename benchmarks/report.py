@@ -334,7 +334,7 @@ def check_report_outputs(
 def _written_by_bench(path: Path, rendering: str) -> bool:
     try:
         if rendering == "json":
-            return json.loads(path.read_text()).get("format") == BENCH_FORMAT.name
+            return _unedited_json(path.read_text())
         if rendering == "markdown":
             return _unedited_markdown(path.read_text())
         from PIL import Image
@@ -365,6 +365,28 @@ def _unedited_markdown(text: str) -> bool:
     return _signed_markdown(body + "\n") == text
 
 
+#: The last entry of a bench JSON report: the SHA-256 of the JSON text of the entries before it
+#: (a reader of the report ignores it, as any entry it does not know).
+_JSON_DIGEST = "sha256_of_the_report_above"
+
+
+def _signed_json(report: BenchReport) -> str:
+    data = report.to_dict()
+    return json_text({**data, _JSON_DIGEST: hashlib.sha256(json_text(data).encode()).hexdigest()})
+
+
+def _unedited_json(text: str) -> bool:
+    """Whether ``text`` is a bench JSON report as bench wrote it: its format, and its digest matching
+    the other entries (a report from before the digest: its format alone)."""
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("format") != BENCH_FORMAT.name:
+        return False
+    if _JSON_DIGEST not in data:
+        return True
+    digest = data.pop(_JSON_DIGEST)
+    return hashlib.sha256(json_text(data).encode()).hexdigest() == digest
+
+
 def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
@@ -372,7 +394,7 @@ def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | No
     from corp_deploy.outputs import mark_complete, staged_output
 
     writers = {
-        "json": lambda p: p.write_text(json_text(report.to_dict())),
+        "json": lambda p: p.write_text(_signed_json(report)),
         "markdown": lambda p: p.write_text(_signed_markdown(to_markdown(report))),
         "plot": lambda p: plot(report, p),
     }

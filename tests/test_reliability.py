@@ -2443,3 +2443,22 @@ def test_a_batch_profile_of_the_wrong_type_is_named():
 
     with pytest.raises(BadUsage, match="batch must be a BatchProfile, not tuple"):
         ExportOptions(batch=(1, 8, 32))
+
+
+def test_an_edited_bench_json_report_is_not_replaced(tmp_path, built):
+    """bench's JSON report ends with the digest of its other entries: a later run replaces it while
+    it is unedited, and refuses once someone added an entry (theirs is kept); as a baseline it reads
+    as before."""
+    report = tmp_path / "r.json"
+    args = ["bench", built / "art", *BENCH, "--backends", "torch", "--json", report]
+    for _ in range(2):
+        code, text, _ = invoke(args, tmp_path / "state")
+        assert code == 0, text
+    baseline = ["--baseline", report, "--gate", "fidelity"]  # timings move with the machine's load
+    code, text, _ = invoke([*args[:-1], tmp_path / "next.json", *baseline], tmp_path / "state")
+    assert code == 0, text
+    data = json.loads(report.read_text())
+    report.write_text(json.dumps({**data, "note": "approved, keep this"}, indent=2))
+    code, text, _ = invoke(args, tmp_path / "state")
+    assert code == 1 and "refusing to overwrite" in text and "edited" in text, text
+    assert json.loads(report.read_text())["note"] == "approved, keep this"
