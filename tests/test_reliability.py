@@ -912,6 +912,16 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "compressed model precision fp16 in the baseline, fp32 here",
     ),
+    "compress-recovery-options-without-recovery": Refusal(
+        lambda w: [*BASE, "--recover-blend", 0.7, "--recover-patience", 2, "-o", w / "o"],
+        2,
+        "--recover-patience, --recover-blend apply only with --recover-steps N",
+    ),
+    "bench-torch-precision-without-torch": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "ort", "--torch-precision", "bf16"],
+        2,
+        "--torch-precision applies only with the torch backends",
+    ),
     "export-batch-profile-without-trt": Refusal(
         lambda w: ["export", w / "art", "--batch", "1:2:4", "-o", w / "x"],
         2,

@@ -150,6 +150,8 @@ def bench(
         min_parity_cosine=min_parity_cosine,
         parity_requested=given_on_command_line("min_parity_cosine"),
     )
+    if given_on_command_line("torch_precision") and "torch" not in settings.backends:
+        raise BadUsage("--torch-precision applies only with the torch backends (--backends torch,...)")
     named = [option for parameter, option in _BASELINE_OPTIONS.items() if given_on_command_line(parameter)]
     if named and baseline is None:  # even at their default values: a script that names them expects a gate
         raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --baseline")

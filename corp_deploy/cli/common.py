@@ -50,6 +50,20 @@ def given_on_command_line(parameter: str) -> bool:
     return click.get_current_context().get_parameter_source(parameter) == click.core.ParameterSource.COMMANDLINE
 
 
+def check_recovery_options_apply(steps: int) -> None:
+    """BadUsage when ``--recover-*`` options are given while no recovery runs (``steps`` 0): they
+    would do nothing."""
+    from ..recovery import RecoveryConfig
+
+    named = [
+        "--" + name.replace("_", "-")
+        for name in RecoveryConfig.setting_names()
+        if name != "recover_steps" and given_on_command_line(name)
+    ]
+    if named and not steps:
+        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --recover-steps N")
+
+
 def command_to_paste(*, argument: str | Path | None = None) -> str:
     """The running command as the user typed it, shell-quoted so that it is safe to paste (a path
     with a space, quotes or ``$(...)`` stays one word and runs nothing). ``argument``: a positional

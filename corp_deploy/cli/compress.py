@@ -15,6 +15,7 @@ from ..parts import PARTS
 from .common import (
     DEFAULT_OUTPUT_ROOT,
     check_apart,
+    check_recovery_options_apply,
     dense_model,
     input_dir,
     results_output,
@@ -167,6 +168,7 @@ def compress(
         **method_options,
     )
     _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
+    check_recovery_options_apply(config.recovery.steps)
     if not config.has_budget and not any(config.sparsity_of(part) for part in config.pruned_parts):
         warn(
             "every sparsity is 0: every dim is kept, and the artifact is the dense model (the exactness "

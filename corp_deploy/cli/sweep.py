@@ -7,7 +7,17 @@ from datetime import timedelta
 import click
 
 from ..config import CompressConfig
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, dense_model, input_dir, results_output, warn_builtin_calibration
+from ..errors import BadUsage
+from .common import (
+    DEFAULT_OUTPUT_ROOT,
+    check_apart,
+    check_recovery_options_apply,
+    dense_model,
+    given_on_command_line,
+    input_dir,
+    results_output,
+    warn_builtin_calibration,
+)
 from .group import cli
 from .options import PATH, Numbers, evaluation_options, model_source_options, recovery_options, timing_options
 
@@ -123,6 +133,9 @@ def sweep(
         ),
         recovery=RecoveryConfig.from_settings(recovery_settings),
     )
+    check_recovery_options_apply(spec.recovery.steps)
+    if given_on_command_line("torch_precision") and "torch" not in spec.bench.backends:
+        raise BadUsage("--torch-precision applies only with the torch backends (--backends torch,...)")
     out_dir = check_output_dir(
         output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
     )
