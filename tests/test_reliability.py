@@ -1883,7 +1883,9 @@ def test_reports_write_null_for_nan_never_bare_nan(tmp_path):
     write_json(tmp_path / "state.json", {"a": float("nan")})  # every other JSON the tool writes
     text = (tmp_path / "r.json").read_text() + (tmp_path / "state.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads((tmp_path / "r.json").read_text()) == expected
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert len(written.pop("sha256_of_the_report_above")) == 64  # the digest that guards against edits
+    assert written == expected
 
 
 def test_the_build_script_quotes_a_timing_cache_path_with_a_newline(work):
