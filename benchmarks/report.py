@@ -350,8 +350,12 @@ def _written_by_bench(path: Path, rendering: str) -> bool:
 _MARKDOWN_DIGEST = "<!-- corp-deploy bench: sha256 {} of the text above -->\n"
 
 
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _signed_markdown(text: str) -> str:
-    return text + _MARKDOWN_DIGEST.format(hashlib.sha256(text.encode()).hexdigest())
+    return text + _MARKDOWN_DIGEST.format(_sha256(text))
 
 
 def _unedited_markdown(text: str) -> bool:
@@ -359,7 +363,7 @@ def _unedited_markdown(text: str) -> bool:
     line last, matching (a report from before the digest line: its title alone)."""
     if not text.startswith(MARKDOWN_TITLE):
         return False
-    if "<!-- corp-deploy bench: sha256 " not in text:
+    if _MARKDOWN_DIGEST.partition("{}")[0] not in text:
         return True
     body, _, _ = text.rstrip("\n").rpartition("\n")
     return _signed_markdown(body + "\n") == text
@@ -372,7 +376,7 @@ _JSON_DIGEST = "sha256_of_the_report_above"
 
 def _signed_json(report: BenchReport) -> str:
     data = report.to_dict()
-    return json_text({**data, _JSON_DIGEST: hashlib.sha256(json_text(data).encode()).hexdigest()})
+    return json_text({**data, _JSON_DIGEST: _sha256(json_text(data))})
 
 
 def _unedited_json(text: str) -> bool:
@@ -384,7 +388,7 @@ def _unedited_json(text: str) -> bool:
     if _JSON_DIGEST not in data:
         return True
     digest = data.pop(_JSON_DIGEST)
-    return hashlib.sha256(json_text(data).encode()).hexdigest() == digest
+    return _sha256(json_text(data)) == digest
 
 
 def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | None = None) -> list[Path]:

@@ -74,7 +74,8 @@ def pad_query_key(model: torch.nn.Module) -> torch.nn.Module:
             w, b = attn.qkv.weight, attn.qkv.bias
             new_w, new_b = padded.qkv.weight, padded.qkv.bias
             new_w.zero_()
-            new_b.zero_() if new_b is not None else None
+            if new_b is not None:
+                new_b.zero_()
             for part in range(2):  # q, k: head h's first dqk dims are the old ones
                 for h in range(H):
                     rows_old = slice(part * H * dqk + h * dqk, part * H * dqk + (h + 1) * dqk)
