@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from corp_deploy.layers import block_head_dims, unfusable_heads, unfusable_heads_text
 
 #: The name of each fused backend by the ATen operator ``scaled_dot_product_attention`` dispatches
 #: to (the CPU's flash kernel has its own operator).
@@ -87,3 +90,22 @@ def lost_fused_kernels(attention: dict[str, dict[str, str]]) -> dict[str, str]:
         for backend, k in attention.items()
         if MATH in k["compressed"] and MATH not in k["dense"]
     }
+
+
+def lost_kernel_warnings(attention: dict[str, dict[str, str]], compressed: nn.Module, dense: nn.Module) -> list[str]:
+    """One warning per backend of :func:`lost_fused_kernels`, with the reason ``compressed`` runs
+    attention unfused there where ``dense`` (its dense base) does not and the compress option that
+    keeps a fused kernel (benchmarks/RESULTS.md "Half precision on a CUDA GPU"): on CUDA, head dims
+    pruned to sizes that are not multiples of 8; on the CPU, whose only fused kernel is flash,
+    query/key head dims unlike the value head dims."""
+    unfusable = unfusable_heads(compressed, block_head_dims(dense))
+    unequal = (
+        "its query/key head dims differ from its value head dims, which PyTorch's flash kernel (the CPU's "
+        "only fused one) refuses; for PyTorch on the CPU compress with --target all --equal-head-dims "
+        "(on CUDA the cuDNN and memory-efficient kernels take unequal dims that are multiples of 8)"
+    )
+    return [
+        f"on {backend} {change}: "
+        + (f"it has {unfusable_heads_text(unfusable)}" if backend != "torch-cpu" and unfusable else unequal)
+        for backend, change in lost_fused_kernels(attention).items()
+    ]

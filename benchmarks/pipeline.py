@@ -8,31 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from corp_deploy import model_transform
-from corp_deploy.layers import unfusable_heads, unfusable_heads_text
 from corp_deploy.resources import check_fits, inference_bytes
 
-from .attention_kernels import lost_fused_kernels
+from .attention_kernels import lost_kernel_warnings
 from .data import check_labels, eval_images
 from .gate import GateLimits, check_comparable, check_same_data, read_baseline, regressions
 from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
 from .targets import calibration_overlap, copied_calibration_images, load_models, resolve_target
-
-
-def _fused_kernel_advice(model, backend: str) -> str:
-    """Why ``model`` (compressed) runs attention unfused on ``backend`` where its dense base does
-    not, and the compress option that keeps a fused kernel (benchmarks/RESULTS.md "Half precision on
-    a CUDA GPU"): on CUDA, head dims that are not multiples of 8; on the CPU, whose only fused kernel
-    is flash, query/key head dims unlike the value head dims."""
-    unfusable = unfusable_heads(model)
-    if backend != "torch-cpu" and unfusable:
-        return f"it has {unfusable_heads_text(unfusable)}"
-    return (
-        "its query/key head dims differ from its value head dims, which PyTorch's flash kernel (the CPU's "
-        "only fused one) refuses; for PyTorch on the CPU compress with --target all --equal-head-dims "
-        "(on CUDA the cuDNN and memory-efficient kernels take unequal dims that are multiples of 8)"
-    )
 
 
 def bench_target(
@@ -83,8 +67,8 @@ def bench_target(
             f"{copies} of the evaluation images are byte-identical copies of calibration images; "
             "fidelity is not held out"
         )
-    for backend, change in lost_fused_kernels(report.attention).items():
-        warn(f"on {backend} {change}: {_fused_kernel_advice(compressed.torch, backend)}")
+    for message in lost_kernel_warnings(report.attention, compressed.torch, dense.torch):
+        warn(message)
     evaluated = report.fidelity.data
     if evaluated.get("files_skipped"):
         warn(

@@ -36,6 +36,7 @@ from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
 
+from .attention_kernels import lost_kernel_warnings
 from .backends import ModelFiles
 from .data import EvalImages, eval_images, folders_overlap
 from .harness import run_bench
@@ -193,10 +194,12 @@ def run_sweep(
     spec: SweepSpec,
     out_dir: str | Path,
     log: Callable[[str], None] = lambda message: None,
+    warn: Callable[[str], None] = lambda message: None,
 ) -> SweepResult | None:
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
-    ``sweep.md`` and ``sweep.png``.
+    ``sweep.md`` and ``sweep.png``. ``log`` says what is being done, ``warn`` what the user should
+    know (a run whose attention lost the dense model's fused kernel, as bench warns).
 
     Under torch.distributed (``torchrun``) the points run one after another, each calibrated on
     every rank's share of the images (:func:`corp_deploy.compress`); the first rank alone writes,
@@ -251,6 +254,8 @@ def run_sweep(
                         log=log,
                     )
                 _paths_relative_to(bench.models, tmp)
+                for message in lost_kernel_warnings(bench.attention, model, dense):
+                    warn(f"{name}: {message}")
                 rows.append(
                     SweepRow(
                         method=method,
@@ -354,6 +359,12 @@ def at_macs(curve: list[tuple[int, float]], macs: int) -> float | None:
     return None
 
 
+def _backend_label(backend: str, result: SweepResult) -> str:
+    """``torch-cpu bf16`` for a torch backend timed in half precision; other backends as named."""
+    precision = result.spec.bench.torch_precision
+    return f"{backend} {precision}" if backend.startswith("torch") and precision != "fp32" else backend
+
+
 def to_markdown(result: SweepResult) -> str:
     name = headline_name(result)
     groups = by_method(result)
@@ -368,7 +379,7 @@ def to_markdown(result: SweepResult) -> str:
         "params (M)",
         "GMACs",
         "MAC-ideal speedup",
-        *[f"{b} speedup b{n} (of ideal)" for b in backends for n in batches],
+        *[f"{_backend_label(b, result)} speedup b{n} (of ideal)" for b in backends for n in batches],
         name,
     ]
     f = result.rows[0].fidelity
@@ -377,7 +388,8 @@ def to_markdown(result: SweepResult) -> str:
         "",
         f"{result.created}; machine {result.machine.cpu}, {result.machine.torch_threads} "
         f"threads. Fidelity on {f.images} images ({f.data.get('path', 'bundled photos')}, "
-        f"{'held out' if f.held_out else 'NOT held out'} from calibration).",
+        f"{'held out' if f.held_out else 'NOT held out'} from calibration). PyTorch timed in "
+        f"{result.spec.bench.torch_precision}.",
         "",
         "## Every run",
         "",

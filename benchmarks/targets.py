@@ -6,6 +6,7 @@ from pathlib import Path
 
 from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
 from corp_deploy.artifact import CONFIG_FILE, recorded_checksums
+from corp_deploy.outputs import read_record
 from exporters.manifest import MANIFEST, model_files, read_manifest
 from exporters.precision import PRECISIONS
 
@@ -15,8 +16,8 @@ from .data import folders_overlap
 
 def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
     """``(artifact, export directory or None)`` for an artifact, an export directory, or None
-    (the most recent artifact). An artifact's export is ``export-fp32`` inside it, else the
-    first other ``export-*``; an export's artifact is the one it lies in, else the one its
+    (the most recent artifact). An artifact's export is the first ``export-*`` inside it by
+    :func:`_export_preference` (``export-fp32`` first); an export's artifact is the one it lies in, else the one its
     manifest names. The export must have been made from exactly that artifact (its
     ``config.json`` and weights have the SHA-256s the manifest recorded)."""
     if path is None:
@@ -30,12 +31,22 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
         check_made_from(artifact, path, manifest)
         return artifact, path
     read_config(path)
-    exports = sorted(p for p in path.glob("export-*") if (p / MANIFEST).is_file())
-    preferred = [p for p in exports if p.name == "export-fp32"] + exports
-    if not preferred:
+    # an export is known by its export.json or by its record (one whose export.json was removed is damaged, not absent)
+    exports = [p for p in path.glob("export-*") if (p / MANIFEST).is_file() or read_record(p) is not None]
+    if not exports:
         return path, None
-    check_made_from(path, preferred[0], read_manifest(preferred[0]))
-    return path, preferred[0]
+    export = min(exports, key=_export_preference)
+    check_made_from(path, export, read_manifest(export))
+    return path, export
+
+
+def _export_preference(export: Path) -> tuple[int, str]:
+    """The order bench picks an artifact's exports in: ``export-fp32``, then the other precisions
+    ONNX Runtime's CPU provider runs (in :data:`~exporters.precision.PRECISIONS` order: fp16, int8),
+    then the rest (bf16, exports of other names) by name."""
+    runs_on_cpu = [name for name, precision in PRECISIONS.items() if not precision.not_on_cpu]
+    named = export.name.removeprefix("export-")
+    return (runs_on_cpu.index(named) if named in runs_on_cpu else len(runs_on_cpu), export.name)
 
 
 def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:

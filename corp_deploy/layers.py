@@ -252,15 +252,29 @@ def head_dims(attn: nn.Module) -> tuple[int, int]:
 FUSED_HEAD_DIM_MULTIPLE = 8
 
 
-def unfusable_heads(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """``{block index: (query/key, value) head dims}`` of the :class:`PrunedAttention` layers in
-    ``model.blocks`` whose head dims are not multiples of :data:`FUSED_HEAD_DIM_MULTIPLE`: PyTorch
-    runs their attention unfused on CUDA (empty for a model without any)."""
+def block_head_dims(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """``{block index: (query/key, value) head dims}`` of the attention of every block in
+    ``model.blocks`` (:func:`head_dims`; empty for a model without ``blocks``)."""
     return {
-        i: (block.attn.qk_head_dim, block.attn.v_head_dim)
+        i: head_dims(block.attn)
         for i, block in enumerate(getattr(model, "blocks", ()))
-        if isinstance(getattr(block, "attn", None), PrunedAttention)
-        and (block.attn.qk_head_dim % FUSED_HEAD_DIM_MULTIPLE or block.attn.v_head_dim % FUSED_HEAD_DIM_MULTIPLE)
+        if isinstance(getattr(block, "attn", None), nn.Module)
+    }
+
+
+def unfusable_heads(model: nn.Module, dense_head_dims: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """``{block index: (query/key, value) head dims}`` of the blocks of ``model`` where compression
+    changed a head dim from the dense model's (``dense_head_dims``, :func:`block_head_dims` of the
+    dense model) to one that is not a multiple of :data:`FUSED_HEAD_DIM_MULTIPLE`: PyTorch runs
+    their attention unfused on CUDA. Dims the dense model has itself are not counted (no compress
+    option changes them)."""
+    return {
+        i: dims
+        for i, dims in block_head_dims(model).items()
+        if any(
+            kept != dense and kept % FUSED_HEAD_DIM_MULTIPLE
+            for kept, dense in zip(dims, dense_head_dims.get(i, dims), strict=True)
+        )
     }
 
 
@@ -269,7 +283,8 @@ def unfusable_heads_text(heads: dict[int, tuple[int, int]]) -> str:
     shown = ", ".join(f"block {i}: {qk}/{v}" for i, (qk, v) in list(heads.items())[:3])
     more = f" and {len(heads) - 3} more" if len(heads) > 3 else ""
     return (
-        f"query/key or value head dims that are not multiples of {FUSED_HEAD_DIM_MULTIPLE} ({shown}{more}): "
+        f"head dims (query/key/value) pruned to sizes that are not multiples of {FUSED_HEAD_DIM_MULTIPLE} "
+        f"({shown}{more}): "
         "PyTorch's fused attention kernels on CUDA refuse them and the unfused path is slow (in half "
         "precision it made the compressed model slower than the dense one); for CUDA, compress with "
         f"--round-to {FUSED_HEAD_DIM_MULTIPLE}"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.documents import DocumentFormat, library_versions
-from corp_deploy.outputs import read_recorded_json, verify_files
+from corp_deploy.outputs import read_record, read_recorded_json, verify_files
 
 MANIFEST = "export.json"
 #: 2: the export folder has a record of every file (version 1 had none and is not read).
@@ -26,7 +26,7 @@ def read_manifest(folder: str | Path) -> dict:
     """The ``export.json`` of an export directory, checked against the export's record."""
     folder = Path(folder)
     path = folder / MANIFEST
-    if not path.is_file():
+    if not path.is_file() and read_record(folder) is None:  # with a record: "export.json is missing"
         raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
     manifest = read_recorded_json(folder, "export", MANIFEST_FORMAT)
     problem = _manifest_problem(manifest)

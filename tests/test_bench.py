@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from benchmarks.data import eval_images, folders_overlap
 from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
 from benchmarks.results import BenchReport
-from benchmarks.targets import resolve_target
+from benchmarks.targets import _export_preference, resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
 
 FAST = ["--backends", "torch,ort,trt", "--batch", "1,3", "--min-time", "0.02", "--warmup", "1", "--data-samples", "6"]
@@ -249,6 +250,12 @@ def test_accuracy_on_a_labelled_image_folder(tmp_path, small_vit):
     Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "birds" / "0.png")
     with pytest.raises(CorpError, match="missing from .*class_index.json"):
         eval_images(tmp_path, transform, limit=10)
+
+
+def test_an_artifacts_export_is_one_onnx_runtime_runs_on_the_cpu_first():
+    names = ["export-bf16", "export-mine", "export-int8", "export-fp16", "export-fp32"]
+    ordered = sorted((Path("art") / name for name in names), key=_export_preference)
+    assert [p.name for p in ordered] == ["export-fp32", "export-fp16", "export-int8", "export-bf16", "export-mine"]
 
 
 def test_targets_and_bad_inputs(artifact, tmp_path, other_tiny_artifact, run_cli):

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.attention_kernels import attention_kernels, kernel_summary, lost_fused_kernels
 from benchmarks.results import BenchReport, BenchSettings
 from corp_deploy import CompressConfig, CorpError, compress
-from corp_deploy.layers import unfusable_heads, unfusable_heads_text
+from corp_deploy.layers import block_head_dims, unfusable_heads, unfusable_heads_text
 from exporters.runners import BackendUnavailable, TorchRunner
 from tests.helpers import SMALL_VIT_CLI_ARGS
 
@@ -68,17 +68,34 @@ def test_unequal_head_dims_lose_the_flash_kernel_and_bench_says_so(small_vit, ba
     assert lost_fused_kernels({"torch-cpu": {"dense": "flash x2", "compressed": "cudnn x2"}}) == {}
 
 
-def test_head_dims_that_are_not_multiples_of_8_are_found(small_vit, batches):
-    """16 head dims at s = 0.3 keep 11 (no fused kernel takes them); --round-to 8 keeps 8."""
+def test_head_dims_pruned_to_sizes_that_are_not_multiples_of_8_are_found(small_vit, batches):
+    """16 head dims at s = 0.3 keep 11 (no fused kernel on CUDA takes them); --round-to 8 keeps 8."""
     dense = small_vit()
+    dense_dims = block_head_dims(dense)
+    assert dense_dims == {0: (16, 16), 1: (16, 16)}
     odd, _ = compress(dense, batches, CompressConfig.from_settings(sparsity=0.3))
-    assert unfusable_heads(odd) == {0: (11, 16), 1: (11, 16)}
-    assert "(block 0: 11/16, block 1: 11/16)" in unfusable_heads_text(unfusable_heads(odd))
-    assert "--round-to 8" in unfusable_heads_text(unfusable_heads(odd))
+    assert unfusable_heads(odd, dense_dims) == {0: (11, 16), 1: (11, 16)}
+    assert "(block 0: 11/16, block 1: 11/16)" in unfusable_heads_text(unfusable_heads(odd, dense_dims))
+    assert "--round-to 8" in unfusable_heads_text(unfusable_heads(odd, dense_dims))
     aligned, _ = compress(dense, batches, CompressConfig.from_settings(sparsity=0.3, round_to=8))
-    assert unfusable_heads(aligned) == {} and unfusable_heads(dense) == {}
+    assert unfusable_heads(aligned, dense_dims) == {} and unfusable_heads(dense, dense_dims) == {}
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         assert attention_kernels(odd, batches[0][:2]) == ["math", "math"]
+
+
+def test_a_base_models_own_head_dims_are_not_blamed_on_compression(small_vit, batches):
+    """Head dims of 12 (48 wide, 4 heads) are the base model's: unpruned (--target mlp, or the value
+    dims left whole) they are not counted; query/key pruned to 6 are, to 8 are not."""
+    dense = small_vit(num_heads=4)
+    dense_dims = block_head_dims(dense)
+    assert dense_dims == {0: (12, 12), 1: (12, 12)}
+    for settings, expected in (
+        ({"sparsity": 0.5, "target": "mlp"}, {}),
+        ({"sparsity": 0.5, "round_to": 8}, {}),  # 8/12: the 12 is the dense value dim
+        ({"sparsity": 0.5}, {0: (6, 12), 1: (6, 12)}),
+    ):
+        compressed, _ = compress(dense, batches, CompressConfig.from_settings(**settings))
+        assert unfusable_heads(compressed, dense_dims) == expected, settings
 
 
 def test_bench_in_bf16_records_precision_parity_and_kernels(tiny_artifact, tmp_path, run_cli):
@@ -123,6 +140,6 @@ def test_compress_warns_about_head_dims_no_fused_kernel_takes(tmp_path, run_cli)
     common = ["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 8, "--s", 0.3]
     result, text = run_cli([*common, "-o", tmp_path / "odd"], tmp_path / "state")
     assert result.exit_code == 0, text
-    assert "head dims that are not multiples of 8 (block 0: 11/16, block 1: 11/16)" in " ".join(text.split())
+    assert "pruned to sizes that are not multiples of 8 (block 0: 11/16, block 1: 11/16)" in " ".join(text.split())
     result, text = run_cli([*common, "--round-to", 8, "-o", tmp_path / "aligned"], tmp_path / "state")
     assert result.exit_code == 0 and "multiples of 8" not in text, text

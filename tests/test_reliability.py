@@ -917,6 +917,21 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--recover-patience, --recover-blend apply only with --recover-steps N",
     ),
+    "compress-unit-floor-without-a-budget": Refusal(
+        lambda w: [*BASE, "--unit-floor", 0.5, "-o", w / "o"],
+        2,
+        "--unit-floor is a floor on the sizes a MAC budget chooses; it applies only with --macs or --speedup",
+    ),
+    "compress-refit-shrink-without-the-refit": Refusal(
+        lambda w: [*BASE, "--calibration", "sequential", "--refit-shrink", 3, "-o", w / "o"],
+        2,
+        "--refit-shrink is the drift refit's ridge; it does nothing without the refit",
+    ),
+    "bench-an-export-whose-export-json-was-removed": Refusal(
+        lambda w: (w / "art" / "export-fp32" / "export.json").unlink() or ["bench", w / "art", *BENCH],
+        1,
+        "export.json is missing (it is listed in corp-deploy-record.json)",
+    ),
     "bench-torch-precision-without-torch": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--backends", "ort", "--torch-precision", "bf16"],
         2,

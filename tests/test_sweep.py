@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.sweep import at_macs
 from corp_deploy import read_config
@@ -188,3 +189,25 @@ def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path,
     with pytest.raises(CorpError, match="under torchrun a sweep runs only corp, uncompensated, vbp"):
         run_sweep(small_vit(), {}, spec, tmp_path / "sweep")
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_sweep_in_half_precision_says_so_and_warns_of_a_lost_fused_kernel(tmp_path, run_cli):
+    """As bench does: the precision in sweep.md, and the warning when the compressed model's
+    attention runs math where the dense model's does not (forced to flash or math, so the oracle
+    does not depend on the kernel PyTorch would pick: flash needs equal head dims, 11/16 are not)."""
+    out = tmp_path / "sweep"
+    args = ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.3", "--methods", "corp"]
+    args += ["--calib-samples", 8, "--data-samples", 2, "--backends", "torch", "--batch", "1", "--min-time", 0.01]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        result, text = run_cli([*args, "--torch-precision", "bf16", "-o", out], tmp_path / "state")
+    assert result.exit_code == 0, text
+    table = (out / "sweep.md").read_text()
+    assert "PyTorch timed in bf16." in table and "| torch-cpu bf16 speedup b1 (of ideal) |" in table
+    assert json.loads((out / "sweep.json").read_text())["rows"][0]["bench"]["attention"]["torch-cpu"] == {
+        "dense": "flash x2",
+        "compressed": "math x2",
+    }
+    assert "corp-s0.3: on torch-cpu the compressed model's attention runs math x2, the dense model's flash x2: " in (
+        " ".join(text.split())
+    )

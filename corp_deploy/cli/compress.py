@@ -149,7 +149,7 @@ def compress(
     from ..artifact import record_latest
     from ..calibration import CalibrationSpec
     from ..engine import resolve_device, summary_tables
-    from ..layers import unfusable_heads, unfusable_heads_text
+    from ..layers import block_head_dims, unfusable_heads, unfusable_heads_text
     from ..outputs import check_output_dir
     from ..workflow import compress_to_artifact
 
@@ -182,6 +182,7 @@ def compress(
     try:
         first = distributed.rank() == 0
         dense, base_model = dense_model(model, model_args, checkpoint, no_pretrained, seed)
+        dense_head_dims = block_head_dims(dense)  # before in_place compression replaces its attention
         if calib is None and first:
             warn_builtin_calibration()
         result = compress_to_artifact(
@@ -199,7 +200,7 @@ def compress(
         return
     for message in result.calibration_warnings():
         warn(message)
-    unfusable = unfusable_heads(result.model)
+    unfusable = unfusable_heads(result.model, dense_head_dims)
     if unfusable:
         warn(f"the artifact has {unfusable_heads_text(unfusable)}")
     warn(record_latest(result.path))

@@ -16,6 +16,7 @@ from .common import (
     given_on_command_line,
     input_dir,
     results_output,
+    warn,
     warn_builtin_calibration,
 )
 from .group import cli
@@ -147,7 +148,12 @@ def sweep(
         if calib is None and first:
             warn_builtin_calibration()
         result = run_sweep(
-            dense, base_model, spec, out_dir, log=lambda message: click.echo(message, err=True) if first else None
+            dense,
+            base_model,
+            spec,
+            out_dir,
+            log=lambda message: click.echo(message, err=True) if first else None,
+            warn=warn,
         )
     finally:
         distributed.shutdown()

@@ -126,6 +126,13 @@ class CorpOptions(MethodOptions):
             )
         if not 0.0 <= self.unit_floor <= 1.0:
             raise SettingError(f"{{setting}} must be in [0, 1], got {self.unit_floor!r}", "unit_floor")
+        if self.unit_floor != CorpOptions.unit_floor and not self.has_budget:
+            raise SettingError(
+                "{setting} is a floor on the sizes a MAC budget chooses; it applies only with {setting} or {setting}",
+                "unit_floor",
+                "macs",
+                "speedup",
+            )
 
     def _check_budget(self) -> None:
         if self.macs is not None and self.speedup is not None:
@@ -165,6 +172,15 @@ class CorpOptions(MethodOptions):
                 "refit",
                 "compensation",
                 "refit",
+            )
+        if self.refit == "none" and self.refit_shrink != CorpOptions.refit_shrink:
+            raise SettingError(
+                "{setting} is the drift refit's ridge; it does nothing without the refit ({setting} none, "
+                "the default with {setting} sequential or {setting})",
+                "refit_shrink",
+                "refit",
+                "calibration",
+                "compensation",
             )
         if not self.equal_head_dims:
             return
