@@ -61,7 +61,8 @@ def compress(
         model: a timm ``VisionTransformer`` (dense).
         calibration_batches: iterable of preprocessed image batches ``(B, 3, H, W)``.
         config: what to prune and how.
-        progress: show a progress bar on stderr.
+        progress: show progress on stderr: bars on a terminal; elsewhere (a CI log) one line per
+            validation measurement of a recovery.
         in_place: compress ``model`` itself instead of a copy (the returned model is ``model``; after
             a failure it is left part-compressed): one copy of the weights less in memory (a
             recovery still copies the dense model, its teacher).
@@ -284,20 +285,24 @@ class _PhaseTimer:
 
 
 class _Progress:
-    """Progress on stderr: images loaded and embedded, then blocks calibrated (no-op if disabled)."""
+    """Progress on stderr: images loaded and embedded, then blocks calibrated (no-op if disabled or
+    when stderr is not a terminal)."""
 
     def __init__(self, enabled: bool) -> None:
         self._bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        console = Console(stderr=True)
+        if console.is_terminal:
             self._bar = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                console=Console(stderr=True),
+                console=console,
             )
             self._images = self._bar.add_task("loading calibration images", total=None)
 

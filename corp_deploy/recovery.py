@@ -469,7 +469,8 @@ def recover(
     holds the best weights, in eval mode (also after a failure: compression's weights then).
     ``on_measure(step, student)``, if given, is called at each validation measurement (step 0
     included) with the student holding the weights measured, the blended ones (for studies and
-    logging; it must not train)."""
+    logging; it must not train). ``progress``: show progress on stderr (a bar on a terminal, else
+    one line per validation measurement)."""
     check_instance("config", config, RecoveryConfig)
     check_teacher(student, teacher)
     world = distributed.world_size()
@@ -555,23 +556,31 @@ class _Batches:
 
 
 class _Progress:
-    """Progress on stderr: steps, the running loss, the last validation cosine, time left."""
+    """Progress on stderr: on a terminal a bar with the steps, the running loss, the last validation
+    cosine and the time left; elsewhere (a CI log) one line per validation measurement."""
 
     def __init__(self, enabled: bool, steps: int, start_cosine: float) -> None:
-        self._bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self._bar = self._console = None
+        self._steps, self._done, self._loss, self._started = steps, 0, float("nan"), time.perf_counter()
+        if not enabled:
+            return
+        from rich.console import Console
 
-            self._bar = Progress(
-                TextColumn("recovering"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}  validation cosine {task.fields[cosine]}"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self._task = self._bar.add_task("", total=steps, loss="-", cosine=f"{start_cosine:.4f}")
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            self._console = console
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(
+            TextColumn("recovering"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  validation cosine {task.fields[cosine]}"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self._task = self._bar.add_task("", total=steps, loss="-", cosine=f"{start_cosine:.4f}")
 
     def __enter__(self) -> _Progress:
         if self._bar is not None:
@@ -583,12 +592,22 @@ class _Progress:
             self._bar.stop()
 
     def step(self, loss: float) -> None:
+        self._done, self._loss = self._done + 1, loss
         if self._bar is not None:
             self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
 
     def validated(self, cosine: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, cosine=f"{cosine:.4f}")
+        elif self._console is not None:
+            elapsed = time.perf_counter() - self._started
+            left = elapsed / self._done * (self._steps - self._done)
+            self._console.print(
+                f"recovering: step {self._done}/{self._steps}, loss {self._loss:.4f}, validation cosine "
+                f"{cosine:.4f}, {elapsed:.0f} s so far, about {left:.0f} s left",
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def recovery_table(report: dict, path=None):

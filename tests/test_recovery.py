@@ -282,6 +282,8 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
     result, text = run_cli(["recover", tiny_artifact, *quick, "-o", tmp_path / "r"], state)
     assert result.exit_code == 0, text
     assert "validation output cosine" in text
+    # not on a terminal (a CI log): one line per validation measurement instead of a bar
+    assert "recovering: step 1/3, loss " in text and "recovering: step 3/3, loss " in text
     for out in (tmp_path / "c", tmp_path / "r"):
         config, report = read_config(out), read_report(out)
         assert config["settings"]["recover_steps"] == 3 and 1 <= report["recovery"]["steps_run"] <= 3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -191,7 +190,7 @@ def compress(
             calibration,
             out_dir,
             base_model=base_model,
-            progress=sys.stderr.isatty() and first,
+            progress=first,  # a bar on a terminal; elsewhere recovery logs its measurements
             in_place=True,  # the CLI needs no dense copy: one copy of the weights less
         )
     finally:

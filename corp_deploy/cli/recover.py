@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from .common import DEFAULT_OUTPUT_ROOT, check_apart, input_dir, results_output, warn
@@ -72,7 +70,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
         out_dir,
         calibration=calibration,
         device=device,
-        progress=sys.stderr.isatty(),
+        progress=True,  # a bar on a terminal; elsewhere one line per validation measurement
     )
     for message in result.calibration_warnings():
         warn(message)
