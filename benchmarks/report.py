@@ -92,7 +92,7 @@ def to_markdown(report: BenchReport) -> str:
         "",
         f"MAC-ideal speedup: {report.ideal_speedup:.3f}x.",
         "",
-        f"## Latency (dense and compressed timed interleaved; PyTorch in {_torch_precision(report)})",
+        f"## Latency (dense and compressed timed interleaved{_torch_precision(report, '; PyTorch in ')})",
         "",
         "| " + " | ".join(LATENCY_HEADER) + " |",
         "|" + "---|" * len(LATENCY_HEADER),
@@ -132,8 +132,13 @@ def to_markdown(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def _torch_precision(report: BenchReport) -> str:
-    return report.settings.torch_precision if report.settings is not None else "fp32"
+def _torch_precision(report: BenchReport, lead: str) -> str:
+    """``lead`` and the precision the PyTorch backends ran in; empty when the run had none (a
+    report from before the precision was recorded ran fp32)."""
+    settings = report.settings
+    if settings is not None and "torch" not in settings.backends:
+        return ""
+    return lead + (settings.torch_precision if settings is not None else "fp32")
 
 
 def int8_markdown(int8: Int8Result | None) -> list[str]:
@@ -222,9 +227,8 @@ def print_terminal(report: BenchReport, console: Console | None = None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(
-        title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x; PyTorch {_torch_precision(report)})"
-    )
+    torch_precision = _torch_precision(report, "; PyTorch ")
+    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x{torch_precision})")
     for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
         table.add_column(column, justify="left" if column == "backend" else "right")
     for r in report.latency:

@@ -423,6 +423,21 @@ class CalibrationImages:
         return sorted(set(self._digests))
 
 
+def summary_warnings(summary: dict) -> list[str]:
+    """What the user should hear about a calibration read (:meth:`CalibrationImages.summary`, also
+    an int8 export's record of its images): unreadable files skipped, fewer images used than asked for."""
+    warnings = []
+    if summary["files_skipped"]:
+        reasons = "; ".join(summary["skipped_examples"][:3])
+        warnings.append(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
+    if summary["images_used"] < summary["images_requested"]:
+        warnings.append(
+            f"calibrated on {summary['images_used']} images, fewer than the {summary['images_requested']} "
+            "asked for (--calib-samples): the directory has no more readable images"
+        )
+    return warnings
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     """Which unlabelled images calibrate a compression, and how they are read.

@@ -9,7 +9,7 @@ from typing import Any
 from .errors import SettingError, check_choice, check_instance, check_setting_types
 from .methods import METHODS, MethodOptions, option_defaults, option_owners
 from .parts import PARTS, TARGET_PARTS, TARGETS, Part
-from .recovery import RecoveryConfig
+from .recovery import SETTING_PREFIX, RecoveryConfig
 
 __all__ = ["DEFAULT_SPARSITY", "TARGETS", "TARGET_PARTS", "CompressConfig"]
 
@@ -42,7 +42,8 @@ class CompressConfig:
         s_attn: fraction of query/key dims removed in every attention head (``toast``: of
             query/key and of value dims), in [0, 1).
         s_vo: fraction of value dims (with their output-projection columns) removed in every
-            head, in [0, 1). Each sparsity defaults to ``sparsity``, else to 0.5 without a budget.
+            head, in [0, 1). Each sparsity defaults to ``sparsity``, else to 0.5 without a budget;
+            a part the target (or method) leaves whole has sparsity 0 (above 0 is refused).
         target: which parts are pruned (:data:`~corp_deploy.parts.TARGET_PARTS`); the other parts keep their
             dense weights whatever their sparsity says. ``None`` picks the method's default
             (``all`` for CORP with a budget).
@@ -117,13 +118,60 @@ class CompressConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise SettingError(f"{{setting}} must be in [0, 1), got {value!r}", name)
-            if name != "sparsity" and value is None and not self.has_budget:
-                object.__setattr__(self, name, DEFAULT_SPARSITY if self.sparsity is None else self.sparsity)
+        self._check_sparsities_apply(method)
+        self._check_recovery_applies()
+        for part in PARTS.values():  # the parts the target leaves whole keep every dim: 0
+            if getattr(self, part.setting) is None and not self.has_budget:
+                joint = DEFAULT_SPARSITY if self.sparsity is None else self.sparsity
+                object.__setattr__(self, part.setting, joint if part.name in self.parts else 0.0)
         if self.round_to < 1:
             raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise SettingError(f"{{setting}} must be 'cpu' or 'cuda', got {self.device!r}", "device")
         self.options.check(self)
+
+    def _check_sparsities_apply(self, method) -> None:
+        """Refuse a part's own sparsity above 0 (``s_attn``, ...) for a part that the target, or
+        the method, leaves whole: the artifact would record a sparsity that was never applied."""
+        for part in PARTS.values():
+            if not getattr(self, part.setting) or part.name in self.parts:
+                continue
+            if not any(part.name in TARGET_PARTS[target] for target in method.targets):
+                others = [m.name for m in METHODS.values() if any(part.name in TARGET_PARTS[t] for t in m.targets)]
+                raise SettingError(
+                    f"{{setting}} {self.method} prunes {method.prunes} only; {{setting}} has no meaning for it "
+                    f"(use {{setting}} {' or '.join(others)})",
+                    "method",
+                    part.setting,
+                    "method",
+                )
+            raise SettingError(
+                f"{{setting}} has no effect with {{setting}} {self.target}, which prunes "
+                f"{' and '.join(self.parts)} only: choose a {{setting}} that includes it, or leave {{setting}} out",
+                part.setting,
+                "target",
+                "target",
+                part.setting,
+            )
+
+    def _check_recovery_applies(self) -> None:
+        """Refuse recovery settings other than their defaults when the recovery is off (0 steps):
+        they would do nothing and not be recorded. (Its seed is the compression's: not counted.)"""
+        if self.recovery.enabled:
+            return
+        default = RecoveryConfig(seed=self.recovery.seed)
+        changed = [
+            SETTING_PREFIX + f.name
+            for f in dataclasses.fields(RecoveryConfig)
+            if getattr(self.recovery, f.name) != getattr(default, f.name)
+        ]
+        if changed:
+            raise SettingError(
+                f"{', '.join('{setting}' for _ in changed)} {'applies' if len(changed) == 1 else 'apply'} only "
+                "with {setting} N > 0 (the recovery is off)",
+                *changed,
+                SETTING_PREFIX + "steps",
+            )
 
     @classmethod
     def from_settings(cls, **settings: Any) -> CompressConfig:
@@ -154,6 +202,9 @@ class CompressConfig:
         the calibration's, left out here)."""
         known = {field.name for field in dataclasses.fields(cls)} - {"options", "sparsity", "recovery"}
         known |= {*option_owners(), *RecoveryConfig.setting_names()}
+        target = settings.get("target")
+        if target in TARGET_PARTS:  # the sparsities of the parts it left whole were filled in, not given
+            known -= {part.setting for part in PARTS.values() if part.name not in TARGET_PARTS[target]}
         return cls.from_settings(**{name: value for name, value in settings.items() if name in known})
 
     @property

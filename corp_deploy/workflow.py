@@ -17,12 +17,12 @@ from torch import nn
 
 from . import distributed
 from .artifact import WEIGHTS_FILE, base_model_spec, load_base_model, read_config, save_artifact
-from .calibration import CalibrationImages, CalibrationSpec, model_transform
+from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
 from .config import CompressConfig
 from .engine import compress
-from .errors import CorpError, check_instance
+from .errors import CorpError, SettingError, check_instance
 from .outputs import check_apart, verify_files
-from .recovery import RecoveryConfig
+from .recovery import SETTING_PREFIX, RecoveryConfig
 from .resources import check_fits, compress_bytes
 
 
@@ -45,18 +45,8 @@ class CompressedArtifact:
     calibration: dict
 
     def calibration_warnings(self) -> list[str]:
-        """What the user should hear about the calibration: unreadable files skipped, fewer
-        images used than asked for."""
-        summary, warnings = self.calibration, []
-        if summary["files_skipped"]:
-            reasons = "; ".join(summary["skipped_examples"][:3])
-            warnings.append(f"skipped {summary['files_skipped']} unreadable calibration files ({reasons})")
-        if summary["images_used"] < summary["images_requested"]:
-            warnings.append(
-                f"calibrated on {summary['images_used']} images, fewer than the {summary['images_requested']} "
-                "asked for (--calib-samples): the directory has no more readable images"
-            )
-        return warnings
+        """What the user should hear about the calibration (:func:`~corp_deploy.calibration.summary_warnings`)."""
+        return summary_warnings(self.calibration)
 
 
 class HeldImages:
@@ -149,15 +139,21 @@ def recover_artifact(
     cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). An artifact that was already
     recovered is refused: recover the one compress wrote, with the new settings."""
     check_instance("recovery", recovery, RecoveryConfig)
+    if not recovery.enabled:
+        raise SettingError(
+            "{setting} must be at least 1 to recover an artifact (0 is off: the artifact is what compress wrote)",
+            SETTING_PREFIX + "steps",
+        )
     if calibration is not None:
         check_instance("calibration", calibration, CalibrationSpec)
     config = read_config(artifact)
     verify_files(artifact, "artifact", [WEIGHTS_FILE])  # not read, but a damaged artifact is not recovered
     settings = config["settings"]
     if settings.get("recover_steps"):
+        steps = settings["recover_steps"]
         raise CorpError(
-            f"{artifact} was already recovered ({settings['recover_steps']} steps); recover the artifact "
-            "compress wrote, with more --steps if needed"
+            f"{artifact} was already recovered ({steps} step{'s' if steps != 1 else ''}); recover the artifact "
+            "compress wrote instead, with more steps if needed (--recover-steps)"
         )
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})

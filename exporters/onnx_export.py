@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import os
 import tempfile
 import warnings
@@ -181,12 +182,17 @@ def _exporter_failure(opset: int, exporter: str):
 def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: int, exporter: str) -> None:
     """Trace ``model`` on ``example`` into ``path`` (weights may land in files beside it).
 
-    The exporters' own progress lines and deprecation/tracer warnings are swallowed: the
-    result is checked afterwards (``onnx.checker``, shape inference, and the parity gate at
-    batch sizes other than the traced one).
+    The exporters' own progress lines, deprecation/tracer warnings and log warnings (e.g. that an
+    opset below 18 is converted from 18) are swallowed: the result is checked afterwards
+    (``onnx.checker``, shape inference, and the parity gate at batch sizes other than the traced one).
     """
     common = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset)
-    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with (
+        torch.no_grad(),
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        _quiet_loggers("torch.onnx", "onnxscript"),
+    ):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             batch = torch.export.Dim(BATCH_AXIS, min=1, max=1 << 16)
@@ -209,6 +215,20 @@ def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: in
                 dynamic_axes={INPUT_NAME: {0: BATCH_AXIS}, OUTPUT_NAME: {0: BATCH_AXIS}},
                 **common,
             )
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    """Only errors from the loggers ``names`` (and their children) inside the block."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _describe(value) -> dict:

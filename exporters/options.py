@@ -82,9 +82,11 @@ class ExportOptions:
             takes_int8,
         )
         if self.int8 is not None and not takes_int8:
-            raise BadUsage(
-                f"the int8 options ({', '.join(Int8Options.flags().values())}) apply only with "
-                f"--precision int8, not {self.precision}"
+            raise SettingError(
+                f"the int8 options ({{setting}}: calibration, keep-float, smoothing, activations, calibration images) "
+                f"apply only with {{setting}} int8, not {self.precision}",
+                "int8",
+                "precision",
             )
         if self.int8 is None and takes_int8:
             object.__setattr__(self, "int8", Int8Options())
@@ -100,12 +102,21 @@ class ExportOptions:
             cache = Path(self.timing_cache)
             if cache.is_dir() or not cache.parent.is_dir():
                 raise CorpError(
-                    f"--timing-cache {cache}: "
-                    + ("a directory, not a file" if cache.is_dir() else f"its folder {cache.parent} does not exist")
+                    f"the TensorRT timing cache {cache} is "
+                    + (
+                        "a directory, not a file"
+                        if cache.is_dir()
+                        else f"in a folder that does not exist: {cache.parent}"
+                    )
                 )
             object.__setattr__(self, "timing_cache", cache.resolve())
         if not self.trt and (self.workspace_gb is not None or self.timing_cache is not None):
-            raise BadUsage("--workspace and --timing-cache configure the TensorRT build; they apply only with --trt")
+            raise SettingError(
+                "{setting} and {setting} configure the TensorRT build; they apply only with {setting}",
+                "workspace_gb",
+                "timing_cache",
+                "trt",
+            )
 
     def _take_legacy_int8_keywords(self, values: dict[str, object], takes_int8: bool) -> None:
         """Set ``int8`` from the flat keywords given (``values``: by keyword, unset ones

@@ -321,8 +321,8 @@ def check_parity(
         )
         raise ParityError(
             f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
-            "Nothing was written. Loosen the limits with --atol / --min-cosine only if this "
-            "precision loss is acceptable."
+            "Nothing was written. Loosen the limit that failed (--atol, --min-cosine, --min-top1) only if "
+            "this precision loss is acceptable."
         )
     return results
 

@@ -100,7 +100,7 @@ def test_round_to_and_split_sparsities(vit, batches):
 
 
 def test_target_mlp_keeps_timm_attention(vit, batches):
-    model, _ = compress(vit, batches, CompressConfig(s_mlp=0.5, s_attn=0.5, target="mlp"))
+    model, _ = compress(vit, batches, CompressConfig(s_mlp=0.5, target="mlp"))
     assert all(type(b.attn).__name__ == "Attention" for b in model.blocks)
     assert all(b.mlp.fc1.out_features == 96 for b in model.blocks)
 

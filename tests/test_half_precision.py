@@ -124,6 +124,7 @@ def test_fp16_without_a_gpu_skips_every_torch_backend_with_the_reason(tiny_artif
     assert result.exit_code == 0, text
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["latency"] == [] and report["backends"]["torch-cpu"]["reason"].startswith("fp16 is timed on CUDA")
+    assert "nothing was timed: every backend asked for was skipped" in " ".join(text.split())
 
 
 def test_a_precision_bench_does_not_know_is_refused():

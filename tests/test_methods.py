@@ -18,6 +18,7 @@ from corp_deploy import (
     read_config,
     save_artifact,
 )
+from corp_deploy.errors import SettingError
 from exporters import ExportOptions, export_artifact
 from tests.helpers import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
 
@@ -191,6 +192,22 @@ def test_flat_settings_round_trip_through_the_method_options(settings):
     flat = config.to_dict()
     assert {name: flat[name] for name in settings} == settings
     assert CompressConfig.from_settings(**flat) == config
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(target="mlp", s_attn=0.3), "s_attn has no effect with target mlp, which prunes mlp only"),
+        (dict(s_vo=0.3), "s_vo has no effect with target both, which prunes mlp and qk only"),
+        (dict(method="vbp", s_attn=0.3), "method vbp prunes MLP hidden channels only; s_attn has no meaning for it"),
+    ],
+)
+def test_a_sparsity_of_a_part_left_whole_is_refused(settings, message):
+    """Above 0 it would be recorded and never applied; 0 is what a part left whole records."""
+    with pytest.raises(SettingError, match=message):
+        CompressConfig.from_settings(**settings)
+    config = CompressConfig(target="mlp", s_mlp=0.3, s_attn=0.0)
+    assert (config.s_attn, config.s_vo) == (0.0, 0.0) and CompressConfig.from_dict(config.to_dict()) == config
 
 
 def test_options_of_another_method_are_refused():

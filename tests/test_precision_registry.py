@@ -45,10 +45,17 @@ def test_tolerance_overrides_and_the_old_spelling_give_the_records_limits():
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_int8_options_with_another_precision_are_refused(precision):
-    with pytest.raises(CorpError, match=f"apply only with --precision int8, not {precision}"):
+    """The library names its fields (the command names the options typed, before ExportOptions)."""
+    with pytest.raises(
+        CorpError, match=rf"the int8 options \(int8: .*\) apply only with precision int8, not {precision}"
+    ):
         ExportOptions(precision=precision, int8=Int8Options())
-    with pytest.raises(CorpError, match=f"apply only with --precision int8, not {precision}"):
+    with pytest.raises(CorpError, match=f"apply only with precision int8, not {precision}"):
         ExportOptions(precision=precision, int8_keep_float=2)  # the flat keyword from before Int8Options
+    with pytest.raises(
+        CorpError, match="workspace_gb and timing_cache configure the TensorRT build; they apply only with trt"
+    ):
+        ExportOptions(precision=precision, workspace_gb=2.0)
 
 
 def test_int8_gets_its_default_options_and_the_flat_keywords_still_work(tmp_path):

@@ -235,6 +235,20 @@ def test_bad_recovery_settings_name_their_setting(settings, name):
     assert raised.value.settings == (name,)
 
 
+def test_recovery_settings_without_recovery_steps_are_refused(tiny_artifact, tmp_path):
+    """They would do nothing and not be recorded (the seed is compression's: not counted); a recovery
+    of an artifact needs at least one step (0 would write compression again, not recovered)."""
+    from corp_deploy import recover_artifact
+
+    with pytest.raises(SettingError, match="recover_patience, recover_blend apply only with recover_steps N > 0") as e:
+        CompressConfig.from_settings(sparsity=0.5, recover_blend=0.7, recover_patience=2)
+    assert e.value.settings == ("recover_patience", "recover_blend", "recover_steps")
+    assert CompressConfig.from_settings(recover_seed=3).recovery.seed == 3
+    with pytest.raises(SettingError, match="recover_steps must be at least 1 to recover an artifact"):
+        recover_artifact(tiny_artifact, RecoveryConfig(steps=0), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_recovery_settings_are_recorded_only_when_it_runs():
     config = CompressConfig.from_settings(recover_steps=50, recover_lr=1e-4)
     flat = config.to_dict()
@@ -291,7 +305,8 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
     recovered, replayed = (load_file(tmp_path / out / "model.safetensors") for out in ("c", "r"))
     assert recovered.keys() == replayed.keys() and all(torch.equal(recovered[k], replayed[k]) for k in recovered)
     result, text = run_cli(["recover", tmp_path / "r", "-o", tmp_path / "again"], state)
-    assert result.exit_code == 1 and "already recovered" in text and not (tmp_path / "again").exists()
+    assert result.exit_code == 1 and "already recovered (3 steps)" in text and not (tmp_path / "again").exists()
+    assert "with more steps if needed (--recover-steps)" in " ".join(text.split())
     result, text = run_cli(["recover", tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
     assert result.exit_code == 2 and "'--recover-steps': 0 is not in the range 1<=x<=1000000" in text
     assert "[default: 100;" in run_cli(["recover", "--help"], state)[1]  # what it does with no --recover-steps

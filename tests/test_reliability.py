@@ -922,6 +922,11 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--unit-floor is a floor on the sizes a MAC budget chooses; it applies only with --macs or --speedup",
     ),
+    "compress-vbp-layer-floor-that-keeps-every-channel": Refusal(
+        lambda w: [*BASE, "--method", "vbp", "--s", 0.5, "--layer-floor", 1.0, "-o", w / "o"],
+        2,
+        "--layer-floor 1 keeps so many channels of every MLP that at most 0 of the model's 384 MLP hidden channels",
+    ),
     "compress-refit-shrink-without-the-refit": Refusal(
         lambda w: [*BASE, "--calibration", "sequential", "--refit-shrink", 3, "-o", w / "o"],
         2,
@@ -936,6 +941,11 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["bench", w / "art", *BENCH, "--backends", "ort", "--torch-precision", "bf16"],
         2,
         "--torch-precision applies only with the torch backends",
+    ),
+    "export-min-top1-out-of-range": Refusal(
+        lambda w: ["export", w / "art", "--min-top1", 1.5, "-o", w / "o"],
+        2,
+        "--min-top1 (top-1 agreement) must be in [0, 1]",
     ),
     "export-batch-profile-without-trt": Refusal(
         lambda w: ["export", w / "art", "--batch", "1:2:4", "-o", w / "x"],
@@ -1341,10 +1351,22 @@ def test_a_relative_calib_is_recorded_so_it_resolves_from_anywhere(work, monkeyp
     assert json.loads((work / "rel" / "config.json").read_text())["calibration"]["path"] == str(work / "calib")
     monkeypatch.chdir(work.parent)  # another directory: int8 export reads the recorded images
     code, text, _ = invoke(
-        ["export", work / "rel", "--precision", "int8", "--int8-keep-float", 0, "--min-cosine", 0.5],
+        [
+            "export",
+            work / "rel",
+            "--precision",
+            "int8",
+            "--int8-keep-float",
+            0,
+            "--min-cosine",
+            0.5,
+            "--calib-samples",
+            10,
+        ],
         work.parent / "state",
     )  # (4 random images: a loose gate; this is about paths)
     assert code == 0, text
+    assert "calibrated on 4 images, fewer than the 10 asked for (--calib-samples)" in " ".join(text.split())
     int8 = json.loads((work / "rel" / "export-int8" / "export.json").read_text())["models"]["model"]["int8"]
     assert int8["source"]["path"] == str(work / "calib") and int8["calibration_images"] == 4
 
@@ -2233,8 +2255,10 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         assert after == before, f"{fault.output} changed"
 
 
-def test_library_warnings_stay_off_the_terminal(tmp_path, built):
-    """The exporters, timm and ONNX Runtime warn a lot; through the command only corp-deploy speaks."""
+@pytest.mark.parametrize("exporter", [["--exporter", "torchscript"], ["--opset", "17"]])
+def test_library_warnings_stay_off_the_terminal(tmp_path, built, exporter):
+    """The exporters, timm and ONNX Runtime warn a lot (the dynamo exporter logs that it converts
+    opset 18 down to 17); through the command only corp-deploy speaks."""
     shutil.copytree(built / "art", tmp_path / "art")
     done = subprocess.run(
         [
@@ -2244,8 +2268,7 @@ def test_library_warnings_stay_off_the_terminal(tmp_path, built):
             "export",
             str(tmp_path / "art"),
             "--dense",
-            "--exporter",
-            "torchscript",
+            *exporter,
             "-o",
             str(tmp_path / "out"),
         ],

@@ -46,7 +46,7 @@ SETTINGS = [
         )
     ],
     *[
-        (f"{part} s={s} {method}", dict(method=method, target=part, s_mlp=s, s_attn=s))
+        (f"{part} s={s} {method}", dict(method=method, target=part, sparsity=s))
         for s in (0.1, 0.3, 0.5)
         for part, method in (("attn", "toast"), ("mlp", "toast"), ("mlp", "vbp"))
     ],

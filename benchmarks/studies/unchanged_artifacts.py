@@ -140,7 +140,7 @@ def dense_model(family: str) -> torch.nn.Module:
 
 def api_configs(family: str) -> dict[str, CompressConfig]:
     target, methods = FAMILIES[family][3], FAMILIES[family][4]
-    sparsities = dict(s_mlp=0.5, s_attn=0.5) if target is None else dict(s_mlp=0.5, s_vo=0.5)
+    sparsities = dict(sparsity=0.5)  # every part the target prunes (a part it leaves whole records 0)
     configs = {
         "corp-s0.5": CompressConfig.from_settings(target=target, **sparsities),
         "corp-macs0.9": CompressConfig.from_settings(macs=0.9, target=target),
@@ -150,9 +150,8 @@ def api_configs(family: str) -> dict[str, CompressConfig]:
     if "vbp" in methods:
         configs["vbp-s0.5"] = CompressConfig(method="vbp", s_mlp=0.5)
     if "toast" in methods:
-        configs["toast-s0.5"] = CompressConfig(
-            method="toast", s_mlp=0.5, s_attn=0.5, target="mlp" if target is not None else None
-        )
+        toast_target = "mlp" if target is not None else None
+        configs["toast-s0.5"] = CompressConfig(method="toast", sparsity=0.5, target=toast_target)
     return configs
 
 

@@ -8,9 +8,7 @@ import click
 
 from ..calibration import DEFAULT_BATCH
 from ..config import DEFAULT_SPARSITY, CompressConfig
-from ..errors import BadUsage
 from ..methods import METHODS
-from ..parts import PARTS
 from .common import (
     DEFAULT_OUTPUT_ROOT,
     check_apart,
@@ -152,7 +150,6 @@ def compress(
     from ..outputs import check_output_dir
     from ..workflow import compress_to_artifact
 
-    _check_method_options(METHODS[method], s_attn, s_vo)
     config = CompressConfig.from_settings(
         sparsity=sparsity,
         s_mlp=s_mlp,
@@ -166,7 +163,6 @@ def compress(
         recover_seed=seed,
         **method_options,
     )
-    _check_sparsities_apply(config, s_mlp=s_mlp, s_attn=s_attn, s_vo=s_vo)
     check_recovery_options_apply(config.recovery.steps)
     if not config.has_budget and not any(config.sparsity_of(part) for part in config.pruned_parts):
         warn(
@@ -206,28 +202,3 @@ def compress(
     with results_output() as console:
         for table in summary_tables(result.report, result.path):
             console.print(table)
-
-
-def _check_sparsities_apply(config: CompressConfig, **sparsities: float | None) -> None:
-    """Refuse a part's own sparsity (``--s-mlp``, ``--s-attn``, ``--s-vo``) given for a part that
-    ``config.target`` leaves whole: the artifact would record a sparsity that was never applied.
-    (The library records such settings as given: only the command line knows what was typed.)"""
-    for part in PARTS.values():
-        if sparsities[part.setting] is not None and part.name not in config.parts:
-            raise click.UsageError(
-                f"{part.option} has no effect with --target {config.target}, which prunes "
-                f"{' and '.join(config.parts)} only: choose a --target that includes it, or "
-                f"leave {part.option} out"
-            )
-
-
-def _check_method_options(method, s_attn: float | None, s_vo: float | None) -> None:
-    """Refuse a part's own sparsity given for a method that never prunes that part (the library
-    takes every sparsity and reads those its method prunes)."""
-    for option, value, target in (("--s-attn", s_attn, "attn"), ("--s-vo", s_vo, "vo")):
-        if value is not None and target not in method.targets:
-            others = [m.name for m in METHODS.values() if target in m.targets]
-            raise BadUsage(
-                f"--method {method.name} prunes {method.prunes} only; {option} has no meaning for it "
-                f"(use --method {' or '.join(others)})"
-            )

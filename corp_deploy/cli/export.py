@@ -14,7 +14,7 @@ from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
 from ..errors import BadUsage
-from .common import check_apart, command_to_paste, given_on_command_line, results_output
+from .common import check_apart, command_to_paste, given_on_command_line, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
@@ -23,7 +23,7 @@ INT8_DEFAULTS = Int8Options()
 
 def default_limits(limit: str) -> str:
     """What ``--help`` says of the default of one parity limit (a :class:`exporters.parity.Tolerance`
-    field, ``atol`` or ``min_cosine``): each precision record's value, or that it is not checked."""
+    field, ``atol``, ``min_cosine`` or ``min_top1``): each precision record's value, or that it is not checked."""
     values = {name: getattr(precision.tolerance, limit) for name, precision in PRECISIONS.items()}
     unchecked = [name for name, value in values.items() if value is None]
     said = [f"{value:g} {name}" for name, value in values.items() if value is not None]
@@ -132,6 +132,13 @@ def default_limits(limit: str) -> str:
     help=f"Parity gate: smallest per-image cosine. [default: {default_limits('min_cosine')}]",
 )
 @click.option(
+    "--min-top1",
+    type=float,
+    default=None,
+    help="Parity gate: smallest top-1 agreement (classifiers; the dense model's classes). "
+    f"[default: {default_limits('min_top1')}]",
+)
+@click.option(
     "-o",
     "--output",
     type=PATH,
@@ -150,6 +157,7 @@ def export(
     timing_cache,
     atol,
     min_cosine,
+    min_top1,
     output,
     **int8_options,
 ):
@@ -177,6 +185,7 @@ def export(
     from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
 
     from ..artifact import latest_artifact
+    from ..calibration import summary_warnings
     from ..outputs import resolve
 
     record, fields = PRECISIONS[precision], Int8Options.keywords()
@@ -197,7 +206,7 @@ def export(
         batch=BatchProfile.parse(batch),
         workspace_gb=workspace_gb,
         timing_cache=timing_cache,
-        tolerance=record.tolerance.with_limits(atol=atol, min_cosine=min_cosine),
+        tolerance=record.tolerance.with_limits(atol=atol, min_cosine=min_cosine, min_top1=min_top1),
         int8=Int8Options(**{fields[k]: v for k, v in int8_options.items()}) if takes_int8 else None,
     )
     if given_on_command_line("batch") and not trt:  # the profile of the engines; nothing else reads it
@@ -205,6 +214,9 @@ def export(
     calib = options.int8.calib if options.int8 is not None else None
     check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
+    int8 = result.manifest["models"]["model"].get("int8")
+    for message in summary_warnings(int8["source"]) if int8 else ():
+        warn(message)
     with results_output() as console:
         console.print(result.summary_table())
     if result.incomplete:

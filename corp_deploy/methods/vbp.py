@@ -20,6 +20,7 @@ from ..blocks import block_forward
 from ..errors import SettingError, check_setting_types
 from ..families import blocks_of
 from ..layers import block_dims
+from ..parts import PARTS
 from .base import BlockRun, Method, MethodOptions, option
 
 if TYPE_CHECKING:
@@ -48,6 +49,22 @@ class Vbp(Method):
     options_class = VbpOptions
     per_layer_sparsity = False
     runs_distributed = True
+
+    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+        """SettingError, before any calibration, when the per-layer floor leaves fewer removable
+        channels than the sparsity removes (the model would be labelled with a sparsity it does not
+        have; a floor of 1 keeps every channel)."""
+        sizes = [block.mlp.fc1.out_features for block in blocks_of(model)]
+        removable = sum(size - max(1, math.ceil(config.options.layer_floor * size)) for size in sizes)
+        to_remove = math.floor(config.s_mlp * sum(sizes) + 0.5)
+        if removable < to_remove:
+            raise SettingError(
+                f"{{setting}} {config.options.layer_floor:g} keeps so many channels of every MLP that at most "
+                f"{removable} of the model's {sum(sizes)} MLP hidden channels can be removed, fewer than the "
+                f"{to_remove} that {{setting}} {config.s_mlp:g} removes; lower one of them",
+                "layer_floor",
+                config.sparsity_setting(PARTS["mlp"]),
+            )
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""

@@ -175,12 +175,11 @@ class CorpOptions(MethodOptions):
             )
         if self.refit == "none" and self.refit_shrink != CorpOptions.refit_shrink:
             raise SettingError(
-                "{setting} is the drift refit's ridge; it does nothing without the refit ({setting} none, "
-                "the default with {setting} sequential or {setting})",
+                "{setting} is the drift refit's ridge; it does nothing without the refit ({setting} none, which "
+                "is the default with {setting} sequential and without compensation)",
                 "refit_shrink",
                 "refit",
                 "calibration",
-                "compensation",
             )
         if not self.equal_head_dims:
             return
