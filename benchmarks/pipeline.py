@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from corp_deploy import model_transform
+from corp_deploy import CorpError, model_transform
+from corp_deploy.artifact import recorded_checksums
 from corp_deploy.resources import check_fits, inference_bytes
 
 from .attention_kernels import lost_kernel_warnings
@@ -37,13 +38,15 @@ def bench_target(
     done, ``warn`` what the user should know (evaluation images that overlap calibration,
     unreadable files). CorpError before any timing for a bad baseline (or one that measured other
     things: :func:`~benchmarks.gate.check_comparable`), target or data; after the run for a baseline
-    whose fidelity was measured on other images (:func:`~benchmarks.gate.check_same_data`)."""
+    whose fidelity was measured on other images (:func:`~benchmarks.gate.check_same_data`) or an
+    artifact replaced while it ran (its record's checksums are in the report: ``artifact``)."""
     previous = read_baseline(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     log(
         f"benchmarking {artifact}"
         + (f" with the export {export_dir}" if export_dir else " (no export found: ONNX Runtime and TensorRT need one)")
     )
+    made_from = recorded_checksums(artifact)  # before the models are read; the same after the run
     compressed, dense = load_models(artifact, export_dir)
     if previous is not None:
         check_comparable(previous, baseline, settings, model_entries(dense, compressed))
@@ -60,6 +63,7 @@ def bench_target(
         warn("the evaluation images overlap the calibration images; fidelity is not held out")
     int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
+    report.artifact = made_from
     copies = copied_calibration_images(artifact, evaluation.digests)
     if copies and held_out:  # known only once the evaluation files were read
         report.fidelity.held_out = False
@@ -81,6 +85,11 @@ def bench_target(
         report.int8 = Int8Result(skipped=int8.skipped)
     elif int8.graphs:
         report.int8 = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
+    if recorded_checksums(artifact) != made_from:
+        raise CorpError(
+            f"{artifact} was replaced while it was benchmarked: the numbers are of a model that is no longer "
+            "there, so no report was written; run bench again"
+        )
     if previous is not None:
         check_same_data(previous, baseline, report.fidelity.data if report.fidelity else {}, limits)
     found = regressions(report, limits, previous)

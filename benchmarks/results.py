@@ -226,7 +226,8 @@ class BenchReport(Document):
     speedup (dense MACs / compressed MACs), each backend's status, parity (``parity[model][backend]``:
     the backend against PyTorch on the CPU), the attention kernels each PyTorch backend ran
     (``attention[backend][model]``, :func:`benchmarks.attention_kernels.kernel_summary`), latency rows,
-    fidelity, and when measured the int8 section and the gate's verdict."""
+    fidelity, when measured the int8 section and the gate's verdict, and the checksums of the
+    artifact measured."""
 
     FORMAT = BENCH_FORMAT
 
@@ -243,6 +244,9 @@ class BenchReport(Document):
     fidelity: Fidelity
     int8: Int8Result | None = optional_entry()
     gate: GateResult | None = optional_entry()
+    #: The SHA-256 of the artifact's ``config_sha256`` and ``weights_sha256`` that were measured (its
+    #: record's, the same before and after the run); absent from reports before it was recorded.
+    artifact: dict[str, str] | None = optional_entry()
 
     def skipped_backends(self) -> dict[str, str | None]:
         """``{backend: why it was skipped}``."""

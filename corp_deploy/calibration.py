@@ -499,6 +499,11 @@ class CalibrationSpec:
             raise CorpError(f"the artifact records calibration settings this corp-deploy cannot use: {exc}") from None
         return cls(source, samples or kept.samples, batch_size or kept.batch_size, kept.seed)
 
+    def most_images(self) -> int:
+        """The most images it gives: ``samples``, or fewer when its directory holds fewer image
+        files (what memory and disk are checked for: "at most N" is how "all of them" is asked)."""
+        return self.samples if self.source is None else min(self.samples, len(find_images(self.source)))
+
     def images(self, transform: Callable) -> CalibrationImages:
         """The images, preprocessed by ``transform`` (:func:`model_transform`)."""
         return CalibrationImages.from_source(

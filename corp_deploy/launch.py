@@ -7,7 +7,7 @@ job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\
 user signals other tools send, SIGXCPU and SIGXFSZ at resource limits) raises :class:`Interrupted`
 in the main thread, so every ``with`` block on the way out removes what it was writing
 (:mod:`corp_deploy.outputs`); the command then exits with 128 + the signal's number (130, 143, 129,
-131, ...) and one line: an output being written was either completed or removed. Only SIGKILL, which
+131, ...) and one line saying which outputs were completed and which were not written. Only SIGKILL, which
 no process can catch, can leave a staging folder behind (SIGPIPE is ignored by Python: a closed pipe
 is an error of the write, handled as such). Library
 warnings and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
@@ -48,6 +48,7 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.exit_code = 128 + signum
         self.completed: tuple = ()  # the outputs the command had put in place (set by the command group)
+        self.abandoned: tuple = ()  # (output, older one kept) for those it was writing, removed (likewise)
 
 
 def main() -> None:
@@ -64,22 +65,31 @@ def main() -> None:
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left(exc.completed)}", file=sys.stderr)
+            print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left(exc.completed, exc.abandoned)}", file=sys.stderr)
         sys.exit(exc.exit_code)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
 
 
-def _what_was_left(done: tuple) -> str:
+def _what_was_left(done: tuple, abandoned: tuple) -> str:
     """What an interrupted run leaves, in words: the outputs it completed before the interrupt
-    (``done``), and that nothing is half-written."""
+    (``done``), those it was writing and removed (``abandoned``: ``(path, older output kept)``),
+    and that nothing is half-written."""
+    said = []
     if done:
-        return (
+        said.append(
             f"{', '.join(map(str, done))} {'was' if len(done) == 1 else 'were'} written before it and "
-            f"{'is' if len(done) == 1 else 'are'} complete; the steps after it did not run, and nothing "
-            "is half-written"
+            f"{'is' if len(done) == 1 else 'are'} complete; the steps after it did not run"
         )
-    return "nothing partial was left behind (an output being written was either completed or removed)"
+    for path, kept in abandoned:
+        said.append(
+            f"the new {path} was not written and the one already there is as it was"
+            if kept
+            else f"{path} was not written (nothing of it is left)"
+        )
+    if not said:
+        said.append("it stopped before writing any output")
+    return "; ".join(said) + "; nothing is half-written"
 
 
 def _raise_interrupted(signum, frame) -> None:

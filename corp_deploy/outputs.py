@@ -33,6 +33,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .documents import DocumentFormat, timestamp
@@ -95,33 +96,49 @@ def check_output_dir(dest: str | Path, kind: str, made_from: str | Path | None =
     return path
 
 
-#: For each command being run (nested in tests that run one inside another), the outputs it has
-#: put in place, complete, in order (:func:`noting_completed`).
-_COMPLETED: list[list[Path]] = []
+@dataclass
+class NotedOutputs:
+    """What a command did to its outputs (:func:`noting_outputs`): ``completed``, those put in place,
+    complete, in order (:func:`mark_complete`); ``abandoned``, those it was writing when it failed or
+    was stopped, removed, each with whether an older output at that path was kept as it was."""
+
+    completed: list[Path] = field(default_factory=list)
+    abandoned: list[tuple[Path, bool, Path]] = field(default_factory=list)  # (output, older kept, staging)
+
+    def in_place(self) -> list[Path]:
+        """The completed outputs still in place: not one completed inside another output's staging
+        folder that was removed since (a sweep's artifacts)."""
+        return [path for path in self.completed if path.exists()]
+
+    def left_behind(self) -> list[tuple[Path, bool]]:
+        """``(output, older one kept)`` of the abandoned outputs, but those that were to be written
+        inside another abandoned output's staging folder (a sweep's artifacts): they go with it."""
+        stagings = [staging for _, _, staging in self.abandoned]
+        return [
+            (path, kept) for path, kept, _ in self.abandoned if not any(staging in path.parents for staging in stagings)
+        ]
+
+
+#: For each command being run (nested in tests that run one inside another), what it did to its outputs.
+_NOTED: list[NotedOutputs] = []
 
 
 @contextmanager
-def noting_completed() -> Iterator[list[Path]]:
-    """Collect the outputs put in place, complete, within the block (:func:`mark_complete`): a step
-    that fails afterwards must say so, not that nothing was written."""
-    done: list[Path] = []
-    _COMPLETED.append(done)
+def noting_outputs() -> Iterator[NotedOutputs]:
+    """Collect the outputs put in place, complete, and those abandoned within the block: a step that
+    fails afterwards, or an interrupt, must say which, not that something may have been written."""
+    noted = NotedOutputs()
+    _NOTED.append(noted)
     try:
-        yield done
+        yield noted
     finally:
-        _COMPLETED.pop()
-
-
-def in_place(completed: list[Path]) -> list[Path]:
-    """The outputs of ``completed`` (:func:`noting_completed`) still in place: not one completed
-    inside another output's staging folder that was removed since (a sweep's artifacts)."""
-    return [path for path in completed if path.exists()]
+        _NOTED.pop()
 
 
 def mark_complete(path: str | Path) -> None:
-    """Note that the output ``path`` is in place and complete (see :func:`noting_completed`)."""
-    if _COMPLETED:
-        _COMPLETED[-1].append(Path(path))
+    """Note that the output ``path`` is in place and complete (see :func:`noting_outputs`)."""
+    if _NOTED:
+        _NOTED[-1].completed.append(Path(path))
 
 
 def enclosing_output(path: str | Path) -> Path | None:
@@ -166,6 +183,8 @@ def staged_output(dest: str | Path, kind: str, needs: int = 0, made_from: str | 
         with signals_deferred():
             if not swapped:  # once in place, the staging name is no longer ours
                 shutil.rmtree(tmp, ignore_errors=True)
+                if _NOTED:
+                    _NOTED[-1].abandoned.append((dest, dest.exists(), tmp))
             for folder in created:  # the parents this run made, innermost first, if still empty
                 with contextlib.suppress(OSError):
                     folder.rmdir()

@@ -97,9 +97,10 @@ def compress_to_artifact(
     transform, data_config = model_transform(dense)
     if base_model is None:
         base_model = base_model_spec(dense)
+    count = calibration.most_images()
     check_fits(
-        f"compressing {base_model['name']} on {calibration.samples} images",
-        compress_bytes(dense, tuple(data_config["input_size"]), calibration.samples, calibration.batch_size),
+        f"compressing {base_model['name']} on {count} images",
+        compress_bytes(dense, tuple(data_config["input_size"]), count, calibration.batch_size),
         "use fewer --calib-samples or a smaller --batch-size",
     )
     if images is None:

@@ -283,9 +283,10 @@ def int8_calibration_images(
     calibration source (a directory, or the built-in photos with the same seed)."""
     spec = CalibrationSpec.recorded(config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH)
     transform, data_config = model_transform(model)
+    count = spec.most_images()
     check_disk(
-        f"decoding {spec.samples} int8 calibration images",
-        spec.samples * FLOAT32 * math.prod(data_config["input_size"]),
+        f"decoding {count} int8 calibration images",
+        count * FLOAT32 * math.prod(data_config["input_size"]),
         folder,
         "use fewer --calib-samples, or point TMPDIR at a larger disk",
     )

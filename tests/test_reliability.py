@@ -34,6 +34,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from corp_deploy import CorpError, load_compressed
+from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import CalibrationImages, load_rgb
 from corp_deploy.cli import cli
 from corp_deploy.files import write_json
@@ -1585,10 +1586,35 @@ def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monk
     assert not (work / "exp").exists() and not debris(work)
 
 
+def test_a_bench_refuses_an_artifact_replaced_while_it_was_benchmarked(work, monkeypatch):
+    """Its numbers would be of a model no longer there; a report that is written names what it measured."""
+    import benchmarks.pipeline as pipeline
+
+    original = pipeline.run_bench
+
+    def replace_artifact_then_bench(*args, **kwargs):
+        code, text, _ = invoke([*BASE, "--seed", 4, "-o", work / "art"], work.parent / "state")
+        assert code == 0, text
+        return original(*args, **kwargs)
+
+    before = recorded_checksums(work / "art")
+    code, text, _ = invoke(["bench", work / "art", *BENCH, "--json", work / "kept.json"], work.parent / "state")
+    assert code == 0 and json.loads((work / "kept.json").read_text())["artifact"] == before, text
+    monkeypatch.setattr(pipeline, "run_bench", replace_artifact_then_bench)
+    code, text, exception = invoke(["bench", work / "art", *BENCH, "--json", work / "r.json"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "was replaced while it was benchmarked")
+    assert not (work / "r.json").exists() and not debris(work)
+
+
 def test_a_run_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
     monkeypatch.setattr("corp_deploy.resources.available_bytes", lambda: 1024)  # a machine with 1 KiB free
+    image_folder(work.parent / "three", 3)  # at most 10**7 asked for: the 3 there are counted
     for args, what in (
         ([*BASE, "-o", work / "o"], "compressing deit_tiny_patch16_224 on 4 images"),
+        (
+            [*BASE[:-2], "--calib", work.parent / "three", "--calib-samples", 10**7, "-o", work / "o"],
+            "compressing deit_tiny_patch16_224 on 3 images",
+        ),
         (["export", work / "art", "-o", work / "o"], "the export"),
         (["bench", work / "art", *BENCH], "timing at batch 1"),
     ):
@@ -2244,8 +2270,15 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     after = snapshot(work)
     if name.endswith("-after-the-output-is-complete"):  # the message says so, not "nothing partial"
         assert f"{work / 'art'} was written before it and is complete" in done.stderr, done.stderr
-    if name.startswith("sweep-"):  # the point's artifact went with the sweep's staging folder
-        assert "nothing partial was left behind" in done.stderr and not (work / "sw").exists(), done.stderr
+    said = " ".join(done.stderr.split())
+    said = said[said.index("stopped by") :]  # the last line: what was and was not written
+    if name.startswith("sweep-"):  # the point's artifact went with the sweep's staging folder, unnamed
+        assert f"{work / fault.output} was not written (nothing of it is left)" in said and "-s0" not in said, said
+        assert not (work / fault.output).exists()
+    elif name.endswith("-while-saving-into-new-folders"):
+        assert f"{work / 'new' / 'deeper' / 'art'} was not written (nothing of it is left)" in said, said
+    elif not name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
+        assert "was not written" in said or "it stopped before writing any output" in said, said
     if name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
         # the swap is held together: the signal waits for it, so the new artifact is complete
         assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5

@@ -113,7 +113,8 @@ def bench(
 
     \b
     Exit status: 0 passed; 1 error; 2 bad usage; 4 the regression gate failed (the reports
-    are still written).
+    are still written); 5 the reports are written but a step after them failed; 128 + N stopped by
+    signal N (130 Ctrl-C, 143 SIGTERM; `corp-deploy --help` lists every status).
 
     \b
     On a shared CI runner, gate what load slows alike: --gate speedup,fidelity (absolute latency

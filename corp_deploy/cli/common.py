@@ -25,7 +25,7 @@ DEFAULT_OUTPUT_ROOT = Path("corp-deploy")
 def results_output() -> Iterator:
     """The rich console a command prints its results on (the standard output). When that cannot
     be written (a closed pipe, a full disk), CorpError saying so: the output written before is
-    complete, which the command group then says (:func:`corp_deploy.outputs.noting_completed`)."""
+    complete, which the command group then says (:func:`corp_deploy.outputs.noting_outputs`)."""
     from rich.console import Console
 
     class Terminal(Console):

@@ -100,7 +100,9 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     "--output",
     type=PATH,
     default=None,
-    help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-s<S>]",
+    help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-<tag>[-nocomp][-rec<N>]; tag: s<S> "
+    "(<target>-s<S> for a target other than both), mlp<S>-attn<S> for parts of unequal sparsity, "
+    "macs<F> or x<X> for a budget]",
 )
 def compress(
     model,

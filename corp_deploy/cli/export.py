@@ -170,7 +170,9 @@ def export(
     \b
     Exit status: 0 done; 1 error; 2 bad usage; 3 files written but not finished here (no
     TensorRT or no CUDA GPU for the engines, or a bf16 graph nothing here can check: finish on
-    the target, e.g. with build_engine.sh); 4 parity gate failed (nothing written).
+    the target, e.g. with build_engine.sh); 4 parity gate failed (nothing written); 5 the export
+    is complete but a step after it failed; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM;
+    `corp-deploy --help` lists every status).
 
     \b
     Examples:

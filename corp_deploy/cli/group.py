@@ -16,11 +16,11 @@ import click
 from .. import __version__
 from ..errors import CorpError, SettingError, first_line
 from ..launch import OWN_MODULES, Interrupted
-from ..outputs import in_place, noting_completed
+from ..outputs import noting_outputs
 
 #: The exit status of a run whose output is complete when a later step failed.
 OUTPUT_COMPLETE = 5
-#: Exit statuses of every command (README, "Guarantees").
+#: Exit statuses of every command (README, "Guarantees"): by status, and ``128+N`` for the other signals.
 EXIT_CODES = {
     0: "done",
     1: "error: what a value names cannot be used (a missing file, a model timm cannot build, weights that "
@@ -34,6 +34,8 @@ EXIT_CODES = {
     130: "interrupted by SIGINT",
     131: "stopped by SIGQUIT",
     143: "terminated by SIGTERM",
+    "128+N": "stopped by another signal N that ends a process (SIGUSR1: 138); after any signal the message "
+    "names the outputs completed and those not written: nothing is half-written",
 }
 #: Settings (fields of the config classes) whose option is not ``--<field with dashes>``.
 _SETTING_OPTIONS = {
@@ -104,16 +106,17 @@ class _Commands(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
-        with noting_completed() as noted:
+        with noting_outputs() as noted:
             try:
                 return super().invoke(ctx)
             except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
                 raise
             except Interrupted as exc:
-                exc.completed = tuple(in_place(noted))  # the entry point says what was written before it
+                exc.completed = tuple(noted.in_place())  # the entry point says what was written, and not
+                exc.abandoned = tuple(noted.left_behind())
                 raise
             except Exception as exc:
-                done = in_place(noted)
+                done = noted.in_place()
                 message, exit_code = _failure(exc, completed=bool(done))
         if done:
             raise _click_error(
@@ -227,7 +230,7 @@ def _click_error(message: str, exit_code: int) -> click.ClickException:
     cls=_Commands,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="\b\nExit status of every command:\n"
-    + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items()),
+    + "\n".join(f"  {code!s:>5}  {meaning}" for code, meaning in EXIT_CODES.items()),
 )
 @click.version_option(version=__version__)
 @click.pass_context
