@@ -80,7 +80,7 @@ def bench_target(
             f"({'; '.join(evaluated['skipped_examples'][:3])})"
         )
     if not report.latency:
-        warn("nothing was timed: every backend asked for was skipped (reasons above); the report has no latency")
+        warn("nothing was timed: every backend asked for was skipped (each with its reason in the results)")
     if int8.skipped is not None:
         report.int8 = Int8Result(skipped=int8.skipped)
     elif int8.graphs:

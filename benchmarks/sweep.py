@@ -199,7 +199,8 @@ def run_sweep(
     """Run the sweep into ``out_dir`` (written atomically): one artifact (with its export) per
     method and point under ``<method>-s<S>/`` or ``<method>-macs<F>/``, plus ``sweep.json``,
     ``sweep.md`` and ``sweep.png``. ``log`` says what is being done, ``warn`` what the user should
-    know (a run whose attention lost the dense model's fused kernel, as bench warns).
+    know, as bench says it: backends skipped (with the reason), nothing timed, a run whose attention
+    lost the dense model's fused kernel.
 
     Under torch.distributed (``torchrun``) the points run one after another, each calibrated on
     every rank's share of the images (:func:`corp_deploy.compress`); the first rank alone writes,
@@ -254,6 +255,10 @@ def run_sweep(
                         log=log,
                     )
                 _paths_relative_to(bench.models, tmp)
+                for backend, reason in bench.skipped_backends().items():
+                    warn(f"{name}: skipped {backend}: {reason}")
+                if not bench.latency:
+                    warn(f"{name}: nothing was timed: every backend asked for was skipped")
                 for message in lost_kernel_warnings(bench.attention, model, dense):
                     warn(f"{name}: {message}")
                 rows.append(
@@ -486,7 +491,8 @@ def plot(result: SweepResult, path: str | Path) -> None:
     )
     for ax in (fid, cost, speed):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # (nothing timed: no speedup line to name)
+            ax.legend(fontsize=8)
     fig.suptitle(result.base_model["name"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)

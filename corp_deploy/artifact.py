@@ -283,11 +283,14 @@ def load_base_model(path: str | Path) -> nn.Module:
 
 def state_dir() -> Path:
     """Where corp-deploy remembers the most recent artifact (``$CORP_DEPLOY_STATE_DIR``,
-    else ``$XDG_STATE_HOME/corp-deploy``, else ``~/.local/state/corp-deploy``)."""
+    else ``$XDG_STATE_HOME/corp-deploy``, else ``~/.local/state/corp-deploy``). A relative
+    ``$XDG_STATE_HOME`` is ignored, as the XDG Base Directory specification says: it would move with
+    the current directory."""
     if os.environ.get("CORP_DEPLOY_STATE_DIR"):
         return Path(os.environ["CORP_DEPLOY_STATE_DIR"])
-    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(base) / "corp-deploy"
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
+    return base / "corp-deploy"
 
 
 def record_latest(path: str | Path) -> str | None:

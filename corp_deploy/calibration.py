@@ -18,6 +18,7 @@ from torch import nn
 
 from .errors import CorpError, SettingError, check_setting_types, first_line
 from .files import existing_dir
+from .outputs import RECORD_FILE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 # Natural photos bundled inside scikit-image's package data (no download needed), split so
@@ -67,7 +68,9 @@ def find_images(directory: str | Path) -> list[Path]:
     once; sorted; by extension), folders excepted: regular files, and dangling links or special files
     (FIFOs, devices), which :func:`load_rgb` refuses, so that they are counted as unreadable rather
     than left out unsaid. Hidden entries (a name starting with ``.``, or inside such a folder:
-    ``.ipynb_checkpoints``, ``.thumbnails``, macOS's ``._*`` files) are not images of the set."""
+    ``.ipynb_checkpoints``, ``.thumbnails``, macOS's ``._*`` files) are not images of the set, nor
+    are the files of corp-deploy's own outputs below it (a folder holding a ``RECORD_FILE``: a
+    bench report's plot is no photo)."""
     root = existing_dir(directory, "image directory")
     found, seen = [], set()
     for folder, subfolders, files in os.walk(root, followlinks=True):
@@ -76,6 +79,9 @@ def find_images(directory: str | Path) -> list[Path]:
             subfolders.clear()
             continue
         seen.add(real)
+        if folder != str(root) and os.path.isfile(os.path.join(folder, RECORD_FILE)):
+            subfolders.clear()  # an output of corp-deploy: its files are not images of the set
+            continue
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         found += [
             Path(folder, name)
@@ -284,7 +290,7 @@ class CalibrationImages:
         if batch_size < 1:
             raise SettingError(f"{{setting}} must be >= 1, got {batch_size}", "batch_size")
         if limit < 1:
-            raise SettingError(f"{{setting}} (the number of calibration images) must be >= 1, got {limit}", "samples")
+            raise SettingError(f"{{setting}} (the number of calibration images) must be >= 1, got {limit}", "limit")
         self._sources = sources
         self._transform = transform
         self._batch_size = batch_size

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .documents import DocumentFormat, timestamp
-from .errors import CorpError
+from .errors import BadUsage, CorpError
 from .files import NAME_IN_TEMP, current_umask, sha256_file, signals_deferred, write_json
 
 RECORD_FILE = "corp-deploy-record.json"
@@ -65,6 +65,8 @@ def check_output_dir(dest: str | Path, kind: str, made_from: str | Path | None =
     """
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
+    if str(dest) == "":  # Path("") is the current directory: an empty setting, not a choice of it
+        raise BadUsage(f"the output path of {KINDS[kind]} is empty: an empty path names no folder")
     given = Path(dest)
     path = resolve(given)
     if path == Path(path.anchor):

@@ -219,7 +219,12 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
     """CorpError unless ``teacher`` can be the dense model ``student`` was compressed from: the same
-    number of blocks and the same patch embedding (which compression never changes)."""
+    number of blocks and classes and the same patch embedding (which compression never changes)."""
+    if getattr(student, "num_classes", None) != getattr(teacher, "num_classes", None):
+        raise CorpError(
+            f"the dense model has {teacher.num_classes} classes and the compressed one {student.num_classes}: "
+            "it is not the model this one was compressed from"
+        )
     if len(blocks_of(student)) != len(blocks_of(teacher)):
         raise CorpError(
             f"the dense model has {len(blocks_of(teacher))} blocks and the compressed one "
@@ -229,7 +234,7 @@ def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
     if ours.keys() != theirs.keys() or any(not torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours):
         raise CorpError(
             "the dense model's patch embedding differs from the compressed model's: these are not the "
-            "weights it was compressed from (recover with the dense model compress started from)"
+            "weights it was compressed from (give the dense model compress started from)"
         )
 
 

@@ -21,7 +21,7 @@ from .calibration import CalibrationImages, CalibrationSpec, model_transform, su
 from .config import CompressConfig
 from .engine import compress
 from .errors import CorpError, SettingError, check_instance
-from .outputs import check_apart, verify_files
+from .outputs import check_apart, check_output_dir, verify_files
 from .recovery import SETTING_PREFIX, RecoveryConfig
 from .resources import check_fits, compress_bytes
 
@@ -93,6 +93,7 @@ def compress_to_artifact(
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
     if out_dir is not None:
+        check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
         check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
     if base_model is None:

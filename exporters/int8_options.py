@@ -55,7 +55,7 @@ class Int8Options:
                 setting("keep_float"),
             )
         if self.calib is not None:  # recorded absolute: resolves the same from anywhere
-            object.__setattr__(self, "calib", existing_dir(self.calib, "--calib"))
+            object.__setattr__(self, "calib", existing_dir(self.calib, "calib"))  # (export checks --calib first)
         if self.calib_samples is not None and self.calib_samples < 1:
             raise SettingError(f"{{setting}} must be >= 1, got {self.calib_samples}", setting("calib_samples"))
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from corp_deploy.errors import SettingError, check_setting_types
+from corp_deploy.errors import CorpError, SettingError, check_setting_types
 
 from .metrics import as_rows, cosine, top1_matches
 
@@ -42,7 +42,10 @@ def compare_outputs(reference: np.ndarray, candidate: np.ndarray, *, top1: bool 
     ``top1`` False leaves the top-1 agreement unmeasured."""
     ref, cand = as_rows(reference), as_rows(candidate)
     if ref.shape != cand.shape:
-        raise ValueError(f"output shapes differ: {ref.shape} vs {cand.shape}")
+        raise CorpError(
+            f"the outputs to compare differ in shape ({ref.shape} against {cand.shape}): these are not two "
+            "forms of one model (an export's dense graph made from another dense model?)"
+        )
     diff = np.abs(ref - cand)
     floor = max(1e-6 * float(np.abs(ref).max(initial=0.0)), 1e-12)
     return Comparison(

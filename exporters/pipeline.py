@@ -34,6 +34,7 @@ from corp_deploy.documents import timestamp
 from corp_deploy.errors import BadUsage
 from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
+from corp_deploy.recovery import check_teacher
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
 
 from . import tensorrt as trt_backend
@@ -90,12 +91,14 @@ def export_artifact(
     made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
     check_output_dir(out_dir, "export", made_from=artifact)  # before any work
+    _check_named_precision(out_dir, options.precision)
     _check_timing_cache_outside_outputs(options.timing_cache, out_dir)
     tolerance = options.tolerance or precision.tolerance
     models = {"model": load_compressed(artifact)}
     if options.dense:
         log("rebuilding the dense base model ...")
         models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
+        check_teacher(models["model"], models["dense"])  # dense.onnx must be the base of model.onnx
     if options.int8 is not None:
         _check_keep_float_leaves_int8(models, options.int8)
     input_size = tuple(config["input"]["input_size"])
@@ -251,6 +254,17 @@ def _export_graph(
             int8.activations,
         )
     return {**graph, "files": [path.name], "precision": precision.name}, {**quantized, "source": source}
+
+
+def _check_named_precision(out_dir: Path, precision: str) -> None:
+    """CorpError for an export folder named after another precision (``export-fp32`` for fp16
+    graphs): bench finds an artifact's graphs by those names, and would refuse it later."""
+    named = out_dir.name.removeprefix("export-")
+    if out_dir.name.startswith("export-") and named in PRECISIONS and named != precision:
+        raise CorpError(
+            f"{out_dir} is named for {named} graphs, and this export is {precision} (bench finds an artifact's "
+            f"exports by those names); write it to export-{precision} or to a folder of another name"
+        )
 
 
 def _check_timing_cache_outside_outputs(cache: Path | None, out_dir: Path) -> None:

@@ -240,3 +240,17 @@ def test_budget_compress_prints_the_allocation_and_draws_it(tmp_path):
     assert (out / "allocation.png").stat().st_size > 10_000
     model = load_compressed(out)
     assert [b.mlp.fc1.out_features for b in model.blocks] == [u["kept"] for u in allocation["units"][::3]]
+
+
+def test_the_state_folder_follows_the_environment_and_ignores_a_relative_xdg_state_home(tmp_path, monkeypatch):
+    """A relative ``$XDG_STATE_HOME`` is invalid by the XDG Base Directory specification (it would
+    move with the current directory): ignored, as an unset one."""
+    from corp_deploy.artifact import state_dir
+
+    assert state_dir() == tmp_path / "state"
+    monkeypatch.delenv("CORP_DEPLOY_STATE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert state_dir() == tmp_path / "xdg" / "corp-deploy"
+    monkeypatch.setenv("XDG_STATE_HOME", "relstate")
+    assert state_dir() == tmp_path / "home" / ".local" / "state" / "corp-deploy"

@@ -59,9 +59,7 @@ def family_config(family: str, kind: str) -> CompressConfig:
     target = FAMILIES[family].target
     if kind == "macs0.9":
         return CompressConfig.from_settings(macs=0.9, target=target)
-    if target is None:
-        return CompressConfig(s_mlp=0.5, s_attn=0.5)
-    return CompressConfig(target=target, s_mlp=0.5, s_vo=0.5)
+    return CompressConfig(target=target, sparsity=0.5)  # every part the target prunes
 
 
 def independent_macs(model: torch.nn.Module, image_size: int) -> int:
@@ -233,7 +231,7 @@ def test_parts_without_exact_compensation_are_refused_saying_what_works(family, 
         compress(
             create_dense(family),
             [torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(6))],
-            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5),
+            CompressConfig(target=target, sparsity=0.5),
         )
 
 

@@ -57,7 +57,7 @@ def test_explicit_attention_keeps_the_position_terms(term, compressed, image_bat
         model, _ = compress(
             model,
             image_batches(2, 4, size=kwargs["img_size"]),
-            CompressConfig(target=target, s_mlp=0.5, s_attn=0.5, s_vo=0.5),
+            CompressConfig(target=target, sparsity=0.5),
         )
     attn = model.blocks[0].attn
     x = torch.randn(3, tokens, width, generator=torch.Generator().manual_seed(0))

@@ -87,7 +87,7 @@ def test_int8_gets_its_default_options_and_the_flat_keywords_still_work(tmp_path
         ),
         (dict(calib_samples=0), "calib_samples must be >= 1, got 0"),
         (dict(smoothing="0.5"), "int8_smoothing must be a number, got str '0.5'"),
-        (dict(calib="/nonexistent/dir"), "--calib /nonexistent/dir: not found"),
+        (dict(calib="/nonexistent/dir"), "calib /nonexistent/dir: not found"),  # the field; export says --calib
     ],
 )
 def test_int8_options_check_their_values(options, message):

@@ -943,6 +943,11 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--torch-precision applies only with the torch backends",
     ),
+    "export-into-a-folder-named-for-another-precision": Refusal(
+        lambda w: ["export", w / "art", "--precision", "fp16", "-o", w / "art" / "export-fp32"],
+        1,
+        "export-fp32 is named for fp32 graphs, and this export is fp16",
+    ),
     "export-min-top1-out-of-range": Refusal(
         lambda w: ["export", w / "art", "--min-top1", 1.5, "-o", w / "o"],
         2,
@@ -1586,6 +1591,34 @@ def test_an_export_refuses_an_artifact_replaced_while_it_was_exported(work, monk
     assert not (work / "exp").exists() and not debris(work)
 
 
+def test_an_export_refuses_a_dense_model_that_is_not_the_artifacts_base(work):
+    """dense.onnx is the unpruned base of model.onnx: another model (other classes, other weights) is
+    refused before anything is written, not found later as a parity failure or a bug."""
+    from exporters import ExportOptions, export_artifact
+
+    for other, message in (
+        (build_small_vit(seed=0, num_classes=7), "the dense model has 7 classes and the compressed one 1000"),
+        (build_small_vit(seed=1), "patch embedding differs from the compressed model's"),
+    ):
+        with pytest.raises(CorpError, match=message):
+            export_artifact(work / "art", work / "x", ExportOptions(dense=True), dense_model=other)
+        assert not (work / "x").exists() and not debris(work)
+
+
+def test_a_recovery_on_calibration_images_changed_since_compress_says_so(work):
+    """recover compresses again on the recorded folder: other images there make another artifact."""
+    state = work.parent / "state"
+    image_folder(work.parent / "cal", 4)
+    code, text, _ = invoke([*BASE, "--calib", work.parent / "cal", "-o", work / "c"], state)
+    assert code == 0, text
+    for i in range(4):
+        png(work.parent / "cal" / f"{i}.png", seed=10 + i)
+    quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1]
+    code, text, _ = invoke(["recover", work / "c", *quick, "-o", work / "r"], state)
+    said = " ".join(text.split())
+    assert code == 0 and "holds other images than when" in said and "(0 of the 4 it recorded are there)" in said, text
+
+
 def test_a_bench_refuses_an_artifact_replaced_while_it_was_benchmarked(work, monkeypatch):
     """Its numbers would be of a model no longer there; a report that is written names what it measured."""
     import benchmarks.pipeline as pipeline
@@ -1821,6 +1854,16 @@ def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_b
     assert "bug" not in text and snapshot(work) == before and not debris(work)
 
 
+def test_the_files_of_an_output_inside_an_image_folder_are_not_images_of_it(work):
+    """A bench report copied into the calibration folder: its plot is no photo (the folder holds a record)."""
+    from corp_deploy.calibration import find_images
+
+    image_folder(work.parent / "cal", 3)
+    with staged_output(work.parent / "cal" / "report", "bench") as folder:
+        png(folder / "bench.png")
+    assert [p.name for p in find_images(work.parent / "cal")] == ["0.png", "1.png", "2.png"]
+
+
 def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work):
     data = _labelled(work, {"cats": 1})
     image_folder(data / ".ipynb_checkpoints", 1)
@@ -1894,7 +1937,8 @@ def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
         code, text, exception = invoke(
             [*bench, *shared, "--gate", "speedup,fidelity", "--json", work / "s.json"], state
         )
-        assert code == 0 and "regression gate" not in text, text
+        passed = f"regression gate passed against {work / 'base.json'} (--gate speedup,fidelity)"
+        assert code == 0 and passed in " ".join(text.split()) and "FAILED" not in text, text
         code, text, exception = invoke([*bench, *shared, "--json", work / "d.json"], state)
     assert_one_message(code, text, exception, 4, "regression gate FAILED")
     violations = text.split("regression gate FAILED:")[1].strip().splitlines()
@@ -2162,9 +2206,9 @@ FAULTS = {
             "--calib-samples",
             4,
             "-o",
-            w / "art" / "export-fp32",
+            w / "art" / "export-int8",
         ],
-        "art/export-fp32",
+        "art/export-int8",
     ),
     "bench-sigterm-while-timing": Fault(
         "benchmarks.harness", "interleaved", 1, "SIGTERM", lambda w: ["bench", w / "art", *BENCH, "-o", w / "b"], "b"

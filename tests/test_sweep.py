@@ -98,7 +98,7 @@ def test_matched_macs_interpolates_between_runs_and_refuses_to_extrapolate():
         (["--macs", ""], "'--macs': takes comma-separated"),
         (["--methods", "corp,magic"], "methods must be distinct names from corp, vbp, toast, uncompensated"),
         (["--methods", "corp,corp"], "methods must be distinct"),
-        (["--methods", "vbp", "--target", "attn"], "vbp prunes MLP hidden channels only"),
+        (["--methods", "vbp", "--target", "attn"], "--methods vbp prunes MLP hidden channels only; --target attn"),
     ],
 )
 def test_bad_sweeps_are_refused_before_any_work(tmp_path, args, message, run_cli):
@@ -193,12 +193,12 @@ def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path,
 
 @pytest.mark.slow
 def test_sweep_in_half_precision_says_so_and_warns_of_a_lost_fused_kernel(tmp_path, run_cli):
-    """As bench does: the precision in sweep.md, and the warning when the compressed model's
+    """As bench does: the precision in sweep.md, the backends skipped, and the warning when the compressed model's
     attention runs math where the dense model's does not (forced to flash or math, so the oracle
     does not depend on the kernel PyTorch would pick: flash needs equal head dims, 11/16 are not)."""
     out = tmp_path / "sweep"
     args = ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.3", "--methods", "corp"]
-    args += ["--calib-samples", 8, "--data-samples", 2, "--backends", "torch", "--batch", "1", "--min-time", 0.01]
+    args += ["--calib-samples", 8, "--data-samples", 2, "--backends", "torch,trt", "--batch", "1", "--min-time", 0.01]
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         result, text = run_cli([*args, "--torch-precision", "bf16", "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
@@ -208,6 +208,6 @@ def test_sweep_in_half_precision_says_so_and_warns_of_a_lost_fused_kernel(tmp_pa
         "dense": "flash x2",
         "compressed": "math x2",
     }
-    assert "corp-s0.3: on torch-cpu the compressed model's attention runs math x2, the dense model's flash x2: " in (
-        " ".join(text.split())
-    )
+    said = " ".join(text.split())
+    assert "corp-s0.3: on torch-cpu the compressed model's attention runs math x2, the dense model's flash x2: " in said
+    assert "corp-s0.3: skipped trt: " in said  # no GPU here: each skipped backend is said, as bench says it

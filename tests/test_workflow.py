@@ -134,3 +134,10 @@ def test_uniform_sizes_set_the_fields_of_the_pruned_parts_only(small_vit):
     block = small_vit().blocks[0]
     sizes = uniform_sizes(block, CompressConfig(s_mlp=0.5, s_vo=0.25, target="mlp-vo"))
     assert (sizes.mlp, sizes.qk, sizes.v) == (block.mlp.fc1.out_features // 2, None, 12)
+
+
+def test_an_empty_output_path_is_refused_as_such_not_taken_for_the_current_directory(small_vit, spec):
+    from corp_deploy.errors import BadUsage
+
+    with pytest.raises(BadUsage, match="the output path of an artifact is empty"):
+        compress_to_artifact(small_vit(), CompressConfig(), spec, "", base_model=BASE_MODEL)

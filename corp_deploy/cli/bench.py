@@ -176,6 +176,9 @@ def bench(
         print_terminal(report, console)
     for path in written:
         click.echo(f"wrote {path}", err=True)
+    if report.gate.passed and (baseline is not None or limits.requested):  # a CI log says what held
+        against = f" against {baseline} (--gate {','.join(limits.gates)})" if baseline is not None else ""
+        click.secho(f"regression gate passed{against}", fg="green", err=True)
     if not report.gate.passed:
         click.secho("regression gate FAILED:", fg="red", err=True)
         for item in report.gate.regressions:

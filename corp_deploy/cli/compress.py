@@ -102,7 +102,7 @@ def default_output_dir(model: str, config: CompressConfig) -> Path:
     default=None,
     help="Artifact directory. [default: ./corp-deploy/<model>[-<method>]-<tag>[-nocomp][-rec<N>]; tag: s<S> "
     "(<target>-s<S> for a target other than both), mlp<S>-attn<S> for parts of unequal sparsity, "
-    "macs<F> or x<X> for a budget]",
+    "macs<F> or x<X> for a budget (<target>-macs<F> for a target other than all)]",
 )
 def compress(
     model,

@@ -14,7 +14,7 @@ from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
 from ..errors import BadUsage
-from .common import check_apart, command_to_paste, given_on_command_line, results_output, warn
+from .common import check_apart, command_to_paste, given_on_command_line, input_dir, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
@@ -186,8 +186,8 @@ def export(
     from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
     from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
 
-    from ..artifact import latest_artifact
-    from ..calibration import summary_warnings
+    from ..artifact import latest_artifact, read_config
+    from ..calibration import CalibrationSpec, summary_warnings
     from ..outputs import resolve
 
     record, fields = PRECISIONS[precision], Int8Options.keywords()
@@ -195,6 +195,8 @@ def export(
     named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
     if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
         raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --precision int8")
+    if int8_options.get("calib") is not None:  # named as typed (the library names its field)
+        int8_options["calib"] = input_dir(int8_options["calib"], "--calib")
     chosen = artifact is None
     if chosen:
         artifact = latest_artifact()
@@ -213,8 +215,12 @@ def export(
     )
     if given_on_command_line("batch") and not trt:  # the profile of the engines; nothing else reads it
         raise BadUsage("--batch is the TensorRT engines' batch profile; it applies only with --trt")
-    calib = options.int8.calib if options.int8 is not None else None
-    check_apart([resolve(output or default_export_dir(artifact, precision))], {"--calib": calib})
+    calib = {}
+    if options.int8 is not None:  # the images int8 ranges are read from: given, or the artifact's own
+        recorded = options.int8.calib is None
+        source = CalibrationSpec.recorded(read_config(artifact), source=options.int8.calib).source
+        calib = {"the artifact's calibration folder" if recorded else "--calib": source}
+    check_apart([resolve(output or default_export_dir(artifact, precision))], calib)
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     int8 = result.manifest["models"]["model"].get("int8")
     for message in summary_warnings(int8["source"]) if int8 else ():

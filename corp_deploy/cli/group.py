@@ -53,9 +53,14 @@ _SETTING_OPTIONS = {
 COMMAND_LINE = "corp_deploy.command_line"
 
 
-def option_name(setting: str) -> str:
-    """The command-line option of a setting: ``s_mlp`` -> ``--s-mlp``."""
-    return _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
+#: Settings whose option differs in one command (sweep runs several methods).
+_COMMAND_SETTING_OPTIONS = {"sweep": {"method": "--methods"}}
+
+
+def option_name(setting: str, command: str | None = None) -> str:
+    """The command-line option of a setting (in ``command``): ``s_mlp`` -> ``--s-mlp``."""
+    own = _COMMAND_SETTING_OPTIONS.get(command, {})
+    return own.get(setting) or _SETTING_OPTIONS.get(setting, "--" + setting.replace("_", "-"))
 
 
 class _Command(click.Command):
@@ -117,7 +122,7 @@ class _Commands(click.Group):
                 raise
             except Exception as exc:
                 done = noted.in_place()
-                message, exit_code = _failure(exc, completed=bool(done))
+                message, exit_code = _failure(exc, completed=bool(done), command=ctx.invoked_subcommand)
         if done:
             raise _click_error(
                 f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
@@ -127,11 +132,11 @@ class _Commands(click.Group):
         raise _click_error(message, exit_code)
 
 
-def _failure(exc: Exception, completed: bool) -> tuple[str, int]:
-    """The one message and the exit status of a command that raised ``exc`` (see :class:`_Commands`),
+def _failure(exc: Exception, completed: bool, command: str | None = None) -> tuple[str, int]:
+    """The one message and the exit status of ``command`` that raised ``exc`` (see :class:`_Commands`),
     ``completed`` when it had put an output in place before."""
     if isinstance(exc, SettingError):
-        return exc.naming(option_name), exc.exit_code
+        return exc.naming(lambda setting: option_name(setting, command)), exc.exit_code
     if isinstance(exc, CorpError):
         return str(exc), exc.exit_code
     if _out_of_memory(exc):

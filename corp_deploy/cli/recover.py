@@ -74,6 +74,14 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     )
     for message in result.calibration_warnings():
         warn(message)
+    recorded = set(read_config(artifact).get("calibration", {}).get("image_digests", []))
+    used = set(result.calibration.get("image_digests", []))
+    if calib is None and recorded and used != recorded:  # its own folder, changed since compress read it
+        warn(
+            f"the calibration folder holds other images than when {artifact} was compressed ({len(used & recorded)} "
+            f"of the {len(recorded)} it recorded are there): the recovered artifact is not the one compress "
+            "--recover-steps would have made"
+        )
     warn(record_latest(result.path))
     with results_output() as console:
         console.print(recovery_table(result.report["recovery"], result.path))
