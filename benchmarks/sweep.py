@@ -370,6 +370,14 @@ def _backend_label(backend: str, result: SweepResult) -> str:
     return f"{backend} {precision}" if backend.startswith("torch") and precision != "fp32" else backend
 
 
+def _timed_note(result: SweepResult, backends: list[str]) -> str:
+    """What sweep.md says of the timing: the precision PyTorch ran in, or that nothing was timed."""
+    if not backends:
+        return "Nothing was timed: every backend asked for was skipped (sweep.json says why)."
+    torch_ran = any(backend.startswith("torch") for backend in backends)
+    return f"PyTorch timed in {result.spec.bench.torch_precision}." if torch_ran else ""
+
+
 def to_markdown(result: SweepResult) -> str:
     name = headline_name(result)
     groups = by_method(result)
@@ -393,8 +401,7 @@ def to_markdown(result: SweepResult) -> str:
         "",
         f"{result.created}; machine {result.machine.cpu}, {result.machine.torch_threads} "
         f"threads. Fidelity on {f.images} images ({f.data.get('path', 'bundled photos')}, "
-        f"{'held out' if f.held_out else 'NOT held out'} from calibration). PyTorch timed in "
-        f"{result.spec.bench.torch_precision}.",
+        f"{'held out' if f.held_out else 'NOT held out'} from calibration). " + _timed_note(result, backends),
         "",
         "## Every run",
         "",
