@@ -20,7 +20,7 @@ from torch import nn
 from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
-from .families import blocks_of
+from .families import blocks_of, in_standard_form
 from .files import sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import base_skeleton, check_finite, create_base_model, state_mismatch
@@ -66,6 +66,25 @@ def base_model_spec(
             "num_classes": model.num_classes,
         }
     return {"name": name, "model_kwargs": dict(model_kwargs)}
+
+
+def check_base_model(base_model: dict[str, Any], dense: nn.Module, *, inferred: bool) -> None:
+    """CorpError unless ``base_model`` (:func:`base_model_spec`'s record; ``inferred`` when it was
+    made from ``dense`` rather than given) rebuilds a model of ``dense``'s structure: the same
+    tensors, each of the same shape. Checked on a skeleton without weights before compressing, so
+    that a record :func:`save_artifact` would refuse is refused before the work."""
+    name, kwargs = base_model["name"], base_model.get("model_kwargs")
+    skeleton = base_skeleton(name, kwargs, standard=in_standard_form(dense)).state_dict()
+    problem = state_mismatch(skeleton, dense.state_dict(), "the model given", f"timm's {name} with {kwargs}")
+    if problem is None:
+        return
+    if inferred:
+        raise CorpError(
+            f"cannot tell how to rebuild this model: timm's {name} built with {kwargs} differs from it "
+            f"({problem}); pass base_model={{'name': ..., 'model_kwargs': {{...}}}} with the arguments it "
+            "was created with"
+        )
+    raise CorpError(f"base_model does not rebuild the model given ({problem}): give the arguments it was created with")
 
 
 def build_skeleton(config: dict) -> nn.Module:

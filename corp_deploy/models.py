@@ -79,13 +79,15 @@ def _skeleton(name: str, kwargs: dict[str, Any]) -> nn.Module:
     raise CorpError(f"timm cannot build {name} with {_given(kwargs)}: {first_line(error)}")
 
 
-def base_skeleton(name: str, model_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """The dense model :func:`create_base_model` builds, in standard form, without weights: built on
-    the meta device (no memory; on the CPU, with random weights, where timm cannot build it there).
-    Its parameters and buffers have the keys and shapes of the real model's, not its values; the
-    model is neither checked for finite weights nor run. CorpError as :func:`resolve_model_name`."""
+def base_skeleton(name: str, model_kwargs: dict[str, Any] | None = None, *, standard: bool = True) -> nn.Module:
+    """The dense model :func:`create_base_model` builds, in standard form (as timm builds it with
+    ``standard=False``), without weights: built on the meta device (no memory; on the CPU, with
+    random weights, where timm cannot build it there). Its parameters and buffers have the keys and
+    shapes of the real model's, not its values; the model is neither checked for finite weights nor
+    run. CorpError as :func:`resolve_model_name`."""
     full = resolve_model_name(name, model_kwargs)
-    return standard_form(_skeleton(*timm_arguments(full, model_kwargs))).eval()
+    skeleton = _skeleton(*timm_arguments(full, model_kwargs))
+    return (standard_form(skeleton) if standard else skeleton).eval()
 
 
 def create_base_model(

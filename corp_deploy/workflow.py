@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from . import distributed
-from .artifact import WEIGHTS_FILE, base_model_spec, load_base_model, read_config, save_artifact
+from .artifact import WEIGHTS_FILE, base_model_spec, check_base_model, load_base_model, read_config, save_artifact
 from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
 from .config import CompressConfig
 from .engine import compress
@@ -96,8 +96,10 @@ def compress_to_artifact(
         check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
         check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
-    if base_model is None:
+    inferred = base_model is None
+    if inferred:
         base_model = base_model_spec(dense)
+    check_base_model(base_model, dense, inferred=inferred)
     count = calibration.most_images()
     check_fits(
         f"compressing {base_model['name']} on {count} images",

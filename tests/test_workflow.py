@@ -141,3 +141,39 @@ def test_an_empty_output_path_is_refused_as_such_not_taken_for_the_current_direc
 
     with pytest.raises(BadUsage, match="the output path of an artifact is empty"):
         compress_to_artifact(small_vit(), CompressConfig(), spec, "", base_model=BASE_MODEL)
+
+
+@pytest.mark.parametrize("given", [None, {"name": "deit_tiny_patch16_224", "model_kwargs": {"img_size": 32}}])
+def test_a_base_model_record_that_cannot_rebuild_the_model_is_refused_before_the_work(
+    small_vit, spec, tmp_path, monkeypatch, given
+):
+    """Inferred (only the image size and classes) or given, a record that does not rebuild the
+    model is refused before any image is read or compressed, not when the artifact is saved."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr("corp_deploy.workflow.compress", never)
+    monkeypatch.setattr(CalibrationSpec, "images", never)
+    expected = "cannot tell how to rebuild this model" if given is None else "base_model does not rebuild the model"
+    with pytest.raises(CorpError, match=expected) as raised:
+        compress_to_artifact(small_vit(), CompressConfig(), spec, tmp_path / "art", base_model=given)
+    assert "tensors of other shapes (e.g. cls_token: [1, 1, 48] in the model given" in str(raised.value)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("standard", [False, True])
+def test_a_true_base_model_record_passes_for_a_model_as_timm_builds_it_or_in_standard_form(standard):
+    """A Swin's blocks are rewritten by standard_form (other tensor names): the record is checked
+    against the model in the form it was given."""
+    import timm
+
+    from corp_deploy.artifact import check_base_model
+    from corp_deploy.families import standard_form
+
+    kwargs = {"img_size": 56, "patch_size": 4, "window_size": 7, "embed_dim": 32, "depths": (1, 1), "num_heads": (1, 2)}
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, **kwargs)
+    model = standard_form(model) if standard else model
+    check_base_model({"name": "swin_tiny_patch4_window7_224", "model_kwargs": kwargs}, model, inferred=False)
+    with pytest.raises(CorpError, match="base_model does not rebuild"):
+        check_base_model({"name": "swin_tiny_patch4_window7_224", "model_kwargs": {"img_size": 56}}, model, inferred=False)
