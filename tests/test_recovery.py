@@ -197,6 +197,38 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
     assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
 
 
+def test_files_are_decoded_once_while_they_fit_and_the_views_are_those_decoded_each_time(tmp_path, monkeypatch):
+    """Training files are decoded once and kept (uint8) up to DECODED_BYTES; beyond it each use
+    decodes again. The views are the same either way, bit for bit."""
+    from PIL import Image
+
+    import corp_deploy.recovery as recovery
+
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(
+            torch.randint(0, 256, (12, 16, 3), generator=torch.Generator().manual_seed(i)).byte().numpy()
+        ).save(paths[-1])
+
+    class Batches(list):
+        image_sources = paths
+
+    decoded = []
+    load_rgb = recovery.load_rgb
+    monkeypatch.setattr(recovery, "load_rgb", lambda path: decoded.append(path) or load_rgb(path))
+    config = RecoveryConfig(validation=0.25, seed=3)
+    views = {}
+    for limit, decodes in ((recovery.DECODED_BYTES, 3), (2 * 3 * 12 * 16, 3 + 2)):  # keeps all 3 files, then 2
+        monkeypatch.setattr(recovery, "DECODED_BYTES", limit)
+        images = RecoveryImages(Batches([torch.zeros(4, 3, 8, 8)]), DATA_CONFIG, config)
+        decoded.clear()
+        views[limit] = [images.views([0, 1, 2], step) for step in (1, 2, 3)]
+        assert len(decoded) == decodes  # with two kept, the third file is decoded at every step
+    first, second = views.values()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
     x = torch.arange(40.0).view(40, 1, 1, 1).expand(40, 3, 8, 8) / 40  # image i one flat value

@@ -175,5 +175,6 @@ def test_a_true_base_model_record_passes_for_a_model_as_timm_builds_it_or_in_sta
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, **kwargs)
     model = standard_form(model) if standard else model
     check_base_model({"name": "swin_tiny_patch4_window7_224", "model_kwargs": kwargs}, model, inferred=False)
+    wrong = {"name": "swin_tiny_patch4_window7_224", "model_kwargs": {"img_size": 56}}
     with pytest.raises(CorpError, match="base_model does not rebuild"):
-        check_base_model({"name": "swin_tiny_patch4_window7_224", "model_kwargs": {"img_size": 56}}, model, inferred=False)
+        check_base_model(wrong, model, inferred=False)
