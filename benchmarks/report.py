@@ -278,7 +278,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
     file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
     bench marked); bench never overwrites anything else."""
-    from corp_deploy.outputs import check_creatable, enclosing_output, resolve
+    from corp_deploy.outputs import check_creatable, enclosing_output, note_planned, resolve
 
     given = Path(path)
     if given.exists() and not (given.is_file() or given.is_dir()):  # /dev/stdout, a FIFO, a device
@@ -300,6 +300,7 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
             "record lists; write it elsewhere"
         )
     check_creatable(path, given)
+    note_planned(path)
     return path
 
 

@@ -16,6 +16,8 @@ warnings and log lines stay off the terminal; corp-deploy's own warnings are pri
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import logging
 import signal
 import sys
@@ -57,6 +59,8 @@ def main() -> None:
     warnings.filterwarnings("default", module=OWN_MODULES)
     warnings.showwarning = _show_warning
     logging.getLogger().setLevel(logging.ERROR)
+    if sys.stdout is None:  # started with standard output closed (``>&-``): printing must fail, not vanish
+        sys.stdout = _ClosedOutput()
     for signum in INTERRUPTS:
         signal.signal(signum, _raise_interrupted)
     try:
@@ -67,6 +71,10 @@ def main() -> None:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             print(f"\ncorp-deploy: stopped by {exc}; {_what_was_left(exc.completed, exc.abandoned)}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # printing the group's own --help or --version (a command's is handled by the group)
+        with contextlib.suppress(OSError):
+            print(f"corp-deploy: printing on the standard output failed ({exc.strerror or exc})", file=sys.stderr)
+        sys.exit(1)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
 
@@ -90,6 +98,18 @@ def _what_was_left(done: tuple, abandoned: tuple) -> str:
     if not said:
         said.append("it stopped before writing any output")
     return "; ".join(said) + "; nothing is half-written"
+
+
+class _ClosedOutput(io.TextIOBase):
+    """Standard output for a process started without one (Python leaves ``sys.stdout`` None, and
+    ``print`` then writes nowhere): every write fails as a write to a closed descriptor does, so a
+    command's results are never lost silently (exit 5 once its output is complete)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
 
 
 def _raise_interrupted(signum, frame) -> None:

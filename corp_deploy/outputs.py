@@ -95,15 +95,18 @@ def check_output_dir(dest: str | Path, kind: str, made_from: str | Path | None =
             f"{KINDS[kind]} there, and replacing it would remove it; choose a folder outside it"
             + (" (an export goes inside the artifact it is made from)" if kind == "export" else "")
         )
+    note_planned(path)
     return path
 
 
 @dataclass
 class NotedOutputs:
-    """What a command did to its outputs (:func:`noting_outputs`): ``completed``, those put in place,
+    """What a command did to its outputs (:func:`noting_outputs`): ``planned``, those it checked it
+    could write (:func:`check_output_dir`, before the work); ``completed``, those put in place,
     complete, in order (:func:`mark_complete`); ``abandoned``, those it was writing when it failed or
     was stopped, removed, each with whether an older output at that path was kept as it was."""
 
+    planned: list[Path] = field(default_factory=list)
     completed: list[Path] = field(default_factory=list)
     abandoned: list[tuple[Path, bool, Path]] = field(default_factory=list)  # (output, older kept, staging)
 
@@ -113,11 +116,16 @@ class NotedOutputs:
         return [path for path in self.completed if path.exists()]
 
     def left_behind(self) -> list[tuple[Path, bool]]:
-        """``(output, older one kept)`` of the abandoned outputs, but those that were to be written
-        inside another abandoned output's staging folder (a sweep's artifacts): they go with it."""
+        """``(output, older one kept)`` of the outputs not written: those abandoned and those planned
+        but not begun, but those that were to be written inside another abandoned output's staging
+        folder (a sweep's artifacts): they go with it."""
         stagings = [staging for _, _, staging in self.abandoned]
+        begun = set(self.completed) | {path for path, _, _ in self.abandoned}
+        not_begun = [(path, path.exists(), path) for path in self.planned if path not in begun]
         return [
-            (path, kept) for path, kept, _ in self.abandoned if not any(staging in path.parents for staging in stagings)
+            (path, kept)
+            for path, kept, _ in [*self.abandoned, *not_begun]
+            if not any(staging in path.parents for staging in stagings)
         ]
 
 
@@ -135,6 +143,13 @@ def noting_outputs() -> Iterator[NotedOutputs]:
         yield noted
     finally:
         _NOTED.pop()
+
+
+def note_planned(path: Path) -> None:
+    """Note that the command will write the output ``path`` (resolved; checked before the work), so
+    that an interrupt before it is begun names it too (see :func:`noting_outputs`)."""
+    if _NOTED and path not in _NOTED[-1].planned:
+        _NOTED[-1].planned.append(path)
 
 
 def mark_complete(path: str | Path) -> None:

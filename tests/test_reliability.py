@@ -1422,6 +1422,23 @@ def test_a_closed_standard_output_after_the_artifact_is_written_says_the_artifac
     verify_files(tmp_path / "art", "artifact")
 
 
+def test_a_standard_output_closed_from_the_start_is_a_failed_print_not_a_silent_one(tmp_path):
+    """``corp-deploy compress ... >&-``: Python starts with no ``sys.stdout`` and ``print`` would
+    write nowhere; the run says its artifact is complete and that printing failed (exit 5), and the
+    group's own --help fails with one line."""
+    env = {**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")}
+    closed = {"preexec_fn": lambda: os.close(1), "stderr": subprocess.PIPE, "text": True, "cwd": tmp_path, "env": env}
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", *map(str, BASE), "-o", "art"], **closed)
+    assert done.returncode == 5, done.stderr
+    assert f"{tmp_path / 'art'} is complete (written before the failure), but a later step failed: " in done.stderr
+    assert "printing the results on the standard output failed (standard output is closed)" in done.stderr
+    verify_files(tmp_path / "art", "artifact")
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", "--help"], **closed)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "corp-deploy: printing on the standard output failed (standard output is closed)"
+    ), done.stderr
+
+
 def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
     """bench: the reports are in place when printing the table fails (a full disk behind stdout):
     exit 5, naming the reports as complete."""
@@ -2322,7 +2339,7 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
     elif name.endswith("-while-saving-into-new-folders"):
         assert f"{work / 'new' / 'deeper' / 'art'} was not written (nothing of it is left)" in said, said
     elif not name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
-        assert "was not written" in said or "it stopped before writing any output" in said, said
+        assert f"{work / fault.output} was not written" in said, said  # named even before it was begun
     if name.endswith(("-while-the-output-is-swapped", "-after-the-output-is-complete")):
         # the swap is held together: the signal waits for it, so the new artifact is complete
         assert json.loads((work / "art" / "config.json").read_text())["settings"]["seed"] == 5
