@@ -116,7 +116,11 @@ def check_settings(opset: int, exporter: str) -> None:
     (the parity gate's runtime) can load."""
     check_choice("exporter", exporter, EXPORTERS)
     highest = max_opset(exporter)
-    if not (isinstance(opset, int) and not isinstance(opset, bool) and MIN_OPSET <= opset <= highest):
+    valid = isinstance(opset, int) and not isinstance(opset, bool) and MIN_OPSET <= opset <= highest
+    if valid and opset > DEFAULT_OPSET and not writes_attention(exporter, opset):
+        highest = next((o for o in range(opset - 1, DEFAULT_OPSET, -1) if writes_attention(exporter, o)), DEFAULT_OPSET)
+        valid = False
+    if not valid:
         raise SettingError(
             f"{{setting}} must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
             f"highest that it and this ONNX Runtime support); got {described(opset)}",
@@ -158,6 +162,29 @@ def max_opset(exporter: str) -> int:
         except Exception:  # noqa: BLE001 - ORT refuses an opset it does not know with its own error types
             continue
     return MIN_OPSET
+
+
+@functools.cache
+def writes_attention(exporter: str, opset: int) -> bool:
+    """Whether ``exporter`` writes a ViT attention block at ``opset`` as a graph this ONNX Runtime
+    loads and runs: an opset ONNX Runtime knows is not always one the exporter writes attention
+    in (torch 2.14's dynamo exporter at opset 26 writes an ``Attention`` op it cannot load). Checked
+    on a tiny block (a few seconds) for the opsets above :data:`DEFAULT_OPSET` a user asks for."""
+    import onnxruntime as ort
+    from timm.layers import Attention
+
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(0)
+        block, example = Attention(16, num_heads=2).eval(), torch.randn(2, 5, 16)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "attention.onnx"
+        try:
+            _run_exporter(block, example, path, opset, exporter)
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            session.run(None, {INPUT_NAME: example.numpy()})
+        except Exception:  # noqa: BLE001 - the exporters and ONNX Runtime fail with many types
+            return False
+    return True
 
 
 @contextlib.contextmanager

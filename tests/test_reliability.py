@@ -2486,6 +2486,21 @@ def test_the_library_refuses_an_output_that_is_its_own_input(tmp_path, built):
     assert sorted(p.name for p in calib.iterdir()) == ["0.png", "1.png", "2.png", "3.png"]
 
 
+def test_an_opset_whose_attention_the_exporter_cannot_write_is_refused_before_the_export(monkeypatch):
+    """An opset ONNX Runtime knows but the exporter cannot write attention in (torch 2.14's dynamo
+    exporter at opset 26) is refused as a value, with the highest that works, before any export;
+    the probe is a real export of a tiny attention block, loaded and run by ONNX Runtime."""
+    from corp_deploy.errors import SettingError
+    from exporters import onnx_export
+
+    assert onnx_export.writes_attention("dynamo", onnx_export.DEFAULT_OPSET + 1)  # the real probe
+    highest = onnx_export.max_opset("dynamo")
+    monkeypatch.setattr(onnx_export, "writes_attention", lambda exporter, opset: opset <= highest - 2)
+    onnx_export.check_settings(highest - 2, "dynamo")
+    with pytest.raises(SettingError, match=f"must be between 17 and {highest - 2} with the dynamo exporter"):
+        onnx_export.check_settings(highest, "dynamo")
+
+
 def test_an_opset_the_exporter_cannot_write_is_one_message(tmp_path, monkeypatch):
     """An opset in the supported range that torch's exporter still fails on for this model (its
     attention at opset 26 with torch 2.14, say): one message naming the exporter and the opset, not
