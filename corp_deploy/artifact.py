@@ -21,7 +21,7 @@ from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of, in_standard_form
-from .files import sha256_file, write_json
+from .files import json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import base_skeleton, check_finite, create_base_model, state_mismatch
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
@@ -131,6 +131,8 @@ def save_artifact(
             into ``allocation.png``.
     An existing artifact at ``out_dir`` is replaced (with the exports inside it) when its files
     still match its record; anything else is refused (:func:`corp_deploy.outputs.check_output_dir`).
+    Records that contradict ``model`` (uniform CORP settings of other kept dims, a report of another
+    parameter count) or that JSON cannot hold are refused (BadUsage) before anything is written.
     """
     from safetensors.torch import save_file
 
@@ -155,6 +157,7 @@ def save_artifact(
     }
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
+    _check_records(model, config, report)
 
     weights = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
     with staged_output(out_dir, "artifact", needs=weights) as tmp:
@@ -362,6 +365,51 @@ def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
             f"the recorded base model {config['base_model']} does not rebuild this model ({problem}); pass "
             "the timm name and model kwargs it was created with"
         )
+
+
+def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
+    """BadUsage, before anything is written, when what :func:`save_artifact` was given to record
+    cannot be written as JSON or contradicts ``model``: a report of another parameter count, or
+    settings of uniform CORP whose kept dims are not the model's."""
+    from .config import CompressConfig
+    from .cost import count_params
+    from .methods.corp.sizes import uniform_sizes
+
+    for name, value in (
+        ("base_model", config["base_model"]),
+        ("settings", config["settings"]),
+        ("calibration", config["calibration"]),
+        ("report", report or {}),
+    ):
+        try:
+            json_text(value)
+        except (TypeError, ValueError) as exc:
+            raise BadUsage(f"{name} cannot be written as JSON ({first_line(exc)})") from None
+    recorded = ((report or {}).get("params") or {}).get("compressed")
+    if recorded is not None and recorded != count_params(model):
+        raise BadUsage(
+            f"report is of another model: {recorded} parameters in it, {count_params(model)} in the model saved"
+        )
+    if not config["settings"]:
+        return
+    settings = CompressConfig.from_dict(config["settings"])
+    if settings.method != "corp" or settings.has_budget:
+        return  # kept dims allocated by the method or the budget: nothing to compare them with here
+    base = config["base_model"]
+    dense = blocks_of(base_skeleton(base["name"], base["model_kwargs"]))
+
+    def sizes(dims: dict) -> dict[str, int]:
+        return {"mlp": dims["mlp_hidden"], "qk": dims["qk_head_dim"], "v": dims["v_head_dim"]}
+
+    for index, (block, dims) in enumerate(zip(dense, config["blocks"])):
+        pruned, whole = uniform_sizes(block, settings), sizes(block_dims(block).to_dict())
+        for part, size in sizes(dims).items():
+            expected = getattr(pruned, part) or whole[part]
+            if size != expected:
+                raise BadUsage(
+                    f"settings are not the model's: they keep {expected} {part} dims in block {index}, the "
+                    f"model saved has {size}"
+                )
 
 
 def _jsonable(value: Any) -> Any:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SettingError, check_choice, check_instance, check_setting_types
+from .errors import BadUsage, SettingError, check_choice, check_instance, check_setting_types
 from .methods import METHODS, MethodOptions, option_defaults, option_owners
 from .parts import PARTS, TARGET_PARTS, TARGETS, Part
 from .recovery import SETTING_PREFIX, RecoveryConfig
@@ -175,9 +175,19 @@ class CompressConfig:
 
     @classmethod
     def from_settings(cls, **settings: Any) -> CompressConfig:
-        """A config from flat settings, as the command line names them and :meth:`to_dict` writes
-        them: the shared fields beside the options of every method. Options of another method
-        than ``settings["method"]`` must keep their defaults: they are refused, not ignored."""
+        """A config from flat settings, named as :meth:`to_dict` writes them (the command line's
+        options with underscores, ``s_mlp`` for ``--s-mlp``; ``sparsity`` for ``--s``): the shared
+        fields beside the options of every method and the recovery's ``recover_*``. Options of
+        another method than ``settings["method"]`` must keep their defaults: they are refused, not
+        ignored; a name that is none of these is refused naming them."""
+        known = cls.setting_names()
+        unknown = sorted(name for name in settings if name not in known)
+        if unknown:
+            hint = " (the command line's --s is sparsity)" if "s" in unknown else ""
+            raise BadUsage(
+                f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hint}; the settings "
+                f"are {', '.join(sorted(known))}"
+            )
         method = settings.get("method", cls.method)
         check_choice("method", method, tuple(METHODS))
         recovery = RecoveryConfig.from_settings(settings)
@@ -197,11 +207,17 @@ class CompressConfig:
         return cls(**settings, options=METHODS[method].options_class(**own), recovery=recovery)
 
     @classmethod
+    def setting_names(cls) -> set[str]:
+        """The names :meth:`from_settings` takes: the shared fields, every method's options and the
+        recovery's ``recover_*``."""
+        shared = {field.name for field in dataclasses.fields(cls)} - {"options", "recovery"}
+        return {*shared, *option_owners(), *RecoveryConfig.setting_names()}
+
+    @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> CompressConfig:
         """The config that :meth:`to_dict` wrote, from an artifact's ``settings`` (which also hold
         the calibration's, left out here)."""
-        known = {field.name for field in dataclasses.fields(cls)} - {"options", "sparsity", "recovery"}
-        known |= {*option_owners(), *RecoveryConfig.setting_names()}
+        known = cls.setting_names() - {"sparsity"}  # to_dict folds the joint sparsity into the parts'
         target = settings.get("target")
         if target in TARGET_PARTS:  # the sparsities of the parts it left whole were filled in, not given
             known -= {part.setting for part in PARTS.values() if part.name not in TARGET_PARTS[target]}

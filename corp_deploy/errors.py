@@ -64,7 +64,8 @@ def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
 def check_instance(name: str, value: object, kind: type) -> None:
     """CorpError naming a wrong type as such: ``config must be a CompressConfig, not dict``."""
     if not isinstance(value, kind):
-        raise BadUsage(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise BadUsage(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
 
 
 def check_setting_types(settings: object, setting: typing.Callable[[str], str] = str) -> None:

@@ -90,6 +90,7 @@ def compress_to_artifact(
     (one copy of the weights less; after a failure it is left part-compressed). Under
     torch.distributed every process calibrates on its share and only the first writes.
     """
+    check_instance("dense", dense, nn.Module)
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
     if out_dir is not None:

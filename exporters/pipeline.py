@@ -31,7 +31,7 @@ from corp_deploy import (
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
-from corp_deploy.errors import BadUsage
+from corp_deploy.errors import BadUsage, check_instance
 from corp_deploy.files import sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
 from corp_deploy.recovery import check_teacher
@@ -84,7 +84,10 @@ def export_artifact(
     ``export.json``. ``dense_model`` replaces the dense base rebuilt from the artifact's record.
     Raises :class:`ParityError` (nothing written) when a parity gate fails.
     """
-    options = options or ExportOptions()
+    options = ExportOptions() if options is None else options
+    check_instance("options", options, ExportOptions)
+    if dense_model is not None:
+        check_instance("dense_model", dense_model, nn.Module)
     precision = PRECISIONS[options.precision]
     artifact = Path(artifact)
     config = read_config(artifact)

@@ -241,3 +241,28 @@ def test_every_family_is_checked_without_weights_and_loads_the_weights_it_saved(
     loaded = load_compressed(path).state_dict()
     assert list(loaded) == list(model.state_dict())
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "settings, report, message",
+    [
+        (
+            CompressConfig(s_mlp=0.9, s_attn=0.5).to_dict(),
+            None,
+            "they keep 19 mlp dims in block 0, the model saved has 96",
+        ),
+        (CompressConfig(s_mlp=0.5, target="mlp").to_dict(), None, "qk dims in block 0"),
+        ({"bogus": object()}, None, "settings cannot be written as JSON (Object of type object"),
+        (None, {"params": {"compressed": 1}}, "report is of another model: 1 parameters in it, "),
+    ],
+)
+def test_records_that_contradict_the_model_saved_are_refused_before_writing(
+    compressed, tmp_path, settings, report, message
+):
+    """save_artifact refuses settings of uniform CORP whose kept dims are not the model's, a report
+    of another parameter count, and records JSON cannot hold; nothing is written."""
+    _, model, real_report = compressed
+    base = {"name": "deit_tiny_patch16_224", "model_kwargs": dict(SMALL_VIT_KWARGS)}
+    with pytest.raises(CorpError, match=re.escape(message)):
+        save_artifact(model, tmp_path / "art", base_model=base, settings=settings, report=report or real_report)
+    assert list(tmp_path.iterdir()) == []

@@ -1782,6 +1782,7 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     from corp_deploy.workflow import recover_artifact
     from exporters.options import ExportOptions
     from exporters.parity import Tolerance
+    from exporters.pipeline import export_artifact
 
     model = build_small_vit()
     cases = [
@@ -1806,6 +1807,14 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
             "recovery must be a RecoveryConfig, not dict",
         ),
         (lambda: recover(model, model, [], {"steps": 2}), "config must be a RecoveryConfig, not dict"),
+        (
+            lambda: compress_to_artifact("deit_tiny_patch16_224", CompressConfig(), CalibrationSpec(), tmp_path / "o"),
+            "dense must be a Module, not str",
+        ),
+        (
+            lambda: export_artifact(tiny_artifact, tmp_path / "o", {"dense": True}),
+            "options must be an ExportOptions, not dict",
+        ),
         (lambda: load_compressed(None), "path must be a str or a pathlib.Path, not NoneType"),
         (lambda: load_compressed(bytes(tiny_artifact)), "path must be a str or a pathlib.Path, not bytes"),
     ]

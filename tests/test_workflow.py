@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -178,3 +179,9 @@ def test_a_true_base_model_record_passes_for_a_model_as_timm_builds_it_or_in_sta
     wrong = {"name": "swin_tiny_patch4_window7_224", "model_kwargs": {"img_size": 56}}
     with pytest.raises(CorpError, match="base_model does not rebuild"):
         check_base_model(wrong, model, inferred=False)
+
+
+@pytest.mark.parametrize("name, hint", [("foo", ""), ("s", " (the command line's --s is sparsity)"), ("options", "")])
+def test_from_settings_refuses_an_unknown_name_listing_the_settings(name, hint):
+    with pytest.raises(CorpError, match=re.escape(f"unknown setting {name}{hint}; the settings are calibration, ")):
+        CompressConfig.from_settings(macs=0.6, **{name: 0.5})
