@@ -342,13 +342,16 @@ def latest_artifact() -> Path:
     except OSError as exc:
         raise CorpError(f"cannot read {record}: {exc.strerror or exc}") from None
     try:
-        path = json.loads(text)["artifact"]
-        if not isinstance(path, str):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
+        state = json.loads(text)
+    except ValueError:
+        state, problem = None, "malformed JSON"
+    else:
+        path = state.get("artifact") if isinstance(state, dict) else None
+        problem = None if isinstance(path, str) else 'no "artifact" path in it'
+    if problem is not None:
         raise CorpError(
-            f"{record} is not a corp-deploy state record (malformed JSON); remove it and pass the artifact directory"
-        ) from None
+            f"{record} is not a corp-deploy state record ({problem}); remove it and pass the artifact directory"
+        )
     read_config(path)
     return Path(path)
 

@@ -199,14 +199,28 @@ def _is_safetensors(path: Path) -> bool:
     return path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{")
 
 
+def _is_torch_file(path: Path) -> bool:
+    """Whether ``path`` begins as a file of ``torch.save`` does: a zip archive (torch >= 1.6) or a
+    pickle (the legacy format: the protocol opcode, then its version)."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    return head == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     """Load a local state dict strictly: safetensors (told by its content, whatever the file's
     name), or a torch file read with weights_only=True."""
     path = Path(path)
     if not path.is_file():
         raise CorpError(f"checkpoint not found: {path}")
+    safetensors = _is_safetensors(path)
+    if not (safetensors or _is_torch_file(path)):
+        raise CorpError(
+            f"cannot read checkpoint {path}: it is neither a safetensors file nor a PyTorch file (torch.save "
+            "writes a zip archive or a pickle; this file begins as neither)"
+        )
     try:
-        if _is_safetensors(path):
+        if safetensors:
             from safetensors.torch import load_file
 
             state = load_file(str(path))

@@ -526,6 +526,11 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "cannot read checkpoint",
     ),
+    "compress-checkpoint-of-text": Refusal(
+        lambda w: [*BASE[:2], *TINY, "--checkpoint", (w / "t.pth").write_text("x\n") and w / "t.pth", "-o", w / "o"],
+        1,
+        "it is neither a safetensors file nor a PyTorch file",
+    ),
     "compress-checkpoint-pickle-exploit": Refusal(
         lambda w: [*BASE[:2], *TINY, "--checkpoint", _malicious(w), "-o", w / "o"], 1, "cannot read checkpoint"
     ),
@@ -746,7 +751,14 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1, "is not a corp-deploy artifact (not a directory)"
     ),
     "export-latest-record-malformed": Refusal(
-        lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"], 1, "latest.json is not a corp-deploy state record"
+        lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"],
+        1,
+        "latest.json is not a corp-deploy state record (malformed JSON)",
+    ),
+    "export-latest-record-without-its-artifact": Refusal(
+        lambda w: _latest(w, '{"path": "/x"}') or ["export", "-o", w / "o"],
+        1,
+        'latest.json is not a corp-deploy state record (no "artifact" path in it)',
     ),
     "export-latest-record-points-nowhere": Refusal(
         lambda w: _latest(w, json.dumps({"artifact": str(w / "gone")})) or ["export", "-o", w / "o"],
