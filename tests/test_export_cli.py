@@ -184,6 +184,7 @@ def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(
     result, text = run_cli(["export", "--precision", "bf16"], state)
     assert result.exit_code == EXIT_INCOMPLETE, text
     assert f"exporting the most recent artifact: {art}" in text and "no bfloat16 kernels" in text
+    assert "ONNX Runtime's CUDA provider" in text and "corp-deploy[trt]" not in text  # what the check needs
     manifest = read_manifest(art / "export-bf16")
     assert "no bfloat16 kernels" in manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"]["skipped"]
     assert load_compressed(art) is not None  # the export inside does not disturb the artifact

@@ -241,5 +241,10 @@ def export(
                 err=True,
             )
         else:
-            click.echo(f"To finish on a GPU machine, run this command there:\n  {INSTALL_HINT} && {command}", err=True)
+            click.echo(
+                "To finish on a machine with a CUDA GPU and ONNX Runtime's CUDA provider (the onnxruntime-gpu "
+                f"that corp-deploy installs on Linux x86-64; TensorRT is not needed), run this command there:\n"
+                f"  {command}",
+                err=True,
+            )
         sys.exit(EXIT_INCOMPLETE)

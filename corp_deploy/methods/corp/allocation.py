@@ -42,6 +42,11 @@ def candidate_sizes(total: int, round_to: int, floor: float) -> list[int]:
     return [total] + list(range(top, lowest - 1, -round_to))
 
 
+def _macs_text(macs: int) -> str:
+    """``macs`` in GMACs, or in MACs where GMACs would round it away (a budget of ``--macs 1e-30``)."""
+    return f"{macs / 1e9:.4g} GMACs" if macs >= 1e6 else f"{macs:,} MACs"
+
+
 def check_feasible(
     shapes: Sequence[tuple[int, int]], fixed_macs: int, budget_macs: int, round_to: int = 1, floor: float = 0.0
 ) -> None:
@@ -50,7 +55,7 @@ def check_feasible(
     lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
     if lowest > budget_macs:
         needs = (
-            f"the budget of {budget_macs / 1e9:.4g} GMACs is below what the floors allow: with every unit "
+            f"the budget of {_macs_text(budget_macs)} is below what the floors allow: with every unit "
             f"at its floor ({floor_text(floor, round_to)}) the model still needs {lowest / 1e9:.4g} GMACs; "
             "raise the budget"
         )
