@@ -37,9 +37,11 @@ def bench_target(
     regressions found against ``limits`` and the ``baseline`` report. ``log`` says what is being
     done, ``warn`` what the user should know (evaluation images that overlap calibration,
     unreadable files). CorpError before any timing for a bad baseline (or one that measured other
-    things: :func:`~benchmarks.gate.check_comparable`), target or data; after the run for a baseline
-    whose fidelity was measured on other images (:func:`~benchmarks.gate.check_same_data`) or an
-    artifact replaced while it ran (its record's checksums are in the report: ``artifact``)."""
+    things: :func:`~benchmarks.gate.check_comparable`; or whose fidelity was measured on other
+    images: :func:`~benchmarks.gate.check_same_data`), target or data; after the run for a baseline
+    of as many images as an unlabelled folder turns out to hold (its count is known once its files
+    are read) or an artifact replaced while it ran (its record's checksums are in the report:
+    ``artifact``)."""
     previous = read_baseline(baseline) if baseline is not None else None
     artifact, export_dir = resolve_target(target)
     log(
@@ -57,6 +59,8 @@ def bench_target(
         "use smaller --batch sizes",
     )
     evaluation = eval_images(data, transform, limit=data_samples)
+    if previous is not None:  # what is known of the images before they are read; all of it after the run
+        check_same_data(previous, baseline, evaluation.description, limits)
     check_labels(evaluation, compressed.torch.num_classes)
     held_out = not calibration_overlap(artifact, evaluation.description)
     if not held_out:

@@ -1451,6 +1451,20 @@ def test_a_standard_output_closed_from_the_start_is_a_failed_print_not_a_silent_
     ), done.stderr
 
 
+def test_a_baseline_of_other_evaluation_images_is_refused_before_any_timing(work, monkeypatch):
+    """The number of built-in evaluation images is known before the run: a baseline measured on
+    another number is refused before anything is timed."""
+    import benchmarks.pipeline
+
+    def timed(*args, **kwargs):
+        raise AssertionError("timing started")
+
+    monkeypatch.setattr(benchmarks.pipeline, "run_bench", timed)
+    baseline = _baseline(work, lambda r: r["fidelity"].update(data={"source": "builtin", "images": 64}))
+    code, text, exception = invoke(["bench", work / "art", *BENCH, "--baseline", baseline], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "measured fidelity on other images than this run (images 64")
+
+
 def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
     """bench: the reports are in place when printing the table fails (a full disk behind stdout):
     exit 5, naming the reports as complete."""
