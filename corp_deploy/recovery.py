@@ -57,6 +57,9 @@ VALIDATION_VIEWS = 32
 #: not decode its files again (decoding 16 photos took 0.25 s of the 0.35 s their views take on one
 #: CPU core, and on a GPU a small model's step waits for them); images beyond it are decoded at each use.
 DECODED_BYTES = 1 << 30
+#: The most images one recovery step may take: DeiT-S keeps over 30 GB of activations for the
+#: backward pass at this batch (:func:`corp_deploy.resources.training_bytes`).
+MAX_BATCH = 4096
 #: The most steps a recovery may take (a million steps of 16 images: days on a GPU; more never ends
 #: in practice).
 MAX_STEPS = 1_000_000
@@ -93,7 +96,7 @@ class RecoveryConfig:
 
     steps: int = option(0, "label-free recovery: distillation steps after compression (0: off).")
     lr: float = option(2e-5, "recovery: AdamW's peak learning rate.")
-    batch_size: int = option(16, "recovery: images per step.")
+    batch_size: int = option(16, f"recovery: images per step (at most {MAX_BATCH:,}).")
     weight_decay: float = 0.0
     warmup: float = 0.1
     validation: float = option(0.125, "recovery: fraction of the calibration images held out for validation.")
@@ -114,7 +117,7 @@ class RecoveryConfig:
         check_setting_types(self, lambda name: SETTING_PREFIX + name)
         integers = {
             "steps": (0, MAX_STEPS),
-            "batch_size": (1, None),
+            "batch_size": (1, MAX_BATCH),
             "eval_every": (1, None),
             "patience": (1, None),
             "seed": (0, None),

@@ -87,11 +87,34 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+#: The most images one inference may take: the range of the batch axis of the exported graphs (and
+#: of bench's batch sizes); a batch this large is beyond the memory of any machine for a ViT.
+MAX_BATCH = 1 << 16
+
+
 def inference_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -> int:
     """A lower bound on the memory one inference at ``batch`` adds to the loaded model: the input
     batch, and the largest activation together with the one it is computed from."""
     image = FLOAT32 * math.prod(input_size)
     return batch * (image + 2 * largest_activation_bytes(model, input_size))
+
+
+def training_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) -> int:
+    """A lower bound on the memory one training step (recovery) of ``model``, or of a model compressed
+    from it, adds at ``batch``: the input batch, and in every block the normed residual streams that
+    the query/key/value and first MLP layers read, which autograd keeps for their weights' gradients
+    (two of the block's output size; pruning never narrows them)."""
+    from .families import blocks_of
+
+    blocks = set(map(id, blocks_of(model)))
+    kept = 0
+
+    def record(module, args, output):
+        nonlocal kept
+        kept += 2 * output.numel() * FLOAT32
+
+    forward_blank_image(model, input_size, lambda module: record if id(module) in blocks else None)
+    return batch * (FLOAT32 * math.prod(input_size) + kept)
 
 
 def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:

@@ -23,7 +23,7 @@ from .engine import compress
 from .errors import CorpError, SettingError, check_instance
 from .outputs import check_apart, check_output_dir, verify_files
 from .recovery import SETTING_PREFIX, RecoveryConfig
-from .resources import check_fits, compress_bytes
+from .resources import check_fits, compress_bytes, training_bytes
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,19 @@ def compress_to_artifact(
         base_model = base_model_spec(dense)
     check_base_model(base_model, dense, inferred=inferred)
     count = calibration.most_images()
+    input_size = tuple(data_config["input_size"])
     check_fits(
         f"compressing {base_model['name']} on {count} images",
-        compress_bytes(dense, tuple(data_config["input_size"]), count, calibration.batch_size),
+        compress_bytes(dense, input_size, count, calibration.batch_size),
         "use fewer --calib-samples or a smaller --batch-size",
     )
+    recovery = config.recovery
+    if recovery.enabled and not recovery.checkpointing and config.device == "cpu":  # its activations, besides
+        check_fits(
+            f"recovering at {recovery.batch_size} images per step",
+            training_bytes(dense, input_size, recovery.batch_size),
+            "use a smaller --recover-batch-size, or --recover-checkpointing",
+        )
     if images is None:
         images = calibration.images(transform)
     model, report = compress(dense, images, config, progress=progress, in_place=in_place)

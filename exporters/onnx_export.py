@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from corp_deploy.errors import CorpError, SettingError, check_choice, described, first_line
+from corp_deploy.resources import MAX_BATCH
 
 from .fusable_forms import rewrite_gelu
 from .reduced_precision import for_export
@@ -222,7 +223,7 @@ def _run_exporter(model: nn.Module, example: torch.Tensor, path: Path, opset: in
     ):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            batch = torch.export.Dim(BATCH_AXIS, min=1, max=1 << 16)
+            batch = torch.export.Dim(BATCH_AXIS, min=1, max=MAX_BATCH)
             torch.onnx.export(
                 model,
                 (example,),

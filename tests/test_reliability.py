@@ -451,6 +451,11 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--s-mlp 0.001 keeps all 384 MLP hidden channels of the model",
     ),
+    "compress-recover-batch-size-beyond-its-range": Refusal(
+        lambda w: [*BASE, "--recover-steps", 2, "--recover-batch-size", 100000, "-o", w / "o"],
+        2,
+        "--recover-batch-size must be an integer from 1 to 4,096",
+    ),
     "compress-recover-steps-that-never-end": Refusal(
         lambda w: [*BASE, "--recover-steps", 10**12, "-o", w / "o"],
         2,
@@ -1155,10 +1160,10 @@ REFUSALS: dict[str, Refusal] = {
     "bench-class-index-malformed": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--data", _labelled(w, "{oops")], 1, "cannot read"
     ),
-    "bench-batch-that-cannot-fit": Refusal(
-        lambda w: ["bench", w / "art", *setting(BENCH, "--batch", 10**9)],
-        1,
-        "timing at batch 1000000000 needs at least",
+    "bench-batch-beyond-the-exported-range": Refusal(
+        lambda w: ["bench", w / "art", *setting(BENCH, "--batch", 100000)],
+        2,
+        "'--batch': takes batch sizes up to 65536 (the exported graphs' batch range",
     ),
     # sweep
     "sweep-o-foreign-folder-with-sweep-json": Refusal(
@@ -1463,6 +1468,21 @@ def test_a_baseline_of_other_evaluation_images_is_refused_before_any_timing(work
     baseline = _baseline(work, lambda r: r["fidelity"].update(data={"source": "builtin", "images": 64}))
     code, text, exception = invoke(["bench", work / "art", *BENCH, "--baseline", baseline], work.parent / "state")
     assert_one_message(code, text, exception, 1, "measured fidelity on other images than this run (images 64")
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
+    """bench's timing batch and recovery's training batch are checked against the memory available
+    (lower bounds: the batch, the activations a step must hold) before any image is read."""
+    from corp_deploy import resources
+
+    monkeypatch.setattr(resources, "available_bytes", lambda: 60 * 2**20)  # 60 MiB; recovery needs 100 MB
+    args = ["bench", work / "art", *setting(BENCH, "--batch", 8192)]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "timing at batch 8192 needs at least")
+    args = [*BASE, "--recover-steps", 2, "--recover-batch-size", 4096, "-o", work / "o"]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "recovering at 4096 images per step needs at least")
+    assert "--recover-checkpointing" in text and not (work / "o").exists()
 
 
 def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):

@@ -16,6 +16,7 @@ from ..errors import BadUsage
 from ..methods import METHODS
 from ..parts import TARGETS
 from ..recovery import MAX_STEPS, SETTING_PREFIX, RecoveryConfig
+from ..resources import MAX_BATCH
 from .group import option_name
 
 #: The largest seed every random generator used here accepts.
@@ -56,6 +57,13 @@ class BatchSizes(click.ParamType):
             sizes = ()
         if not sizes or min(sizes) < 1:
             self.fail(f"takes comma-separated positive integers (e.g. 1,8,32); got {value!r}", param, ctx)
+        if max(sizes) > MAX_BATCH:
+            self.fail(
+                f"takes batch sizes up to {MAX_BATCH} (the exported graphs' batch range; far beyond any "
+                f"machine's memory for a ViT); got {max(sizes)}",
+                param,
+                ctx,
+            )
         repeated = sorted({size for size in sizes if sizes.count(size) > 1})
         if repeated:
             self.fail(f"gives batch size {', '.join(map(str, repeated))} more than once: {value!r}", param, ctx)
