@@ -1485,6 +1485,20 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_the_work(work, monk
     assert "--recover-checkpointing" in text and not (work / "o").exists()
 
 
+def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, monkeypatch):
+    """A MAC budget the model cannot meet with every unit at its floor is refused before the
+    calibration images are read and embedded, in MACs where GMACs would round it to 0."""
+    import corp_deploy.engine
+
+    def embedded(*args, **kwargs):
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(corp_deploy.engine, "_embed_all", embedded)
+    code, text, exception = invoke([*BASE, "--macs", "1e-30", "-o", work / "o"], work.parent / "state")
+    assert_one_message(code, text, exception, 2, "the budget of 0 MACs is below what the floors allow")
+    assert not (work / "o").exists()
+
+
 def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
     """bench: the reports are in place when printing the table fails (a full disk behind stdout):
     exit 5, naming the reports as complete."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...families import blocks_of
 from ..base import BlockRun, Method
-from .budget import allocation_table, plan_budget
+from .budget import allocation_table, check_budget, plan_budget
 from .compress import compress_block, compress_block_sequential
 from .options import CorpOptions
 from .refit import REFIT_LAYERS, DriftRefit
@@ -39,6 +39,10 @@ class Corp(Method):
 
     def block_steps(self, model: nn.Module, config: CompressConfig) -> int:
         return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
+
+    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+        if config.has_budget:
+            check_budget(model, config)
 
     def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
         if config.has_budget:

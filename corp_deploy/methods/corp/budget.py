@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from ...cost import count_macs
@@ -20,22 +21,42 @@ if TYPE_CHECKING:
     from ..base import BlockRun
 
 
+def _budget(model: nn.Module, input_size: tuple[int, ...], tokens: int, config: CompressConfig):
+    """``(dense MACs, budget MACs, every unit's (total, MACs per dim), fixed MACs)`` of ``model`` at
+    ``input_size`` (``tokens`` entering the first block) under ``config``'s budget."""
+    dense_macs = count_macs(model, input_size)
+    shapes = unit_shapes(model, tokens, config.parts)
+    fixed = dense_macs - sum(total * per_dim for total, per_dim in shapes)
+    return dense_macs, math.floor(config.options.macs_fraction * dense_macs), shapes, fixed
+
+
+def check_budget(model: nn.Module, config: CompressConfig) -> None:
+    """CorpError, before any calibration, when ``config``'s MAC budget is below what ``model`` needs
+    with every unit at its floor (:func:`~.allocation.check_feasible`), measured on a blank image."""
+    from ...calibration import model_transform
+    from ...engine import embed_tokens
+
+    input_size = tuple(model_transform(model)[1]["input_size"])
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        tokens = embed_tokens(model, torch.zeros(1, *input_size, dtype=parameter.dtype, device=parameter.device))
+    _, budget_macs, shapes, fixed = _budget(model, input_size, tokens[0, ..., 0].numel(), config)
+    check_feasible(shapes, fixed, budget_macs, config.round_to, config.options.unit_floor)
+
+
 def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tuple[list[BlockSizes], dict]:
-    """The kept sizes of every block under ``config``'s MAC budget, and the budget's report
-    (every unit's kept size, error and distortion). ``run.cache`` is left where it was."""
+    """The kept sizes of every block under ``config``'s MAC budget (checked feasible before the
+    calibration: :func:`check_budget`), and the budget's report (every unit's kept size, error and
+    distortion). ``run.cache`` is left where it was."""
     options = config.options
-    dense_macs = count_macs(model, run.cache.input_size)
-    budget_macs = math.floor(options.macs_fraction * dense_macs)
-    shapes = unit_shapes(model, run.cache.tokens, config.parts)
-    prunable = sum(total * per_dim for total, per_dim in shapes)
-    check_feasible(shapes, dense_macs - prunable, budget_macs, config.round_to, options.unit_floor)  # before the work
+    dense_macs, budget_macs, shapes, fixed = _budget(model, run.cache.input_size, run.cache.tokens, config)
     if budget_macs >= dense_macs:
         return _whole_model(model, run, config, dense_macs, budget_macs)
     with run.timer("budget_curves"):
         curves = measure_curves(model, run.cache.clone(), config, run.block_done)
     kept = allocate(
         [Unit(c.total, c.macs_per_dim, c.distortion) for c in curves],
-        dense_macs - prunable,
+        fixed,
         budget_macs,
         config.round_to,
         options.unit_floor,
@@ -48,7 +69,7 @@ def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tupl
         if curve.qk_solutions and config.compensation:  # only slicing: nothing to reuse
             per_block[curve.block]["qk_solutions"] = curve.qk_solutions[size]
     sizes = [BlockSizes(**parts) for parts in per_block]
-    planned = dense_macs - prunable + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
+    planned = fixed + sum(c.macs_per_dim * k for c, k in zip(curves, kept))
     report = {
         "macs_fraction": options.macs_fraction,
         "dense_macs": dense_macs,
