@@ -393,8 +393,8 @@ def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
         raise BadUsage(
             f"report is of another model: {recorded} parameters in it, {count_params(model)} in the model saved"
         )
-    if not config["settings"]:
-        return
+    if not CompressConfig.setting_names() & set(config["settings"]):
+        return  # only the calibration's settings: none of compression's to compare
     settings = CompressConfig.from_dict(config["settings"])
     if settings.method != "corp" or settings.has_budget:
         return  # kept dims allocated by the method or the budget: nothing to compare them with here
