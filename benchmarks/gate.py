@@ -123,12 +123,15 @@ def read_baseline(path: str | Path) -> BenchReport:
     return report
 
 
-def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSettings, models: dict) -> None:
+def check_comparable(
+    baseline: BenchReport, path: str | Path, settings: BenchSettings, models: dict, data: dict, limits: GateLimits
+) -> None:
     """CorpError, before any timing, when ``baseline`` measured other things than this run will:
     another model (its parameters, MACs per image, precision, ONNX exporter or opset differ: another
     artifact, dense model or export), other batch sizes, backends, thread counts or PyTorch
-    precision; one message names every difference. What the baseline does not record (a report
-    written by hand) is not compared.
+    precision, or (where the fidelity it gates is compared) other evaluation images than ``data``
+    (:func:`check_same_data`); one message names every difference. What the baseline does not
+    record (a report written by hand) is not compared.
     ``models``: this run's :class:`~benchmarks.results.ModelEntry` by model name."""
     differences = []
     for name, entry in models.items():
@@ -157,12 +160,17 @@ def check_comparable(baseline: BenchReport, path: str | Path, settings: BenchSet
             was, now = getattr(old, setting), getattr(settings, setting)
             if _listed(was) != _listed(now):
                 differences.append(f"{option} {_listed(was)} in the baseline, {_listed(now)} here")
-    if differences:
-        raise CorpError(
-            f"baseline {path} measured other things than this run would ({'; '.join(differences)}); a gate "
-            "compares like with like: make the baseline from the same artifact and export with the same "
-            "--backends, --batch, --threads and --torch-precision"
-        )
+    other_images = _data_differences(baseline, data, limits)
+    if not differences:
+        check_same_data(baseline, path, data, limits)
+        return
+    raise CorpError(
+        f"baseline {path} measured other things than this run would "
+        f"({'; '.join([*differences, *(f'fidelity on other images: {d}' for d in other_images)])}); a gate "
+        "compares like with like: make the baseline from the same artifact and export with the same "
+        "--backends, --batch, --threads and --torch-precision"
+        + (" and the same --data and --data-samples" if other_images else "")
+    )
 
 
 #: What describes the evaluation images in a report (``fidelity.data``) and must be equal for a
@@ -175,19 +183,24 @@ def check_same_data(baseline: BenchReport, path: str | Path, data: dict, limits:
     ``limits.gates``) was measured on other evaluation images than this run's ``data``
     (``fidelity.data``: another source, folder, photos, labelling or number of images); one
     message names every difference. What the baseline does not record is not compared."""
-    old = baseline.fidelity.data if baseline.fidelity is not None else None
-    if not ({"fidelity", "int8"} & set(limits.gates)) or not old:
-        return
-    differences = [
-        f"{key} {old[key]!r} in the baseline, {data[key]!r} here"
-        for key in _DATA_KEYS
-        if key in old and key in data and old[key] != data[key]
-    ]
+    differences = _data_differences(baseline, data, limits)
     if differences:
         raise CorpError(
             f"baseline {path} measured fidelity on other images than this run ({'; '.join(differences)}); a "
             "gate compares like with like: use the same --data and --data-samples, or gate speedup and latency only"
         )
+
+
+def _data_differences(baseline: BenchReport, data: dict, limits: GateLimits) -> list[str]:
+    """How ``data`` differs from the evaluation images of ``baseline``'s gated fidelity, in words."""
+    old = baseline.fidelity.data if baseline.fidelity is not None else None
+    if not ({"fidelity", "int8"} & set(limits.gates)) or not old:
+        return []
+    return [
+        f"{key} {old[key]!r} in the baseline, {data[key]!r} here"
+        for key in _DATA_KEYS
+        if key in old and key in data and old[key] != data[key]
+    ]
 
 
 def _millions(count: int) -> str:
@@ -248,19 +261,32 @@ def regressions(report: BenchReport, limits: GateLimits, baseline: BenchReport |
             found += _fidelity_against_baseline(report, baseline, limits.max_regression)
         if "int8" in limits.gates:
             found += _int8_against_baseline(report.int8, baseline.int8, limits.max_regression)
-        if limits.gates_requested:
-            found += [
-                f"{gate}: --gate {gate} was given but the baseline has no {gate} numbers to compare"
-                for gate in limits.gates
-                if not _baseline_has(baseline, gate)
-            ]
     if (baseline is not None or limits.requested) and not report.latency:
         skipped = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_backends().items())
         found.append(f"nothing was timed: every requested backend was skipped ({skipped or 'none requested'})")
     return found
 
 
-def _baseline_has(baseline: BenchReport, gate: str) -> bool:
+def check_gates(baseline: BenchReport, path: str | Path, limits: GateLimits) -> None:
+    """CorpError, before any timing, when ``--gate`` (given on the command line:
+    ``limits.gates_requested``) names something ``baseline`` has no numbers of: a gate named
+    never passes by comparing nothing."""
+    missing = [gate for gate in limits.gates if not baseline_has(baseline, gate)] if limits.gates_requested else []
+    if missing:
+        kept = [gate for gate in limits.gates if gate not in missing]
+        raise CorpError(
+            f"--gate {','.join(missing)}: baseline {path} has no {' or '.join(missing)} numbers to compare"
+            + (f"; gate {','.join(kept)} only, or" if kept else ";")
+            + " make a baseline that measured them"
+        )
+
+
+def compared_gates(baseline: BenchReport, limits: GateLimits) -> list[str]:
+    """The gates of ``limits`` that ``baseline`` has numbers for: what a comparison with it checked."""
+    return [gate for gate in limits.gates if baseline_has(baseline, gate)]
+
+
+def baseline_has(baseline: BenchReport, gate: str) -> bool:
     """Whether ``baseline`` holds numbers that ``gate`` compares (its latency rows always do)."""
     if gate == "fidelity":
         old = baseline.fidelity

@@ -13,7 +13,7 @@ from corp_deploy.resources import check_fits, inference_bytes
 
 from .attention_kernels import lost_kernel_warnings
 from .data import check_labels, eval_images
-from .gate import GateLimits, check_comparable, check_same_data, read_baseline, regressions
+from .gate import GateLimits, check_comparable, check_gates, check_same_data, read_baseline, regressions
 from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
@@ -43,6 +43,8 @@ def bench_target(
     are read) or an artifact replaced while it ran (its record's checksums are in the report:
     ``artifact``)."""
     previous = read_baseline(baseline) if baseline is not None else None
+    if previous is not None:
+        check_gates(previous, baseline, limits)
     artifact, export_dir = resolve_target(target)
     log(
         f"benchmarking {artifact}"
@@ -50,8 +52,6 @@ def bench_target(
     )
     made_from = recorded_checksums(artifact)  # before the models are read; the same after the run
     compressed, dense = load_models(artifact, export_dir)
-    if previous is not None:
-        check_comparable(previous, baseline, settings, model_entries(dense, compressed))
     transform, data_config = model_transform(compressed.torch)
     check_fits(
         f"timing at batch {max(settings.batches)}",
@@ -59,8 +59,9 @@ def bench_target(
         "use smaller --batch sizes",
     )
     evaluation = eval_images(data, transform, limit=data_samples)
-    if previous is not None:  # what is known of the images before they are read; all of it after the run
-        check_same_data(previous, baseline, evaluation.description, limits)
+    if previous is not None:  # of the images, what is known before they are read; all of it after the run
+        entries = model_entries(dense, compressed)
+        check_comparable(previous, baseline, settings, entries, evaluation.description, limits)
     check_labels(evaluation, compressed.torch.num_classes)
     held_out = not calibration_overlap(artifact, evaluation.description)
     if not held_out:

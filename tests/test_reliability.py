@@ -1008,6 +1008,23 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "measured fidelity on other images than this run (images 64 in the baseline, 2 here)",
     ),
+    "bench-baseline-of-other-settings-and-other-images": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--baseline",
+            _baseline(
+                w,
+                lambda r: r.update(
+                    settings={"batches": [1, 8]},
+                    fidelity={**r["fidelity"], "data": {"source": "builtin", "images": 64}},
+                ),
+            ),
+        ],
+        1,
+        "--batch 1,8 in the baseline, 1 here; fidelity on other images: images 64 in the baseline, 2 here); a gate",
+    ),
     "bench-baseline-with-a-cosine-above-one": Refusal(
         lambda w: [
             "bench",
@@ -1127,8 +1144,8 @@ REFUSALS: dict[str, Refusal] = {
             "--gate",
             "speedup,int8",
         ],
-        4,
-        "int8: --gate int8 was given but the baseline has no int8 numbers to compare",
+        1,
+        "--gate int8: baseline {w}/baseline.json has no int8 numbers to compare; gate speedup only, or make a",
     ),
     "bench-plot-not-png": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--plot", w / "p.jpg"], 2, "does not end in .png"
@@ -2023,7 +2040,7 @@ def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
         code, text, exception = invoke(
             [*bench, *shared, "--gate", "speedup,fidelity", "--json", work / "s.json"], state
         )
-        passed = f"regression gate passed against {work / 'base.json'} (--gate speedup,fidelity)"
+        passed = f"regression gate passed against {work / 'base.json'} (compared: speedup,fidelity)"
         assert code == 0 and passed in " ".join(text.split()) and "FAILED" not in text, text
         code, text, exception = invoke([*bench, *shared, "--json", work / "d.json"], state)
     assert_one_message(code, text, exception, 4, "regression gate FAILED")

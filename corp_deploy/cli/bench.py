@@ -127,7 +127,7 @@ def bench(
       corp-deploy bench ART --baseline main.json --gate speedup,fidelity --max-regression 0.1
     """
     from benchmarks.backends import parse_families
-    from benchmarks.gate import GateLimits
+    from benchmarks.gate import GateLimits, compared_gates, read_baseline
     from benchmarks.pipeline import bench_target
     from benchmarks.report import check_report_outputs, print_terminal, write_outputs
     from benchmarks.results import BenchSettings
@@ -177,7 +177,13 @@ def bench(
     for path in written:
         click.echo(f"wrote {path}", err=True)
     if report.gate.passed and (baseline is not None or limits.requested):  # a CI log says what held
-        against = f" against {baseline} (--gate {','.join(limits.gates)})" if baseline is not None else ""
+        against = ""
+        if baseline is not None:  # the gates compared: those the baseline has numbers of
+            compared = compared_gates(read_baseline(baseline), limits)
+            unmeasured = [gate for gate in limits.gates if gate not in compared]
+            against = f" against {baseline} (compared: {','.join(compared)}" + (
+                f"; not in the baseline: {','.join(unmeasured)})" if unmeasured else ")"
+            )
         click.secho(f"regression gate passed{against}", fg="green", err=True)
     if not report.gate.passed:
         click.secho("regression gate FAILED:", fg="red", err=True)
