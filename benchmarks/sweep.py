@@ -48,6 +48,8 @@ SWEEP_FILE = "sweep.json"
 SWEEP_FORMAT = DocumentFormat("corp-deploy-sweep", 3, "sweep", "run the sweep again", file=SWEEP_FILE)
 #: Every compression method, and ``uncompensated``: CORP's channel selection, only sliced.
 SWEEP_METHODS = (*METHODS, "uncompensated")
+#: The methods that take MAC budgets: CORP and its uncompensated ablation.
+BUDGET_METHODS = ("corp", "uncompensated")
 #: The methods a sweep runs under torch.distributed (``uncompensated`` is CORP's selection).
 DISTRIBUTED_METHODS = frozenset(
     {name for name, method in METHODS.items() if method.runs_distributed} | {"uncompensated"}
@@ -89,6 +91,13 @@ class SweepSpec:
             )
         if bool(self.sparsities) == bool(self.budgets):
             raise BadUsage("a sweep runs either sparsities or MAC budgets (one of the two, not both)")
+        unbudgeted = [method for method in self.methods if method not in BUDGET_METHODS]
+        if self.budgets and unbudgeted:
+            raise SettingError(
+                f"{{setting}} applies to {{setting}} {' and '.join(BUDGET_METHODS)} only, not {', '.join(unbudgeted)}",
+                "budgets",
+                "methods",
+            )
         names = [self.run_name(label, point) for label in self.labels for point in self.points]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -20,7 +20,7 @@ from .artifact import WEIGHTS_FILE, base_model_spec, check_base_model, load_base
 from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
 from .config import CompressConfig
 from .engine import compress
-from .errors import CorpError, SettingError, check_instance
+from .errors import BadUsage, CorpError, SettingError, check_instance
 from .outputs import check_apart, check_output_dir, verify_files
 from .recovery import SETTING_PREFIX, RecoveryConfig
 from .resources import check_fits, compress_bytes, training_bytes
@@ -93,6 +93,10 @@ def compress_to_artifact(
     check_instance("dense", dense, nn.Module)
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
+    if out_dir is None and distributed.rank() == 0:
+        raise BadUsage(
+            "out_dir is None: give the artifact's folder (None only on the processes of torchrun but the first)"
+        )
     if out_dir is not None:
         check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
         check_apart([out_dir], {"the calibration folder": calibration.source})

@@ -118,10 +118,9 @@ def check_settings(opset: int, exporter: str) -> None:
     check_choice("exporter", exporter, EXPORTERS)
     highest = max_opset(exporter)
     valid = isinstance(opset, int) and not isinstance(opset, bool) and MIN_OPSET <= opset <= highest
-    if valid and opset > DEFAULT_OPSET and not writes_attention(exporter, opset):
-        highest = next((o for o in range(opset - 1, DEFAULT_OPSET, -1) if writes_attention(exporter, o)), DEFAULT_OPSET)
-        valid = False
-    if not valid:
+    if not (valid and (opset <= DEFAULT_OPSET or writes_attention(exporter, opset))):
+        # the highest the exporter writes attention in, named only when refusing (each try takes seconds)
+        highest = next((o for o in range(highest, DEFAULT_OPSET, -1) if writes_attention(exporter, o)), DEFAULT_OPSET)
         raise SettingError(
             f"{{setting}} must be between {MIN_OPSET} and {highest} with the {exporter} exporter (the "
             f"highest that it and this ONNX Runtime support); got {described(opset)}",

@@ -570,6 +570,11 @@ REFUSALS: dict[str, Refusal] = {
     "bench-batch-empty-item": Refusal(
         lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,,2")], 2, "takes comma-separated positive"
     ),
+    "sweep-budgets-with-a-method-that-takes-none": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "corp,vbp", "-o", w / "o"],
+        2,
+        "--macs applies to --methods corp and uncompensated only, not vbp",
+    ),
     "sweep-sparsity-trailing-comma": Refusal(
         lambda w: ["sweep", *BASE[1:], "--s", "0.5,", "-o", w / "o"], 2, "takes comma-separated numbers"
     ),

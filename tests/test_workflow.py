@@ -185,3 +185,9 @@ def test_a_true_base_model_record_passes_for_a_model_as_timm_builds_it_or_in_sta
 def test_from_settings_refuses_an_unknown_name_listing_the_settings(name, hint):
     with pytest.raises(CorpError, match=re.escape(f"unknown setting {name}{hint}; the settings are calibration, ")):
         CompressConfig.from_settings(macs=0.6, **{name: 0.5})
+
+
+def test_no_output_folder_in_one_process_is_refused_before_the_work(small_vit, spec, monkeypatch):
+    monkeypatch.setattr("corp_deploy.workflow.compress", lambda *args, **kwargs: pytest.fail("the work started"))
+    with pytest.raises(CorpError, match="out_dir is None: give the artifact's folder"):
+        compress_to_artifact(small_vit(), CompressConfig(), spec, None, base_model=BASE_MODEL)
