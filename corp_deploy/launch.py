@@ -61,6 +61,8 @@ def main() -> None:
     logging.getLogger().setLevel(logging.ERROR)
     if sys.stdout is None:  # started with standard output closed (``>&-``): printing must fail, not vanish
         sys.stdout = _ClosedOutput()
+    if sys.stderr is not None:  # progress and warnings that cannot be written must not stop the work
+        sys.stderr = _Diagnostics(sys.stderr)
     for signum in INTERRUPTS:
         signal.signal(signum, _raise_interrupted)
     try:
@@ -110,6 +112,28 @@ class _ClosedOutput(io.TextIOBase):
 
     def write(self, text: str) -> int:
         raise OSError(errno.EBADF, "standard output is closed")
+
+
+class _Diagnostics:
+    """Standard error that drops what it cannot write (a full disk behind ``2>``), as Python does
+    for a standard error that was closed (``2>&-``): progress, warnings and messages are for the
+    user to read, and a command's results and exit status do not depend on them."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _raise_interrupted(signum, frame) -> None:

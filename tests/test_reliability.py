@@ -1521,6 +1521,24 @@ def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, mon
     assert not (work / "o").exists()
 
 
+def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(tmp_path):
+    """``compress ... 2>/dev/full`` (here: a pipe whose reader went away): progress and warnings
+    that cannot be written are dropped, as for a closed standard error, and the command does its job."""
+    done = subprocess.Popen(
+        [sys.executable, "-m", "corp_deploy.launch", *map(str, BASE), "-o", "art"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    done.stderr.close()  # nobody reads the diagnostics
+    summary = done.stdout.read()
+    assert done.wait(timeout=600) == 0
+    assert "corp-deploy compress" in summary
+    verify_files(tmp_path / "art", "artifact")
+
+
 def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
     """bench: the reports are in place when printing the table fails (a full disk behind stdout):
     exit 5, naming the reports as complete."""
