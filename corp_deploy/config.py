@@ -156,8 +156,16 @@ class CompressConfig:
 
     def _check_recovery_applies(self) -> None:
         """Refuse recovery settings other than their defaults when the recovery is off (0 steps):
-        they would do nothing and not be recorded. (Its seed is the compression's: not counted.)"""
+        they would do nothing and not be recorded. (Its seed is the compression's: not counted.)
+        Refuse a recovery of a model compression keeps whole (every sparsity 0): it would distil the
+        dense model from itself."""
         if self.recovery.enabled:
+            if not self.has_budget and not any(self.sparsity_of(part) for part in self.pruned_parts):
+                raise SettingError(
+                    "{setting} recovers what compression lost, and every sparsity is 0: the model is the dense "
+                    "one, with nothing to recover",
+                    SETTING_PREFIX + "steps",
+                )
             return
         default = RecoveryConfig(seed=self.recovery.seed)
         changed = [

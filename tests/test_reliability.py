@@ -456,6 +456,11 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--recover-batch-size must be an integer from 1 to 4,096",
     ),
+    "compress-recovery-of-the-dense-model": Refusal(
+        lambda w: [*BASE, "--s", 0, "--recover-steps", 2, "-o", w / "o"],
+        2,
+        "--recover-steps recovers what compression lost, and every sparsity is 0: the model is the dense one",
+    ),
     "compress-recover-steps-that-never-end": Refusal(
         lambda w: [*BASE, "--recover-steps", 10**12, "-o", w / "o"],
         2,
