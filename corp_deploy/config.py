@@ -124,6 +124,12 @@ class CompressConfig:
             if getattr(self, part.setting) is None and not self.has_budget:
                 joint = DEFAULT_SPARSITY if self.sparsity is None else self.sparsity
                 object.__setattr__(self, part.setting, joint if part.name in self.parts else 0.0)
+        if self.recovery.enabled and not self.has_budget and not any(map(self.sparsity_of, self.pruned_parts)):
+            raise SettingError(  # it would distil the dense model from itself
+                "{setting} recovers what compression lost, and every sparsity is 0: the model is the dense one, "
+                "with nothing to recover",
+                SETTING_PREFIX + "steps",
+            )
         if self.round_to < 1:
             raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -156,16 +162,8 @@ class CompressConfig:
 
     def _check_recovery_applies(self) -> None:
         """Refuse recovery settings other than their defaults when the recovery is off (0 steps):
-        they would do nothing and not be recorded. (Its seed is the compression's: not counted.)
-        Refuse a recovery of a model compression keeps whole (every sparsity 0): it would distil the
-        dense model from itself."""
+        they would do nothing and not be recorded. (Its seed is the compression's: not counted.)"""
         if self.recovery.enabled:
-            if not self.has_budget and not any(self.sparsity_of(part) for part in self.pruned_parts):
-                raise SettingError(
-                    "{setting} recovers what compression lost, and every sparsity is 0: the model is the dense "
-                    "one, with nothing to recover",
-                    SETTING_PREFIX + "steps",
-                )
             return
         default = RecoveryConfig(seed=self.recovery.seed)
         changed = [
