@@ -73,6 +73,12 @@ def check_base_model(base_model: dict[str, Any], dense: nn.Module, *, inferred: 
     made from ``dense`` rather than given) rebuilds a model of ``dense``'s structure: the same
     tensors, each of the same shape. Checked on a skeleton without weights before compressing, so
     that a record :func:`save_artifact` would refuse is refused before the work."""
+    unknown = sorted(set(base_model) - {"name", "model_kwargs", "weights"}) if isinstance(base_model, dict) else []
+    if not isinstance(base_model, dict) or unknown or not isinstance(base_model.get("name"), str):
+        raise BadUsage(
+            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' and 'weights'"
+            + (f"; got the unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}" if unknown else "")
+        )
     name, kwargs = base_model["name"], base_model.get("model_kwargs")
     skeleton = base_skeleton(name, kwargs, standard=in_standard_form(dense)).state_dict()
     problem = state_mismatch(skeleton, dense.state_dict(), "the model given", f"timm's {name} with {kwargs}")
@@ -285,7 +291,10 @@ def load_base_model(path: str | Path) -> nn.Module:
     if source == "checkpoint":
         checkpoint = Path(weights["path"])
         if not checkpoint.is_file():
-            raise CorpError(f"the dense weights of {path} came from {checkpoint}, which no longer exists")
+            raise CorpError(
+                f"the dense weights of {path} came from {checkpoint}, which no longer exists; put the file back "
+                "there (its SHA-256 is recorded and checked), as the dense model is rebuilt from it"
+            )
         if sha256_file(checkpoint) != weights.get("sha256"):
             raise CorpError(f"{checkpoint} has changed since {path} was compressed (SHA-256 differs)")
         return create_base_model(name, kwargs, pretrained=False, checkpoint=checkpoint)
@@ -352,7 +361,12 @@ def latest_artifact() -> Path:
         raise CorpError(
             f"{record} is not a corp-deploy state record ({problem}); remove it and pass the artifact directory"
         )
-    read_config(path)
+    try:
+        read_config(path)
+    except CorpError as exc:
+        raise CorpError(
+            f"the most recent artifact ({record} records it) cannot be used: {exc}; pass the artifact directory"
+        ) from None
     return Path(path)
 
 

@@ -16,7 +16,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 
-from .errors import CorpError, SettingError, check_setting_types, first_line
+from .errors import BadUsage, CorpError, SettingError, check_instance, check_setting_types, first_line
 from .files import existing_dir
 from .outputs import RECORD_FILE
 
@@ -56,6 +56,12 @@ def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Ten
     """
     from timm.data import create_transform, resolve_model_data_config
 
+    check_instance("model", model, nn.Module)
+    if getattr(model, "pretrained_cfg", None) is None:
+        raise BadUsage(
+            f"model_transform takes a timm model, whose pretrained_cfg gives its preprocessing; "
+            f"this {type(model).__name__} has none"
+        )
     cfg = resolve_model_data_config(model)
     patch_embed = getattr(model, "patch_embed", None)
     if patch_embed is not None and getattr(patch_embed, "img_size", None):

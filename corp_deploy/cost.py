@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .errors import BadUsage, check_instance, first_line
 from .families import attention_macs, in_standard_form, standard_form
 
 
@@ -28,6 +29,7 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     (:func:`~corp_deploy.families.standard_form`, the same function), because BEiT's and Eva's own
     attentions bypass their ``qkv`` modules.
     """
+    check_instance("model", model, nn.Module)
     if not in_standard_form(model):
         model = standard_form(copy.deepcopy(model))
     total = 0
@@ -58,7 +60,10 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
 
         return attention
 
-    forward_blank_image(model, input_size, hook_of)
+    try:
+        forward_blank_image(model, input_size, hook_of)
+    except (AssertionError, RuntimeError, ValueError, TypeError) as exc:  # timm's checks of the input's size
+        raise BadUsage(f"the model cannot run on one image of input_size {input_size}: {first_line(exc)}") from None
     return total
 
 

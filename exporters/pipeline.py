@@ -88,6 +88,8 @@ def export_artifact(
     check_instance("options", options, ExportOptions)
     if dense_model is not None:
         check_instance("dense_model", dense_model, nn.Module)
+        if not options.dense:
+            raise BadUsage("dense_model is exported only with ExportOptions(dense=True); it would be ignored")
     precision = PRECISIONS[options.precision]
     artifact = Path(artifact)
     config = read_config(artifact)

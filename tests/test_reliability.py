@@ -770,6 +770,11 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "latest.json is not a corp-deploy state record (malformed JSON)",
     ),
+    "export-latest-record-of-a-removed-artifact": Refusal(
+        lambda w: _latest(w, json.dumps({"artifact": str(w / "gone")})) or ["export", "-o", w / "o"],
+        1,
+        "latest.json records it) cannot be used: {w}/gone is not a corp-deploy artifact (not found); pass the",
+    ),
     "export-latest-record-without-its-artifact": Refusal(
         lambda w: _latest(w, '{"path": "/x"}') or ["export", "-o", w / "o"],
         1,
@@ -1880,7 +1885,15 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     """A library caller's value of the wrong type is named as such (not as out of range, and never
     a TypeError from deep inside), and so is a dict given where a config class is expected."""
     from benchmarks.gate import GateLimits
-    from corp_deploy import CalibrationSpec, CompressConfig, compress, compress_to_artifact, load_compressed
+    from corp_deploy import (
+        CalibrationSpec,
+        CompressConfig,
+        compress,
+        compress_to_artifact,
+        count_macs,
+        load_compressed,
+        model_transform,
+    )
     from corp_deploy.errors import BadUsage, SettingError
     from corp_deploy.methods import CorpOptions
     from corp_deploy.recovery import RecoveryConfig, recover
@@ -1919,6 +1932,19 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
         (
             lambda: export_artifact(tiny_artifact, tmp_path / "o", {"dense": True}),
             "options must be an ExportOptions, not dict",
+        ),
+        (
+            lambda: export_artifact(tiny_artifact, tmp_path / "o", ExportOptions(), dense_model=model),
+            "dense_model is exported only with ExportOptions(dense=True)",
+        ),
+        (lambda: count_macs("deit_tiny_patch16_224", (3, 32, 32)), "model must be a Module, not str"),
+        (lambda: count_macs(model, (3, 64, 64)), "the model cannot run on one image of input_size (3, 64, 64)"),
+        (lambda: model_transform(torch.nn.Linear(2, 2)), "model_transform takes a timm model"),
+        (
+            lambda: compress_to_artifact(
+                model, CompressConfig(), CalibrationSpec(), tmp_path / "o", base_model={"name": "x", "kwargs": {}}
+            ),
+            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' and 'weights'; got the unknown key",
         ),
         (lambda: load_compressed(None), "path must be a str or a pathlib.Path, not NoneType"),
         (lambda: load_compressed(bytes(tiny_artifact)), "path must be a str or a pathlib.Path, not bytes"),
