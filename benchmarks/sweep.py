@@ -250,8 +250,13 @@ def run_sweep(
                     continue
                 model, report = compressed.model, compressed.report
                 log(f"{name}: exporting ...")
+                with_dense = dense_onnx is None  # the dense graph once, for every point's bench
                 export = export_artifact(
-                    compressed.path, None, ExportOptions(dense=dense_onnx is None), dense_model=dense, log=log
+                    compressed.path,
+                    None,
+                    ExportOptions(dense=with_dense),
+                    dense_model=dense if with_dense else None,
+                    log=log,
                 )
                 dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
                 with _timing_threads(spec.bench) as settings:

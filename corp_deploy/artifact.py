@@ -296,7 +296,10 @@ def load_base_model(path: str | Path) -> nn.Module:
                 "there (its SHA-256 is recorded and checked), as the dense model is rebuilt from it"
             )
         if sha256_file(checkpoint) != weights.get("sha256"):
-            raise CorpError(f"{checkpoint} has changed since {path} was compressed (SHA-256 differs)")
+            raise CorpError(
+                f"{checkpoint} has changed since {path} was compressed (SHA-256 differs); put back the file it "
+                "was compressed from, as the dense model is rebuilt from it"
+            )
         return create_base_model(name, kwargs, pretrained=False, checkpoint=checkpoint)
     if source == "random":
         return create_base_model(name, kwargs, pretrained=False, seed=weights["seed"])
