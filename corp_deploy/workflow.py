@@ -16,7 +16,16 @@ from typing import Any
 from torch import nn
 
 from . import distributed
-from .artifact import WEIGHTS_FILE, base_model_spec, check_base_model, load_base_model, read_config, save_artifact
+from .artifact import (
+    WEIGHTS_FILE,
+    base_model_spec,
+    check_base_model,
+    check_dense_weights,
+    complete_weights_record,
+    load_base_model,
+    read_config,
+    save_artifact,
+)
 from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
 from .config import CompressConfig
 from .engine import compress
@@ -85,7 +94,9 @@ def compress_to_artifact(
 
     Refuses up front (CorpError) when the work would not fit in memory. ``base_model``: the
     record of the dense model (name, creation arguments, weights) as the CLI builds it; None
-    infers it (:func:`corp_deploy.artifact.base_model_spec`). ``images``: ``calibration``'s images
+    infers it (:func:`corp_deploy.artifact.base_model_spec`) without weights. A weights record
+    (:data:`corp_deploy.artifact.WEIGHTS_FORMS`) is checked to rebuild ``dense`` exactly before the
+    work (timm's pretrained weights are taken as given). ``images``: ``calibration``'s images
     already read (:class:`HeldImages`); None reads them. ``in_place`` compresses ``dense`` itself
     (one copy of the weights less; after a failure it is left part-compressed). Under
     torch.distributed every process calibrates on its share and only the first writes.
@@ -105,6 +116,9 @@ def compress_to_artifact(
     if inferred:
         base_model = base_model_spec(dense)
     check_base_model(base_model, dense, inferred=inferred)
+    if base_model.get("weights") is not None:
+        base_model = {**base_model, "weights": complete_weights_record(base_model)}
+        check_dense_weights(base_model, dense)
     count = calibration.most_images()
     input_size = tuple(data_config["input_size"])
     check_fits(

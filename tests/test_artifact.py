@@ -15,7 +15,7 @@ from corp_deploy import (
     read_config,
     save_artifact,
 )
-from corp_deploy.artifact import base_model_spec, latest_artifact, record_latest
+from corp_deploy.artifact import WEIGHTS_FORMS, base_model_spec, latest_artifact, record_latest
 from corp_deploy.errors import CorpError
 from corp_deploy.families import examples
 from corp_deploy.models import base_skeleton
@@ -32,7 +32,7 @@ def save(model, report, path, name="deit_tiny_patch16_224", kwargs=SMALL_VIT_KWA
     return save_artifact(
         model,
         path,
-        base_model={"name": name, "model_kwargs": dict(kwargs), "weights": {"source": "random"}},
+        base_model={"name": name, "model_kwargs": dict(kwargs), "weights": {"source": "random", "seed": 0}},
         settings=CompressConfig().to_dict(),
         calibration={"images": 24},
         report=report,
@@ -162,7 +162,7 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
     sources = {
         "random": {"source": "random", "seed": 3},
         "checkpoint": {"source": "checkpoint", "path": str(checkpoint), "sha256": sha256_file(checkpoint)},
-        "unknown": {"source": "somewhere"},
+        "unknown": None,
     }
     paths = {
         name: save_artifact(
@@ -176,7 +176,8 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
     for name, offset in (("random", 0.0), ("checkpoint", 0.5)):
         rebuilt = load_base_model(paths[name]).state_dict()
         assert all(torch.equal(rebuilt[k], v + offset) for k, v in dense.state_dict().items()), name
-    with pytest.raises(CorpError, match="does not record where"):
+    expected = "does not record where its dense weights came from .* the weights " + re.escape(WEIGHTS_FORMS)
+    with pytest.raises(CorpError, match=expected):
         load_base_model(paths["unknown"])
     save_file(dense.state_dict(), str(checkpoint))
     with pytest.raises(CorpError, match="has changed since"):

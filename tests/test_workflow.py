@@ -27,7 +27,7 @@ from corp_deploy.parts import PARTS, TARGET_PARTS, UNIT_PARTS
 from tests.helpers import SMALL_VIT_KWARGS
 
 #: The record of the small ViT's dense model, as the CLI would write it.
-BASE_MODEL = {"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS, "weights": {"source": "random"}}
+BASE_MODEL = {"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS}
 
 
 @pytest.fixture
@@ -191,3 +191,36 @@ def test_no_output_folder_in_one_process_is_refused_before_the_work(small_vit, s
     monkeypatch.setattr("corp_deploy.workflow.compress", lambda *args, **kwargs: pytest.fail("the work started"))
     with pytest.raises(CorpError, match="out_dir is None: give the artifact's folder"):
         compress_to_artifact(small_vit(), CompressConfig(), spec, None, base_model=BASE_MODEL)
+
+
+def test_a_weights_record_given_is_completed_and_checked_against_the_model(spec, tmp_path):
+    """A record of where the dense weights came from, given through the Python API, is what export
+    --dense, bench and recover rebuild the dense model from: a checkpoint's SHA-256 is added, and a
+    record that rebuilds other weights than the model's is refused before any work."""
+    from safetensors.torch import save_file
+
+    from corp_deploy import create_base_model, load_base_model
+    from corp_deploy.errors import BadUsage
+    from corp_deploy.files import sha256_file
+
+    dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=3)
+    checkpoint = tmp_path / "dense.safetensors"
+    save_file(dense.state_dict(), str(checkpoint))
+    base = {**BASE_MODEL, "weights": {"source": "checkpoint", "path": str(checkpoint)}}
+    result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), spec, tmp_path / "art", base_model=base)
+    recorded = json.loads((result.path / "config.json").read_text())["base_model"]["weights"]
+    assert recorded == {"source": "checkpoint", "path": str(checkpoint.resolve()), "sha256": sha256_file(checkpoint)}
+    rebuilt = load_base_model(result.path).state_dict()
+    assert all(torch.equal(rebuilt[k], v) for k, v in dense.state_dict().items())
+
+    other_seed = {**BASE_MODEL, "weights": {"source": "random", "seed": 4}}
+    with pytest.raises(CorpError, match=r"weights record \(random\) does not rebuild the model given \(.* differs\)"):
+        compress_to_artifact(dense, CompressConfig(s_mlp=0.5), spec, tmp_path / "other", base_model=other_seed)
+    with pytest.raises(BadUsage, match=r"base_model's 'weights' is \{'source': 'checkpoint', 'path': FILE\}.*; got"):
+        compress_to_artifact(
+            dense, CompressConfig(), spec, tmp_path / "bad", base_model={**BASE_MODEL, "weights": {"source": "disk"}}
+        )
+    assert not (tmp_path / "other").exists() and not (tmp_path / "bad").exists()
+    same_seed = {**BASE_MODEL, "weights": {"source": "random", "seed": 3}}
+    result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), spec, tmp_path / "seeded", base_model=same_seed)
+    assert json.loads((result.path / "config.json").read_text())["base_model"]["weights"] == same_seed["weights"]
