@@ -74,12 +74,7 @@ def check_base_model(base_model: dict[str, Any], dense: nn.Module, *, inferred: 
     made from ``dense`` rather than given) rebuilds a model of ``dense``'s structure: the same
     tensors, each of the same shape. Checked on a skeleton without weights before compressing, so
     that a record :func:`save_artifact` would refuse is refused before the work."""
-    unknown = sorted(set(base_model) - {"name", "model_kwargs", "weights"}) if isinstance(base_model, dict) else []
-    if not isinstance(base_model, dict) or unknown or not isinstance(base_model.get("name"), str):
-        raise BadUsage(
-            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' and 'weights'"
-            + (f"; got the unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}" if unknown else "")
-        )
+    check_base_model_form(base_model)
     name, kwargs = base_model["name"], base_model.get("model_kwargs")
     skeleton = base_skeleton(name, kwargs, standard=in_standard_form(dense)).state_dict()
     problem = state_mismatch(skeleton, dense.state_dict(), "the model given", f"timm's {name} with {kwargs}")
@@ -92,6 +87,22 @@ def check_base_model(base_model: dict[str, Any], dense: nn.Module, *, inferred: 
             "was created with"
         )
     raise CorpError(f"base_model does not rebuild the model given ({problem}): give the arguments it was created with")
+
+
+def check_base_model_form(base_model: Any) -> None:
+    """BadUsage unless ``base_model`` is a dict of a ``name``, ``model_kwargs`` (a dict; optional)
+    and ``weights`` (optional: :func:`complete_weights_record`), and nothing else."""
+    unknown = sorted(set(base_model) - {"name", "model_kwargs", "weights"}) if isinstance(base_model, dict) else []
+    if (
+        not isinstance(base_model, dict)
+        or unknown
+        or not isinstance(base_model.get("name"), str)
+        or not isinstance(base_model.get("model_kwargs", {}), dict)
+    ):
+        raise BadUsage(
+            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' (a dict) and 'weights'"
+            + (f"; got the unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}" if unknown else "")
+        )
 
 
 def build_skeleton(config: dict) -> nn.Module:
@@ -152,8 +163,9 @@ def save_artifact(
     _, data_config = model_transform(model)
     if base_model is None:
         base_model = base_model_spec(model)
-    elif isinstance(base_model, dict) and base_model.get("weights") is not None:
-        base_model = {**base_model, "weights": complete_weights_record(base_model)}
+    else:
+        check_base_model_form(base_model)
+        base_model = {"model_kwargs": {}, **base_model, "weights": complete_weights_record(base_model)}
     config = {
         **CONFIG_FORMAT.header(),
         "base_model": base_model,

@@ -1893,6 +1893,7 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
         count_macs,
         load_compressed,
         model_transform,
+        save_artifact,
     )
     from corp_deploy.errors import BadUsage, SettingError
     from corp_deploy.methods import CorpOptions
@@ -1944,7 +1945,16 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
             lambda: compress_to_artifact(
                 model, CompressConfig(), CalibrationSpec(), tmp_path / "o", base_model={"name": "x", "kwargs": {}}
             ),
-            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' and 'weights'; got the unknown key",
+            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' (a dict) and 'weights'; got the unknown "
+            "key",
+        ),
+        (
+            lambda: save_artifact(model, tmp_path / "o", base_model={"weights": {"source": "random", "seed": 0}}),
+            "base_model is a dict of 'name' (the timm model's), 'model_kwargs' (a dict) and 'weights'",
+        ),
+        (
+            lambda: save_artifact(model, tmp_path / "o", base_model={"name": "deit_tiny", "weights": {"seed": 1}}),
+            "base_model's 'weights' is {'source': 'checkpoint', 'path': FILE}, {'source': 'random', 'seed': N}",
         ),
         (lambda: load_compressed(None), "path must be a str or a pathlib.Path, not NoneType"),
         (lambda: load_compressed(bytes(tiny_artifact)), "path must be a str or a pathlib.Path, not bytes"),
