@@ -339,7 +339,9 @@ def _rebuilt_dense(name: str, kwargs: dict, weights: dict, origin: str) -> nn.Mo
     if source == "timm-pretrained":
         return create_base_model(name, kwargs, pretrained=True)
     raise CorpError(
-        f"{origin} does not record where its dense weights came from (weights source {source!r}), so the "
+        f"{origin} does not record where its dense weights came from"
+        + ("" if source is None else f" (an unknown source, {source!r})")
+        + ", so the "
         "dense model cannot be rebuilt for export --dense, bench or recover. An artifact written through the "
         "Python API from a model corp-deploy did not build records them only when told: compress it again "
         f"with base_model={{'name': ..., 'model_kwargs': ..., 'weights': ...}}, the weights {WEIGHTS_FORMS}"

@@ -176,7 +176,7 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
     for name, offset in (("random", 0.0), ("checkpoint", 0.5)):
         rebuilt = load_base_model(paths[name]).state_dict()
         assert all(torch.equal(rebuilt[k], v + offset) for k, v in dense.state_dict().items()), name
-    expected = "does not record where its dense weights came from .* the weights " + re.escape(WEIGHTS_FORMS)
+    expected = "does not record where its dense weights came from, .* the weights " + re.escape(WEIGHTS_FORMS)
     with pytest.raises(CorpError, match=expected):
         load_base_model(paths["unknown"])
     save_file(dense.state_dict(), str(checkpoint))

@@ -1881,6 +1881,35 @@ def test_the_disk_check_counts_the_old_output_that_stays_until_the_swap(work, mo
     assert "both need room at once" in text and snapshot(work) == before and not debris(work)
 
 
+def test_a_library_artifact_of_a_model_corp_deploy_did_not_build_can_record_its_dense_weights(tmp_path):
+    """An artifact written by compress_to_artifact from the caller's own model records its dense
+    weights only when told (base_model's "weights"): without a record, export --dense is refused
+    with a message that names the record's forms; with one (a checkpoint), it exports the dense graph."""
+    import timm
+    from safetensors.torch import save_file
+
+    from corp_deploy import CalibrationSpec, CompressConfig, compress_to_artifact
+    from tests.helpers import SMALL_VIT_KWARGS
+
+    torch.manual_seed(5)
+    own = timm.create_model("deit_tiny_patch16_224", pretrained=False, **SMALL_VIT_KWARGS).eval()
+    spec, config = CalibrationSpec(samples=4, batch_size=4), CompressConfig(s_mlp=0.5)
+    base = {"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS}
+    compress_to_artifact(own, config, spec, tmp_path / "unrecorded", base_model=base)
+    code, text, _ = invoke(["export", tmp_path / "unrecorded", "--dense"], tmp_path / "state")
+    assert code == 1 and "does not record where its dense weights came from" in text, text
+    forms = "'weights': ...}, the weights {'source': 'checkpoint', 'path': FILE}"
+    assert forms in " ".join(text.split()) and "Traceback" not in text
+    assert not (tmp_path / "unrecorded" / "export-fp32").exists()
+
+    save_file(own.state_dict(), str(tmp_path / "own.safetensors"))
+    weights = {"source": "checkpoint", "path": str(tmp_path / "own.safetensors")}
+    compress_to_artifact(own, config, spec, tmp_path / "recorded", base_model={**base, "weights": weights})
+    code, text, _ = invoke(["export", tmp_path / "recorded", "--dense"], tmp_path / "state")
+    assert code == 0, text
+    assert (tmp_path / "recorded" / "export-fp32" / "dense.onnx").is_file()
+
+
 def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     """A library caller's value of the wrong type is named as such (not as out of range, and never
     a TypeError from deep inside), and so is a dict given where a config class is expected."""
