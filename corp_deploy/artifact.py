@@ -105,6 +105,19 @@ def check_base_model_form(base_model: Any) -> None:
         )
 
 
+def _check_input_size(config: dict, model: nn.Module, path: str | Path) -> None:
+    """CorpError unless ``config.json``'s ``input.input_size`` is the input size of ``model`` (the
+    model it describes), which export and bench feed it."""
+    from .calibration import model_transform
+
+    recorded, own = config["input"]["input_size"], list(model_transform(model)[1]["input_size"])
+    if recorded != own:
+        raise CorpError(
+            f"{Path(path) / CONFIG_FILE} is malformed: input.input_size {recorded} is not the input size of the "
+            f"model it describes ({own}); compress the model again"
+        )
+
+
 def build_skeleton(config: dict) -> nn.Module:
     """The compressed model's structure with random weights, from a ``config.json`` dict."""
     base = config["base_model"]
@@ -268,6 +281,7 @@ def load_compressed(path: str | Path) -> nn.Module:
         raise CorpError(
             f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
         ) from None
+    _check_input_size(config, model, path)
     try:
         state = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as exc:
@@ -308,7 +322,7 @@ def load_base_model(path: str | Path) -> nn.Module:
 
 #: How a ``base_model`` record given to the library names the dense weights (README's forms).
 WEIGHTS_FORMS = (
-    "{'source': 'checkpoint', 'path': FILE}, {'source': 'random', 'seed': N} (create_base_model's seed) "
+    "{'source': 'checkpoint', 'path': FILE}, {'source': 'random', 'seed': N} (create_base_model's seed, N >= 0) "
     "or {'source': 'pretrained'} (the bundled wheel's or timm's pretrained weights)"
 )
 
@@ -358,15 +372,17 @@ def complete_weights_record(base_model: dict[str, Any]) -> dict[str, Any] | None
         return None
     source = weights.get("source") if isinstance(weights, dict) else None
     name = resolve_model_name(base_model["name"], base_model.get("model_kwargs"))
-    if source == "checkpoint" and isinstance(weights.get("path"), (str, os.PathLike)):
+    known = {"source", "path", "sha256"}
+    if source == "checkpoint" and isinstance(weights.get("path"), (str, os.PathLike)) and set(weights) <= known:
         if not Path(weights["path"]).is_file():
             raise CorpError(f"base_model's weights checkpoint {weights['path']} is not a file")
         record = weights_record(weights["path"], False, 0, name=name)
         if weights.get("sha256") not in (None, record["sha256"]):
             raise CorpError(f"{weights['path']} does not have the SHA-256 base_model's weights record gives")
         return record
-    if source == "random" and isinstance(weights.get("seed"), int) and not isinstance(weights["seed"], bool):
-        return {"source": "random", "seed": weights["seed"]}
+    seed = weights.get("seed") if source == "random" else None
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 and set(weights) == {"source", "seed"}:
+        return {"source": "random", "seed": seed}
     if source in ("pretrained", "timm-pretrained", "bundled"):
         record = weights_record(None, True, 0, name=name)
         if source == "bundled" and (record["source"] != "bundled" or weights.get("sha256") != record["sha256"]):

@@ -645,7 +645,7 @@ def recovery_table(report: dict, path=None):
     images = report["images"]
     table.add_row(
         f"validation output cosine ({images['validation_views']} views of "
-        f"{images['validation_sources']} held-out images)",
+        f"{images['validation_sources']} held-out image{'s' if images['validation_sources'] != 1 else ''})",
         f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}",
     )
     distorted = report["distorted_validation_cosine"]

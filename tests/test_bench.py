@@ -160,6 +160,31 @@ def test_gate_passes_on_identical_baseline_and_fails_on_a_doctored_one(bench_run
     assert json.loads((tmp_path / "new.json").read_text())["gate"]["passed"] is False
 
 
+def test_the_default_parity_limit_of_int8_graphs_is_their_export_gate(bench_run):
+    """By default an int8 export's graphs are held to the cosine their export was gated on (0.98), not
+    to the 0.999 of float graphs; the PyTorch backends and a limit given on the command line hold for
+    every row."""
+    report, _, _ = bench_run
+    int8 = copy.deepcopy(report)
+    for model in ("dense", "compressed"):
+        int8["models"][model]["precision"] = "int8"
+        int8["parity"][model]["ort-cpu"]["cosine"] = 0.99
+    assert regressions(BenchReport.from_dict(int8), GateLimits()) == []
+    assert regressions(BenchReport.from_dict(int8), GateLimits(parity_requested=True)) == [
+        "parity: dense on ort-cpu vs torch-cpu fp32: cosine 0.990000 < 0.999",
+        "parity: compressed on ort-cpu vs torch-cpu fp32: cosine 0.990000 < 0.999",
+    ]
+    int8["parity"]["compressed"]["ort-cpu"]["cosine"] = 0.97
+    assert regressions(BenchReport.from_dict(int8), GateLimits()) == [
+        "parity: compressed on ort-cpu vs torch-cpu fp32: cosine 0.970000 < 0.98 (the int8 graphs' own export gate)"
+    ]
+    float_graphs = copy.deepcopy(report)
+    float_graphs["parity"]["compressed"]["ort-cpu"]["cosine"] = 0.99
+    assert regressions(BenchReport.from_dict(float_graphs), GateLimits()) == [
+        "parity: compressed on ort-cpu vs torch-cpu fp32: cosine 0.990000 < 0.999"
+    ]
+
+
 def test_baselines_that_cannot_gate_are_refused(bench_run, artifact, tmp_path, run_cli):
     """A baseline that timed nothing, or whose own gate failed, would let any later run pass; a
     report written over the baseline it is checked against would make a failing run the next one's."""

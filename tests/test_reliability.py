@@ -722,6 +722,33 @@ REFUSALS: dict[str, Refusal] = {
         1,
         "config.json is malformed: blocks needs one object per block",
     ),
+    "export-config-of-another-input-size-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["input"].update(input_size=[3, 64, 64])
+            ),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: input.input_size [3, 64, 64] is not the input size of the model it describes "
+        "([3, 32, 32])",
+    ),
+    "bench-config-of-another-input-size-with-its-record": Refusal(
+        lambda w: (
+            shutil.rmtree(w / "art" / "export-fp32")
+            or [
+                "bench",
+                _edited_with_record(
+                    w / "art", "config.json", "artifact", lambda c: c["input"].update(input_size=[3, 64, 64])
+                ),
+                *BENCH,
+            ]
+        ),
+        1,
+        "config.json is malformed: input.input_size [3, 64, 64] is not the input size of the model it describes",
+    ),
     "export-config-unbuildable-with-its-record": Refusal(
         lambda w: [
             "export",

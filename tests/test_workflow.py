@@ -216,10 +216,13 @@ def test_a_weights_record_given_is_completed_and_checked_against_the_model(spec,
     other_seed = {**BASE_MODEL, "weights": {"source": "random", "seed": 4}}
     with pytest.raises(CorpError, match=r"weights record \(random\) does not rebuild the model given \(.* differs\)"):
         compress_to_artifact(dense, CompressConfig(s_mlp=0.5), spec, tmp_path / "other", base_model=other_seed)
-    with pytest.raises(BadUsage, match=r"base_model's 'weights' is \{'source': 'checkpoint', 'path': FILE\}.*; got"):
-        compress_to_artifact(
-            dense, CompressConfig(), spec, tmp_path / "bad", base_model={**BASE_MODEL, "weights": {"source": "disk"}}
-        )
+    for bad in ({"source": "disk"}, {"source": "random", "seed": -1}, {"source": "random", "seed": 3, "by": "me"}):
+        with pytest.raises(
+            BadUsage, match=r"base_model's 'weights' is \{'source': 'checkpoint', 'path': FILE\}.*; got"
+        ):
+            compress_to_artifact(
+                dense, CompressConfig(), spec, tmp_path / "bad", base_model={**BASE_MODEL, "weights": bad}
+            )
     assert not (tmp_path / "other").exists() and not (tmp_path / "bad").exists()
     same_seed = {**BASE_MODEL, "weights": {"source": "random", "seed": 3}}
     result = compress_to_artifact(dense, CompressConfig(s_mlp=0.5), spec, tmp_path / "seeded", base_model=same_seed)
