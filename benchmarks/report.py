@@ -365,11 +365,9 @@ def _signed_markdown(text: str) -> str:
 
 def _unedited_markdown(text: str) -> bool:
     """Whether ``text`` is a bench Markdown report as bench wrote it: its title first and its digest
-    line last, matching (a report from before the digest line: its title alone)."""
+    line last, matching (a report without the digest line is not known to be bench's)."""
     if not text.startswith(MARKDOWN_TITLE):
         return False
-    if _MARKDOWN_DIGEST.partition("{}")[0] not in text:
-        return True
     body, _, _ = text.rstrip("\n").rpartition("\n")
     return _signed_markdown(body + "\n") == text
 
@@ -386,12 +384,10 @@ def _signed_json(report: BenchReport) -> str:
 
 def _unedited_json(text: str) -> bool:
     """Whether ``text`` is a bench JSON report as bench wrote it: its format, and its digest matching
-    the other entries (a report from before the digest: its format alone)."""
+    the other entries (a report without the digest is not known to be bench's)."""
     data = json.loads(text)
-    if not isinstance(data, dict) or data.get("format") != BENCH_FORMAT.name:
+    if not isinstance(data, dict) or data.get("format") != BENCH_FORMAT.name or _JSON_DIGEST not in data:
         return False
-    if _JSON_DIGEST not in data:
-        return True
     digest = data.pop(_JSON_DIGEST)
     return _sha256(json_text(data)) == digest
 

@@ -172,6 +172,9 @@ def save_artifact(
 
     from .calibration import model_transform
 
+    for name, record in (("settings", settings), ("calibration", calibration), ("report", report)):
+        if record is not None and not isinstance(record, dict):
+            raise BadUsage(f"{name} must be a dict, not {type(record).__name__}")
     out_dir = Path(out_dir)
     _, data_config = model_transform(model)
     if base_model is None:

@@ -44,8 +44,8 @@ from torch import nn
 
 from . import distributed
 from .calibration import load_rgb, model_transform
-from .errors import CorpError, SettingError, check_instance, check_setting_types
-from .families import blocks_of
+from .errors import CorpError, SettingError, check_choice, check_instance, check_setting_types
+from .families import blocks_of, family_of
 from .methods.base import option
 
 #: The prefix of the recovery's settings where they sit beside the compression's (``recover_steps``).
@@ -65,13 +65,22 @@ MAX_BATCH = 4096
 MAX_STEPS = 1_000_000
 
 
+#: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate and blend
+#: when those are not given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the
+#: blocks and the final norm, or only their vectors (norm weights and biases, every bias, layer
+#: scales: about 1 % of them, which needs a higher rate and little blending to move).
+TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5, "blend": 0.5}, "vectors": {"lr": 5e-4, "blend": 1.0}}
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """How to recover (measured defaults: benchmarks/RESULTS.md, "Recovery").
 
     Attributes:
         steps: optimisation steps at most; 0 switches recovery off.
-        lr: AdamW's peak learning rate.
+        train: which parameters train (:data:`TRAINED`): ``all`` of the blocks and the final norm,
+            or only their ``vectors`` (norms, biases, layer scales).
+        lr: AdamW's peak learning rate (None: ``train``'s, :data:`TRAINED`).
         batch_size: images per step (under torch.distributed: in all, split over the processes).
         weight_decay: AdamW's decoupled weight decay.
         warmup: the fraction of the steps over which the learning rate rises linearly from 0.
@@ -85,7 +94,7 @@ class RecoveryConfig:
             convex combination with a uniform weight; teacher and student see the same mixture).
         blend: the share of the trained change of the weights that is kept: the recovered weights
             are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
-            validated and kept as such, as WiSE-FT does for fine-tuned models).
+            validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
         final_weight: the weight of the final features' term beside the blocks' mean.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
@@ -95,7 +104,14 @@ class RecoveryConfig:
     """
 
     steps: int = option(0, "label-free recovery: distillation steps after compression (0: off).")
-    lr: float = option(2e-5, "recovery: AdamW's peak learning rate.")
+    train: str = option(
+        "all",
+        "recovery: which parameters train: all, or vectors (norms, biases, layer scales).",
+        choices=tuple(TRAINED),
+    )
+    lr: float | None = option(
+        None, "recovery: AdamW's peak learning rate.", value_type=float, default_help="2e-5 (all), 5e-4 (vectors)"
+    )
     batch_size: int = option(16, f"recovery: images per step (at most {MAX_BATCH:,}).")
     weight_decay: float = 0.0
     warmup: float = 0.1
@@ -105,7 +121,12 @@ class RecoveryConfig:
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
     color: float = 0.5
     mix: float = 1.0
-    blend: float = option(0.5, "recovery: share of the trained weight change kept (1: all of it).")
+    blend: float | None = option(
+        None,
+        "recovery: share of the trained weight change kept (1: all of it).",
+        value_type=float,
+        default_help="0.5 (all), 1 (vectors)",
+    )
     final_weight: float = 1.0
     seed: int = 0
     autocast_bf16: bool = True
@@ -115,6 +136,10 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         check_setting_types(self, lambda name: SETTING_PREFIX + name)
+        check_choice(SETTING_PREFIX + "train", self.train, tuple(TRAINED))
+        for name, value in TRAINED[self.train].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         integers = {
             "steps": (0, MAX_STEPS),
             "batch_size": (1, MAX_BATCH),
@@ -216,17 +241,22 @@ def _lr_factor(step: int, config: RecoveryConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
 
 
-def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters recovery trains: those of the blocks and of the final norm (``norm``; a
-    pooled model's ``fc_norm`` too), by name."""
+def trainable_parameters(model: nn.Module, train: str = "all") -> dict[str, nn.Parameter]:
+    """The parameters recovery trains (:data:`TRAINED`), by name: those of the blocks and of the
+    final norm (``norm``; a pooled model's ``fc_norm`` too), or only the vectors among them
+    (one-dimensional: norm weights and biases, biases, layer scales)."""
     owners = [*blocks_of(model), *(getattr(model, name, None) for name in ("norm", "fc_norm"))]
     ids = {id(p) for module in owners if isinstance(module, nn.Module) for p in module.parameters()}
-    return {name: p for name, p in model.named_parameters() if id(p) in ids}
+    return {name: p for name, p in model.named_parameters() if id(p) in ids and (train == "all" or p.dim() == 1)}
 
 
 def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
     """CorpError unless ``teacher`` can be the dense model ``student`` was compressed from: the same
     number of blocks and classes and the same patch embedding (which compression never changes)."""
+    if family_of(teacher) is None or not isinstance(getattr(teacher, "patch_embed", None), nn.Module):
+        raise CorpError(
+            f"the dense model ({type(teacher).__name__}) is not a timm ViT this one could be compressed from"
+        )
     if getattr(student, "num_classes", None) != getattr(teacher, "num_classes", None):
         raise CorpError(
             f"the dense model has {teacher.num_classes} classes and the compressed one {student.num_classes}: "
@@ -374,7 +404,7 @@ class _Distillation:
             parameter.requires_grad_(False)
         if config.checkpointing:
             student.set_grad_checkpointing(True)
-        self.trained = trainable_parameters(student)
+        self.trained = trainable_parameters(student, config.train)
         self._requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
         for name, parameter in student.named_parameters():
             parameter.requires_grad_(name in self.trained)

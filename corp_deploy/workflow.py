@@ -180,6 +180,13 @@ def recover_artifact(
     config = read_config(artifact)
     verify_files(artifact, "artifact", [WEIGHTS_FILE])  # not read, but a damaged artifact is not recovered
     settings = config["settings"]
+    missing = [name for name in ("method", *CalibrationSpec().settings()) if name not in settings]
+    if missing:
+        raise CorpError(
+            f"{artifact} does not record the settings it was compressed with ({', '.join(missing)} missing: "
+            "save_artifact was given no settings, or others), and recover compresses the dense model again with "
+            "them; compress it with the recovery instead (compress --recover-steps, or CompressConfig(recovery=...))"
+        )
     if settings.get("recover_steps"):
         steps = settings["recover_steps"]
         raise CorpError(

@@ -248,6 +248,25 @@ def test_only_the_blocks_and_the_final_norm_learn(small_vit):
     names = set(trainable_parameters(small_vit()))
     assert all(name.startswith(("blocks.", "norm.")) for name in names)
     assert "norm.weight" in names and "blocks.1.mlp.fc2.bias" in names
+    vectors = trainable_parameters(small_vit(), "vectors")
+    assert set(vectors) < names and all(p.dim() == 1 for p in vectors.values())
+    assert {"norm.weight", "blocks.0.norm1.bias", "blocks.1.mlp.fc1.bias", "blocks.1.attn.proj.bias"} <= set(vectors)
+    assert {name for name in names - set(vectors) if not name.endswith(".weight")} == set()
+
+
+def test_training_the_vectors_changes_only_them_with_their_own_defaults(small_vit, images):
+    """``train="vectors"``: the matrices keep compression's values; the learning rate and the blend
+    default to the vectors' own (``TRAINED``) unless given."""
+    assert (RecoveryConfig(train="vectors").lr, RecoveryConfig(train="vectors").blend) == (5e-4, 1.0)
+    assert (RecoveryConfig().lr, RecoveryConfig().blend) == (2e-5, 0.5)
+    assert RecoveryConfig(train="vectors", lr=1e-3, blend=0.25).to_settings()["recover_lr"] == 1e-3
+    start, _ = compressed(small_vit(), images, compensation=False)
+    model = copy.deepcopy(start)
+    config = RecoveryConfig(steps=10, train="vectors", lr=3e-2, batch_size=8, eval_every=10, patience=10)
+    assert recover(model, small_vit(), images, config)["best_step"] == 10
+    vectors = trainable_parameters(start, "vectors")
+    changed = {name for name, tensor in start.state_dict().items() if not torch.equal(model.state_dict()[name], tensor)}
+    assert changed <= set(vectors) and len(changed) > 0.9 * len(vectors)
 
 
 @pytest.mark.parametrize(
@@ -255,6 +274,7 @@ def test_only_the_blocks_and_the_final_norm_learn(small_vit):
     [
         (dict(recover_steps=-1), "recover_steps"),
         (dict(recover_lr=0.0), "recover_lr"),
+        (dict(recover_train="biases"), "recover_train"),
         (dict(recover_lr=float("nan")), "recover_lr"),
         (dict(recover_validation=1.5), "recover_validation"),
         (dict(recover_batch_size=0), "recover_batch_size"),

