@@ -68,7 +68,7 @@ MAX_STEPS = 1_000_000
 #: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate and blend
 #: when those are not given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the
 #: blocks and the final norm, or only their vectors (norm weights and biases, every bias, layer
-#: scales: about 1 % of them, which needs a higher rate and little blending to move).
+#: scales: under 1 % of them, which needs a higher rate and little blending to move).
 TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5, "blend": 0.5}, "vectors": {"lr": 5e-4, "blend": 1.0}}
 
 
