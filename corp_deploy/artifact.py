@@ -320,7 +320,28 @@ def load_base_model(path: str | Path) -> nn.Module:
     """
     config = read_config(path)
     base = config["base_model"]
-    return _rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {path}")
+    dense = _rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {path}")
+    _check_patch_embedding(path, dense)
+    return dense
+
+
+def _check_patch_embedding(path: str | Path, dense: nn.Module) -> None:
+    """CorpError unless ``dense`` has the patch embedding of the artifact at ``path`` (compression
+    never changes it): a weights record that names other weights than the artifact was compressed
+    from is caught here, before any export, measurement or recovery against that model."""
+    from safetensors import safe_open
+
+    verify_files(path, "artifact", [WEIGHTS_FILE])
+    own = dense.state_dict()
+    with safe_open(str(Path(path) / WEIGHTS_FILE), "pt") as weights:
+        keys = [key for key in weights.keys() if key.startswith("patch_embed.")]
+        differs = next((k for k in keys if k not in own or not torch.equal(weights.get_tensor(k), own[k])), None)
+    if differs is not None:
+        raise CorpError(
+            f"the dense model rebuilt from {path}'s record is not the one it was compressed from ({differs} "
+            "differs from the artifact's): its weights record names other weights; compress it again with the "
+            "record of the weights it was compressed from"
+        )
 
 
 #: How a ``base_model`` record given to the library names the dense weights (README's forms).

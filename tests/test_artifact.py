@@ -158,7 +158,11 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
     dense = create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=False, seed=3)
     model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
     checkpoint = tmp_path / "dense.safetensors"
-    save_file({k: v + 0.5 for k, v in dense.state_dict().items()}, str(checkpoint))
+
+    def offset(key: str) -> float:  # the patch embedding is the artifact's (compression never changes it)
+        return 0.0 if key.startswith("patch_embed.") else 0.5
+
+    save_file({k: v + offset(k) for k, v in dense.state_dict().items()}, str(checkpoint))
     sources = {
         "random": {"source": "random", "seed": 3},
         "checkpoint": {"source": "checkpoint", "path": str(checkpoint), "sha256": sha256_file(checkpoint)},
@@ -173,9 +177,17 @@ def test_load_base_model_rebuilds_the_recorded_dense_weights(tmp_path, image_bat
         )
         for name, weights in sources.items()
     }
-    for name, offset in (("random", 0.0), ("checkpoint", 0.5)):
+    for name, shift in (("random", lambda key: 0.0), ("checkpoint", offset)):
         rebuilt = load_base_model(paths[name]).state_dict()
-        assert all(torch.equal(rebuilt[k], v + offset) for k, v in dense.state_dict().items()), name
+        assert all(torch.equal(rebuilt[k], v + shift(k)) for k, v in dense.state_dict().items()), name
+    lying = {
+        "name": "deit_tiny_patch16_224",
+        "model_kwargs": SMALL_VIT_KWARGS,
+        "weights": {"source": "random", "seed": 4},
+    }
+    save_artifact(model, tmp_path / "lying", report=report, base_model=lying)
+    with pytest.raises(CorpError, match="is not the one it was compressed from .patch_embed.proj"):
+        load_base_model(tmp_path / "lying")
     expected = "does not record where its dense weights came from, .* the weights " + re.escape(WEIGHTS_FORMS)
     with pytest.raises(CorpError, match=expected):
         load_base_model(paths["unknown"])

@@ -1942,7 +1942,8 @@ def test_an_artifact_that_does_not_record_its_settings_is_not_recovered_or_expor
 ):
     """recover compresses the dense model again with the artifact's recorded settings: an artifact
     saved without them (save_artifact's settings left out) is refused, not compressed again with the
-    defaults. export_artifact's dense_model that is no ViT is named as such."""
+    defaults. A weights record naming other weights is refused by bench (as by every reader of the
+    dense model). export_artifact's dense_model that is no ViT is named as such."""
     from corp_deploy import compress, create_base_model, save_artifact
     from exporters.options import ExportOptions
     from exporters.pipeline import export_artifact
@@ -1959,6 +1960,10 @@ def test_an_artifact_that_does_not_record_its_settings_is_not_recovered_or_expor
     code, text, _ = invoke(["recover", tmp_path / "art", "-o", tmp_path / "rec"], tmp_path / "state")
     assert code == 1 and "does not record the settings it was compressed with (method, calib_samples" in text, text
     assert not (tmp_path / "rec").exists()
+    lying = {**base, "weights": {"source": "random", "seed": 7}}  # the model was built from seed 0
+    save_artifact(model, tmp_path / "lying", base_model=lying, report=report)
+    code, text, _ = invoke(["bench", tmp_path / "lying", *BENCH, "--backends", "torch"], tmp_path / "state")
+    assert code == 1 and "is not the one it was compressed from (patch_embed.proj." in text, text
     with pytest.raises(CorpError, match=r"the dense model \(Identity\) is not a timm ViT"):
         export_artifact(tiny_artifact, tmp_path / "o", ExportOptions(dense=True), dense_model=torch.nn.Identity())
     assert not (tmp_path / "o").exists()
