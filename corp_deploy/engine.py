@@ -44,7 +44,7 @@ from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit
 from .parts import PARTS, Part
-from .recovery import RecoveryConfig, RecoveryImages, recover, recovery_table, retrain
+from .recovery import RecoveryConfig, RecoveryImages, recover, recovery_table
 
 
 def compress(
@@ -68,8 +68,8 @@ def compress(
             validation measurement of a recovery.
         in_place: compress ``model`` itself instead of a copy (the returned model is ``model``; after
             a failure it is left part-compressed): one copy of the weights less in memory (a
-            recovery still copies the dense model, its teacher, and, retraining, compresses a copy
-            first).
+            recovery still copies the dense model, its teacher, and returns that copy compressed
+            again when it kept no step).
         on_measure: given to :func:`~corp_deploy.recovery.recover` (for studies and logging).
     Returns:
         ``(compressed_model, report)``: the model in eval mode on the CPU, and a dict with
@@ -141,31 +141,24 @@ def _compress_and_recover(
     on_measure: Callable[[int, nn.Module], None] | None,
 ) -> tuple[nn.Module, dict]:
     """:func:`compress` with ``config.recovery`` (docs/method.md §11): compression fits on the
-    images of the sources recovery trains on, recovery distils from the dense model and chooses its
-    step on the held-out ones (:func:`~corp_deploy.recovery.recover`). With ``retrain`` the model
-    is then compressed again on all the images and, if a step was chosen, trained that many steps
-    on all of them (:func:`~corp_deploy.recovery.retrain`). The report is the last compression's,
-    with the recovery's under ``"recovery"`` and its time (both trainings, and the first
-    compression when there were two) under ``time_s["recover"]``."""
-    settings = config.recovery
-    images = RecoveryImages(calibration_batches, model_transform(model)[1], settings)
+    images of the sources recovery trains on, then recovery distils from the dense model and keeps
+    the weights of its best step on the held-out ones (:func:`~corp_deploy.recovery.recover`). If
+    it kept none, the model is compressed again on all the images: exactly what compress gives
+    without recovery. The report is that of the compression returned, with the recovery's under
+    ``"recovery"`` and its time (with the first compression's, when there were two) under
+    ``time_s["recover"]``."""
+    images = RecoveryImages(calibration_batches, model_transform(model)[1], config.recovery)
     plain, device = replace(config, recovery=RecoveryConfig()), resolve_device(config.device)
     teacher = copy.deepcopy(model)
     began = time.perf_counter()
-    first_in_place = in_place and not settings.retrain
-    student, report = compress(model, images.fit_batches(), plain, progress=progress, in_place=first_in_place)
-    recovery = recover(student.to(device), teacher, images, settings, progress=progress, on_measure=on_measure)
-    recovering = time.perf_counter() - began  # with a second compression, the first is the recovery's
-    if settings.retrain:
-        del student
-        student, report = compress(model, images.batches, plain, progress=progress, in_place=in_place)
-        steps = recovery["best_step"]
-        recovery["retrained"] = (
-            retrain(student.to(device), teacher, images, settings, steps, progress=progress) if steps else {"steps": 0}
-        )
-        recovering += recovery["retrained"].get("time_s", 0)
-    else:
+    student, report = compress(model, images.fit_batches(), plain, progress=progress, in_place=in_place)
+    recovery = recover(student.to(device), teacher, images, config.recovery, progress=progress, on_measure=on_measure)
+    recovering = time.perf_counter() - began
+    if recovery["best_step"]:
         recovering -= report["time_s"]["total"]
+    else:  # nothing gained: the model compress gives without recovery, fitted on every image
+        del student
+        student, report = compress(teacher, images.batches, plain, progress=progress, in_place=True)
     report["recovery"] = recovery
     report["time_s"]["recover"] = round(recovering, 4)
     report["time_s"]["total"] = round(report["time_s"]["total"] + recovering, 4)

@@ -22,11 +22,8 @@ or logits, to the teacher's). A measurement counts as better when it beats the b
 views as they are without falling below compression on the distorted ones; recovery stops when
 ``patience`` measurements in a row were not better, and the weights of the best are kept, CORP's
 own if none was: a recovery never leaves the model worse on either validation set than compression
-left it. That choice made, the model is fitted again on all the images, as a model selected on a
-validation split is refitted on all the data (``retrain``, the default; :func:`retrain`): compression
-on every calibration image, then, if a step was kept, that many steps of the same schedule on views
-of every source, the held-out ones included; if none was, the model is compression's alone, exactly
-what compress writes without recovery.
+left it, and one that kept no step leaves the model exactly as compression on all the images makes
+it (:func:`corp_deploy.compress` compresses again on :attr:`RecoveryImages.batches`).
 
 Under torch.distributed the student is wrapped in ``DistributedDataParallel``: every process draws
 the same global batch and runs its share of it, torch averages the gradients, so the result equals
@@ -105,9 +102,6 @@ class RecoveryConfig:
         checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
             activations are recomputed in the backward pass instead of kept, for models whose
             training does not fit in memory otherwise.
-        retrain: fit the model again on all the images once validation has chosen the step
-            (:func:`retrain`); off, the model is the one validated, compressed and trained without
-            the held-out sources.
     """
 
     steps: int = option(0, "label-free recovery: distillation steps after compression (0: off).")
@@ -139,11 +133,6 @@ class RecoveryConfig:
     autocast_bf16: bool = True
     checkpointing: bool = option(
         False, "recovery: recompute the blocks' activations in the backward pass (less memory)."
-    )
-    retrain: bool = option(
-        True,
-        "recovery: once validation has chosen the step, compress again on all the images and train them "
-        "that many steps (off: keep the validated model, fitted without the held-out images).",
     )
 
     def __post_init__(self) -> None:
@@ -299,9 +288,8 @@ class RecoveryImages:
     and sharpness: a recovery must not buy fidelity on the one by losing it on the other.
     Compression must not see them either (it matches its own calibration images closely, so they
     would flatter it): made before compressing, :meth:`fit_batches` are the images it fits on
-    (:attr:`batches`, all of them, what the model is compressed on again to be retrained).
-    Training draws fresh augmented views of the other sources (of every source when retraining):
-    random resized crops of the whole
+    (:attr:`batches`: all of them, as given).
+    Training draws fresh augmented views of the other sources: random resized crops of the whole
     file (of the image itself for a bare tensor), mirrored, a ``color`` share of them distorted too
     (colour jitter, greyscale, blur, as self-supervised training augments: SimCLR, DINO), and a
     ``mix`` share mixed with another view (mixup, as function-matching distillation does).
@@ -334,7 +322,7 @@ class RecoveryImages:
             for source in (distinct[i] for i in order)
         ]
         self.batches = listed
-        self._sources, self._held = kept, held
+        self._train, self._held = kept[held:], held
         self._decoded: dict[Path, torch.Tensor] = {}
         trained = {distinct[i] for i in order[held:]}
         self._images, self._batch = images, len(listed[0])
@@ -358,16 +346,14 @@ class RecoveryImages:
     @property
     def sources(self) -> tuple[int, int]:
         """``(training, validation)`` source counts."""
-        return len(self._sources) - self._held, self._held
+        return len(self._train), self._held
 
-    def views(self, indices: list[int], step: int, every_source: bool = False) -> torch.Tensor:
-        """Augmented views ``(len(indices), 3, H, W)`` of the training sources ``indices`` (with
-        ``every_source``, of all the sources, the validation ones included), preprocessed; the same
-        for the same ``step`` in every process."""
-        sources = self._sources if every_source else self._sources[self._held :]
+    def views(self, indices: list[int], step: int) -> torch.Tensor:
+        """Augmented views ``(len(indices), 3, H, W)`` of the training sources ``indices``,
+        preprocessed; the same for the same ``step`` in every process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self._seed * 1_000_003 + step)
-            views = [self._crop(self._pixels(sources[i])) for i in indices]
+            views = [self._crop(self._pixels(self._train[i])) for i in indices]
             views = torch.stack([self._distort(v) if torch.rand(1).item() < self._color else v for v in views])
             mixed = torch.rand(len(views)) < self._mix
             weight = torch.where(mixed, torch.rand(len(views)), 1.0).view(-1, 1, 1, 1)
@@ -417,8 +403,6 @@ class _Distillation:
         self.student, self.teacher, self.config = student, teacher, config
         device = next(student.parameters()).device
         self.bf16 = config.autocast_bf16 and device.type == "cuda"
-        for parameter in teacher.parameters():
-            parameter.requires_grad_(False)
         if config.checkpointing:
             student.set_grad_checkpointing(True)
         self.trained = trainable_parameters(student, config.train)
@@ -461,12 +445,6 @@ class _Distillation:
         self.optimizer.step()
         self.schedule.step()
         return distributed.sum_floats(float(loss.detach()))[0] / distributed.world_size()
-
-    def train(self, images: RecoveryImages, order: _Batches, step: int, every_source: bool = False) -> float:
-        """:meth:`step` on this process's share of the views of ``order``'s next batch of sources
-        (:meth:`RecoveryImages.views`)."""
-        views = images.views(order.next(), step, every_source)[distributed.rank() :: distributed.world_size()]
-        return self.step(views.to(next(self.student.parameters()).device), step)
 
     @torch.no_grad()
     def reference(self, images: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -545,9 +523,20 @@ def recover(
     included) with the student holding the weights measured, the blended ones (for studies and
     logging; it must not train). ``progress``: show progress on stderr (a bar on a terminal, else
     one line per validation measurement)."""
-    run = _start(student, teacher, config)
+    check_instance("config", config, RecoveryConfig)
+    check_teacher(student, teacher)
+    world = distributed.world_size()
+    if config.batch_size % world:
+        raise SettingError(
+            f"{{setting}} {config.batch_size} must be a multiple of the {world} processes (each runs an equal share)",
+            SETTING_PREFIX + "batch_size",
+        )
+    device = next(student.parameters()).device
+    student.eval()  # dropout and drop-path off: the function inference computes is the one trained
+    teacher = teacher.to(device).eval()
     if not isinstance(images, RecoveryImages):
         images = RecoveryImages(images, model_transform(student)[1], config)
+    run = _Distillation(student, teacher, config)
     started = time.perf_counter()
     references = run.reference(images.validation), run.reference(images.distorted)
 
@@ -564,9 +553,9 @@ def recover(
     stop, running, stale, step = "steps done", None, 0, 0
     order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
     try:
-        with _Progress(progress, "recovering", config.steps, start_cosine) as bar:
+        with _Progress(progress, config.steps, start_cosine) as bar:
             for step in range(1, config.steps + 1):
-                loss = run.train(images, order, step)
+                loss = run.step(images.views(order.next(), step)[distributed.rank() :: world].to(device), step)
                 running = loss if running is None else 0.9 * running + 0.1 * loss
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
@@ -575,7 +564,7 @@ def recover(
                 curve.append(
                     {"step": step, "loss": running, "validation_cosine": cosine, "distorted_cosine": distorted}
                 )
-                bar.measured(cosine)
+                bar.validated(cosine)
                 better = cosine > best["cosine"] and distorted >= start_distorted
                 stale = 0 if better else stale + 1
                 if better:
@@ -604,57 +593,6 @@ def recover(
     }
 
 
-def retrain(
-    student: nn.Module,
-    teacher: nn.Module,
-    images: RecoveryImages,
-    config: RecoveryConfig,
-    steps: int,
-    *,
-    progress: bool = False,
-) -> dict:
-    """Train ``student`` (compressed on all of ``images.batches``) by the first ``steps`` steps of
-    ``config``'s schedule (that of ``config.steps`` steps, cut where :func:`recover` chose its
-    weights) on views of every source, the validation ones included, and keep ``config.blend`` of
-    the trained change: the chosen recovery fitted again on all the images. Nothing is held out, so
-    nothing is measured. Returns the steps, the running training loss at the end and the time;
-    ``student`` holds the weights, in eval mode (compression's after a failure)."""
-    if not 1 <= steps <= config.steps:
-        raise ValueError(f"steps must be from 1 to the schedule's {config.steps}, got {steps}")
-    run = _start(student, teacher, config)
-    started, running, weights = time.perf_counter(), None, run.compressed
-    order = _Batches(sum(images.sources), config.batch_size, torch.Generator().manual_seed(config.seed + 1))
-    try:
-        with _Progress(progress, "retraining on all the images", steps) as bar:
-            for step in range(1, steps + 1):
-                loss = run.train(images, order, step, every_source=True)
-                running = loss if running is None else 0.9 * running + 0.1 * loss
-                bar.step(running)
-                if step % config.eval_every == 0 or step == steps:
-                    bar.measured()
-        with run.blended() as weights:
-            pass
-    finally:
-        run.close(weights)
-    return {"steps": steps, "loss": running, "time_s": round(time.perf_counter() - started, 2)}
-
-
-def _start(student: nn.Module, teacher: nn.Module, config: RecoveryConfig) -> _Distillation:
-    """The checked start of a training (:func:`recover`, :func:`retrain`): ``teacher`` on
-    ``student``'s device, both in eval mode (dropout and drop-path off: the function inference
-    computes is the one trained)."""
-    check_instance("config", config, RecoveryConfig)
-    check_teacher(student, teacher)
-    world = distributed.world_size()
-    if config.batch_size % world:
-        raise SettingError(
-            f"{{setting}} {config.batch_size} must be a multiple of the {world} processes (each runs an equal share)",
-            SETTING_PREFIX + "batch_size",
-        )
-    student.eval()
-    return _Distillation(student, teacher.to(next(student.parameters()).device).eval(), config)
-
-
 class _Batches:
     """Indices of training batches: the images in a seeded random order, epoch after epoch."""
 
@@ -670,14 +608,12 @@ class _Batches:
 
 
 class _Progress:
-    """Progress on stderr of what ``label`` names: on a terminal a bar with the steps, the running
-    loss, the last validation cosine (if any) and the time left; elsewhere (a CI log) one line per
-    :meth:`measured`."""
+    """Progress on stderr: on a terminal a bar with the steps, the running loss, the last validation
+    cosine and the time left; elsewhere (a CI log) one line per validation measurement."""
 
-    def __init__(self, enabled: bool, label: str, steps: int, start_cosine: float | None = None) -> None:
+    def __init__(self, enabled: bool, steps: int, start_cosine: float) -> None:
         self._bar = self._console = None
-        self._label, self._steps, self._done, self._started = label, steps, 0, time.perf_counter()
-        self._loss = float("nan")
+        self._steps, self._done, self._loss, self._started = steps, 0, float("nan"), time.perf_counter()
         if not enabled:
             return
         from rich.console import Console
@@ -688,16 +624,15 @@ class _Progress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        validation = "" if start_cosine is None else "  validation cosine {task.fields[cosine]}"
         self._bar = Progress(
-            TextColumn(label),
+            TextColumn("recovering"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}" + validation),
+            TextColumn("loss {task.fields[loss]}  validation cosine {task.fields[cosine]}"),
             TimeRemainingColumn(),
             console=console,
         )
-        self._task = self._bar.add_task("", total=steps, loss="-", cosine=f"{start_cosine or 0:.4f}")
+        self._task = self._bar.add_task("", total=steps, loss="-", cosine=f"{start_cosine:.4f}")
 
     def __enter__(self) -> _Progress:
         if self._bar is not None:
@@ -713,28 +648,23 @@ class _Progress:
         if self._bar is not None:
             self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
 
-    def measured(self, cosine: float | None = None) -> None:
-        """A validation ``cosine`` measured now (None: a point to report progress at, unmeasured)."""
+    def validated(self, cosine: float) -> None:
         if self._bar is not None:
-            if cosine is not None:
-                self._bar.update(self._task, cosine=f"{cosine:.4f}")
+            self._bar.update(self._task, cosine=f"{cosine:.4f}")
         elif self._console is not None:
             elapsed = time.perf_counter() - self._started
             left = elapsed / self._done * (self._steps - self._done)
-            validation = "" if cosine is None else f", validation cosine {cosine:.4f}"
             self._console.print(
-                f"{self._label}: step {self._done}/{self._steps}, loss {self._loss:.4f}{validation}, "
-                f"{elapsed:.0f} s so far, about {left:.0f} s left",
+                f"recovering: step {self._done}/{self._steps}, loss {self._loss:.4f}, validation cosine "
+                f"{cosine:.4f}, {elapsed:.0f} s so far, about {left:.0f} s left",
                 highlight=False,
                 soft_wrap=True,
             )
 
 
 def recovery_table(report: dict, path=None):
-    """A recovery's report (:func:`recover`, with ``retrained``: what :func:`retrain` reported, or
-    ``{"steps": 0}`` for a model compressed again and not trained) as a rich table: steps run and
-    why it stopped, the best step, the validation cosine before and after, the retraining, and the
-    time."""
+    """A recovery's report (:func:`recover`) as a rich table: steps run and why it stopped, the
+    best step, the validation cosine before and after, and the time."""
     from rich.table import Table
 
     cosine = report["validation_cosine"]
@@ -754,13 +684,5 @@ def recovery_table(report: dict, path=None):
         "the same images distorted (colour, greyscale, blur)",
         f"{distorted['compressed']:.4f} -> {distorted['recovered']:.4f}",
     )
-    retrained = report.get("retrained")
-    if retrained is not None:
-        steps = retrained["steps"]
-        table.add_row(
-            "fitted again on all the images",
-            f"compressed, trained {steps} step{'s' if steps != 1 else ''}" if steps else "compressed (no step kept)",
-        )
-    seconds = report["time_s"] + (retrained or {}).get("time_s", 0)
-    table.add_row("recovery wall time (s)", f"{seconds:.1f}")
+    table.add_row("recovery wall time (s)", f"{report['time_s']:.1f}")
     return table

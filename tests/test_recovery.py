@@ -18,7 +18,6 @@ from corp_deploy.recovery import (
     check_teacher,
     distillation_loss,
     recover,
-    retrain,
     trainable_parameters,
 )
 
@@ -65,43 +64,23 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
         assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
 
 
-def test_a_recovery_that_does_not_help_leaves_the_compressed_weights(small_vit, images):
+def test_a_recovery_that_keeps_no_step_leaves_the_model_compress_gives_without_it(small_vit, images):
     """A learning rate far too high makes every measurement worse: no step is kept, and the model is
-    exactly what compress gives without recovery (compressed again on all the images); without
-    ``retrain``, compression's fitted on the images of the sources recovery trains on."""
+    exactly what compress gives without recovery (compressed again on all the images, the
+    validation sources included), also in place, trainable as compress leaves it."""
     harmful = RecoveryConfig(steps=6, lr=0.5, batch_size=8, eval_every=2, patience=2, warmup=0.0)
     fitted = RecoveryImages(images, model_transform(small_vit())[1], harmful).fit_batches()
     assert sum(len(batch) for batch in fitted) == 28  # of 32: 4 held out
-    for again, expected in ((True, compressed(small_vit(), images)[0]), (False, compressed(small_vit(), fitted)[0])):
-        settings = replace(harmful, retrain=again)
-        model, report = compress(small_vit(), images, CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=settings))
+    expected, _ = compressed(small_vit(), images)
+    config = CompressConfig(s_mlp=0.75, s_attn=0.75, recovery=harmful)
+    for in_place in (False, True):
+        model, report = compress(small_vit(), images, config, in_place=in_place)
         recovery = report["recovery"]
         assert recovery["best_step"] == 0 and recovery["stopped"].startswith("validation did not improve")
-        assert recovery["steps_run"] == 4
-        assert recovery.get("retrained") == ({"steps": 0} if again else None)
-        assert report["calibration"]["images"] == (32 if again else 28)
+        assert recovery["steps_run"] == 4 and report["calibration"]["images"] == 32
+        assert report["time_s"]["recover"] > 0 and all(p.requires_grad for p in model.parameters())
         for name, tensor in expected.state_dict().items():
             assert torch.equal(model.state_dict()[name], tensor), name
-
-
-def test_retraining_trains_the_chosen_steps_on_all_the_images(small_vit, images):
-    """With a step kept, the model is compression's on all the images trained that many steps of
-    the same schedule on views of every source (retrain), not the validated model."""
-    config = CompressConfig(s_mlp=0.75, s_attn=0.75, compensation=False, recovery=QUICK)
-    model, report = compress(small_vit(), images, config)
-    steps = report["recovery"]["best_step"]
-    assert steps > 0 and report["recovery"]["retrained"]["steps"] == steps and report["calibration"]["images"] == 32
-    expected, _ = compressed(small_vit(), images, compensation=False)
-    retrained = retrain(
-        expected, small_vit(), RecoveryImages(images, model_transform(expected)[1], QUICK), QUICK, steps
-    )
-    assert retrained["steps"] == steps and retrained["loss"] > 0
-    validated, _ = compress(small_vit(), images, replace(config, recovery=replace(QUICK, retrain=False)))
-    for name, tensor in expected.state_dict().items():
-        assert torch.equal(model.state_dict()[name], tensor), name
-    assert not torch.equal(model.blocks[0].mlp.fc2.weight, validated.blocks[0].mlp.fc2.weight)
-    with pytest.raises(ValueError, match="from 1 to the schedule's 40"):
-        retrain(expected, small_vit(), RecoveryImages(images, model_transform(expected)[1], QUICK), QUICK, 41)
 
 
 def test_on_measure_sees_the_student_at_every_validation(small_vit, images):
@@ -187,9 +166,8 @@ DATA_CONFIG = {"mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3), "input_size": (
 
 def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
     """Sources (files, each with two crops among the images) are held out whole: the validation
-    views are one unseen view of each held-out file, the training views never show one (those of
-    every source, for retraining, do); views of the same step are the same, normalised as the
-    calibration images are."""
+    views are one unseen view of each held-out file, the training views never show one; views of
+    the same step are the same, normalised as the calibration images are."""
     from PIL import Image
 
     paths = []
@@ -213,9 +191,7 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
     plain = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0))
     trained = set().union(*(greys(plain.views(range(6), step)) for step in (1, 2)))
     assert trained == set(range(8)) - held
-    every = set().union(*(greys(plain.views(range(8), step, every_source=True)) for step in (1, 2)))
-    assert every == set(range(8)) and greys(plain.views([0, 1], 1, every_source=True)) == held  # held-out first
-    assert images.batches is batches or images.batches == list(batches)  # what compression runs again on
+    assert images.batches == list(batches)  # all of them, for compressing again
     mixed = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=1.0))
     values = [float((view * std + mean).mean()) * 255 / 30 for view in mixed.views(range(6), 1)]
     assert all(min(trained) - 1e-4 <= v <= max(trained) + 1e-4 for v in values)  # convex mixtures of them

@@ -121,9 +121,8 @@ def _field_option(field: dataclasses.Field, lead: str, prefix: str = ""):
         text += f" [default: {meta['default_help']}]"
     flag = meta["value_type"] is bool
     value_type = None if flag else click.Choice(meta["choices"]) if meta["choices"] else meta["value_type"]
-    name = option_name(prefix + field.name)
     return click.option(
-        f"{name}/--no-{name[2:]}" if flag and field.default else name,  # a flag on by default can be turned off
+        option_name(prefix + field.name),
         is_flag=flag,
         type=value_type,
         default=field.default,
