@@ -1149,6 +1149,21 @@ REFUSALS: dict[str, Refusal] = {
         4,
         "int8: in the baseline but not measured",
     ),
+    "bench-baseline-int8-not-measured-gating-speedup": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "torch,ort",
+            "--baseline",
+            _baseline(w, _with_int8),
+            "--gate",
+            "speedup",
+        ],
+        4,
+        "int8: in the baseline but not measured",
+    ),
     "bench-gate-unknown": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", "speedup,speed"],
         2,
