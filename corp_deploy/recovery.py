@@ -97,9 +97,6 @@ class RecoveryConfig:
             are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
             validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
         final_weight: the weight of the final features' term beside the blocks' mean.
-        average: the decay of an exponential moving average of the trained weights (started at
-            compression's, updated after every step); blended, measured and kept instead of the
-            weights as trained. 0: off.
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
         checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
@@ -132,9 +129,6 @@ class RecoveryConfig:
         default_help="0.5 (all), 1 (vectors)",
     )
     final_weight: float = 1.0
-    average: float = option(
-        0.0, "recovery: decay of a moving average of the trained weights, blended and measured instead (0: off)."
-    )
     seed: int = 0
     autocast_bf16: bool = True
     checkpointing: bool = option(
@@ -168,7 +162,6 @@ class RecoveryConfig:
             "color": (0.0, 1.0, True),
             "mix": (0.0, 1.0, True),
             "blend": (0.0, 1.0, False),
-            "average": (0.0, 0.9999, True),
             "final_weight": (0.0, 100.0, True),
         }
         for name, (low, high, low_included) in ranges.items():
@@ -420,7 +413,6 @@ class _Distillation:
         if distributed.active():
             self._features = nn.parallel.DistributedDataParallel(self._features)
         self.compressed = self.weights()
-        self.average = self.weights() if config.average else None
         self.optimizer = torch.optim.AdamW(list(self.trained.values()), lr=config.lr, weight_decay=config.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: _lr_factor(step, config))
         self._teacher_blocks, self._student_blocks = _BlockOutputs(teacher), _BlockOutputs(student)
@@ -452,10 +444,6 @@ class _Distillation:
         loss.backward()
         self.optimizer.step()
         self.schedule.step()
-        if self.average is not None:
-            with torch.no_grad():
-                for name, parameter in self.trained.items():
-                    self.average[name].lerp_(parameter, 1 - self.config.average)
         return distributed.sum_floats(float(loss.detach()))[0] / distributed.world_size()
 
     @torch.no_grad()
@@ -485,14 +473,12 @@ class _Distillation:
 
     @contextmanager
     def blended(self):
-        """The student with the recovered weights (``config.blend`` of the change of the trained
-        weights, or of their moving average, kept) for the ``with`` block, which is given a copy
-        of them; the trained weights after it."""
+        """The student with the recovered weights (``config.blend`` of the trained change kept)
+        for the ``with`` block, which is given a copy of them; the trained weights after it."""
         trained = self.weights()
-        learned = self.average if self.average is not None else trained
         with torch.no_grad():
             for name, parameter in self.trained.items():
-                parameter.copy_(self.compressed[name] + self.config.blend * (learned[name] - self.compressed[name]))
+                parameter.copy_(self.compressed[name] + self.config.blend * (trained[name] - self.compressed[name]))
         try:
             yield self.weights()
         finally:
