@@ -93,8 +93,6 @@ class RecoveryConfig:
             jitter, greyscale, blur; :class:`RecoveryImages`).
         mix: the fraction of training views mixed with another view of the batch (mixup: a
             convex combination with a uniform weight; teacher and student see the same mixture).
-        cutmix: the fraction of training views (before mixup) in which a box of another view is
-            pasted (CutMix: a box of uniform random area, placed at random).
         blend: the share of the trained change of the weights that is kept: the recovered weights
             are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
             validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
@@ -124,7 +122,6 @@ class RecoveryConfig:
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
     color: float = 0.5
     mix: float = 1.0
-    cutmix: float = 0.0
     blend: float | None = option(
         None,
         "recovery: share of the trained weight change kept (1: all of it).",
@@ -164,7 +161,6 @@ class RecoveryConfig:
             "crop_scale": (0.0, 1.0, False),
             "color": (0.0, 1.0, True),
             "mix": (0.0, 1.0, True),
-            "cutmix": (0.0, 1.0, True),
             "blend": (0.0, 1.0, False),
             "final_weight": (0.0, 100.0, True),
         }
@@ -332,7 +328,7 @@ class RecoveryImages:
         self._images, self._batch = images, len(listed[0])
         self._fit = [i for i, source in enumerate(sources) if source in trained]
         self._crop, self._distort = _augmentations(tuple(data_config["input_size"][1:]), config)
-        self._seed, self._color, self._mix, self._cutmix = config.seed, config.color, config.mix, config.cutmix
+        self._seed, self._color, self._mix = config.seed, config.color, config.mix
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             each = math.ceil(VALIDATION_VIEWS / held)
@@ -359,8 +355,6 @@ class RecoveryImages:
             torch.manual_seed(self._seed * 1_000_003 + step)
             views = [self._crop(self._pixels(self._train[i])) for i in indices]
             views = torch.stack([self._distort(v) if torch.rand(1).item() < self._color else v for v in views])
-            if self._cutmix:
-                views = _cut_and_paste(views, self._cutmix)
             mixed = torch.rand(len(views)) < self._mix
             weight = torch.where(mixed, torch.rand(len(views)), 1.0).view(-1, 1, 1, 1)
             views = weight * views + (1 - weight) * views.roll(1, dims=0)
@@ -379,19 +373,6 @@ class RecoveryImages:
             if keep and sum(kept.numel() for kept in self._decoded.values()) + decoded.numel() <= DECODED_BYTES:
                 self._decoded[source] = decoded
         return decoded.float() / 255
-
-
-def _cut_and_paste(views: torch.Tensor, share: float) -> torch.Tensor:
-    """``views`` ``(B, 3, H, W)`` with, in a ``share`` of them, a box of the view two places on
-    (cyclically) pasted: of uniform random area, at a uniform random place (CutMix)."""
-    pasted, other = views.clone(), views.roll(2, dims=0)
-    height, width = views.shape[-2:]
-    for i in torch.nonzero(torch.rand(len(views)) < share).flatten().tolist():
-        side = math.sqrt(torch.rand(1).item())
-        h, w = round(height * side), round(width * side)
-        y, x = (torch.randint(0, n - k + 1, (1,)).item() for n, k in ((height, h), (width, w)))
-        pasted[i, :, y : y + h, x : x + w] = other[i, :, y : y + h, x : x + w]
-    return pasted
 
 
 def _augmentations(size: tuple[int, int], config: RecoveryConfig):
