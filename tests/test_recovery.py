@@ -361,7 +361,8 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
         assert config["blocks"] == read_config(tiny_artifact)["blocks"]
     recovered, replayed = (load_file(tmp_path / out / "model.safetensors") for out in ("c", "r"))
     assert recovered.keys() == replayed.keys() and all(torch.equal(recovered[k], replayed[k]) for k in recovered)
-    result, text = run_cli(["recover", tmp_path / "r", "-o", tmp_path / "again"], state)
+    result, text = run_cli(["recover", "-o", tmp_path / "again"], state)  # the latest: the one recover wrote
+    assert f"recovering the most recent artifact: {tmp_path / 'r'}" in text
     assert result.exit_code == 1 and "already recovered (3 steps)" in text and not (tmp_path / "again").exists()
     assert "with more steps if needed (--recover-steps)" in " ".join(text.split())
     result, text = run_cli(["recover", tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)

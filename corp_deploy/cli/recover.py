@@ -56,7 +56,11 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     from ..workflow import recover_artifact
 
     recovery = RecoveryConfig.from_settings(recovery_settings)
-    artifact = input_dir(artifact, "ARTIFACT") if artifact is not None else latest_artifact()
+    if artifact is None:
+        artifact = latest_artifact()
+        click.echo(f"recovering the most recent artifact: {artifact}", err=True)
+    else:
+        artifact = input_dir(artifact, "ARTIFACT")
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.name}-rec{recovery.steps}", "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
