@@ -51,7 +51,7 @@ def one_setting(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dense = create_base_model(args.model, pretrained=False, seed=0).to(device)
     images = CalibrationImages.from_builtin(model_transform(dense)[0], count=args.images, batch_size=args.batch)
-    student, _ = compress(dense, images, CompressConfig.from_settings(sparsity=args.s))
+    student, _ = compress(dense, images, CompressConfig.from_settings(sparsity=args.s, device=args.device))
     student = student.to(device)  # compress returns its model on the CPU
     config = RecoveryConfig(
         steps=args.steps,
