@@ -4,7 +4,8 @@ compressed from, on the same unlabelled calibration images (docs/method.md §11)
 The compressed model (the student, its dims fixed) is trained to reproduce the dense model (the
 teacher) block by block: the loss is the mean over blocks of ``1 - cosine`` between the student's
 and the teacher's residual stream after the block, per token, plus ``final_weight`` times the same
-for the final features (``forward_features``). Only the blocks and the final norm learn; the
+for the final features (``forward_features``; 0 by default: measured, the blocks alone generalise
+better). Only the blocks learn, and the final norm when the final features are in the loss; the
 embeddings and the head stay as they are (so the teacher can be checked against the student: their
 patch embeddings must be equal). AdamW, a linear warmup and a cosine decay. Each step trains on
 fresh augmented views of the calibration images' files (:class:`RecoveryImages`: crops, flips,
@@ -68,8 +69,9 @@ MAX_STEPS = 1_000_000
 
 #: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate and blend
 #: when those are not given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the
-#: blocks and the final norm, or only their vectors (norm weights and biases, every bias, layer
-#: scales: under 1 % of them, which needs a higher rate and little blending to move).
+#: blocks (and of the final norm, where the loss has the final features), or only their vectors
+#: (norm weights and biases, every bias, layer scales: under 1 % of them, which needs a higher rate
+#: and little blending to move).
 TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5, "blend": 0.5}, "vectors": {"lr": 5e-4, "blend": 1.0}}
 
 
@@ -79,8 +81,8 @@ class RecoveryConfig:
 
     Attributes:
         steps: optimisation steps at most; 0 switches recovery off.
-        train: which parameters train (:data:`TRAINED`): ``all`` of the blocks and the final norm,
-            or only their ``vectors`` (norms, biases, layer scales).
+        train: which parameters train (:data:`TRAINED`): ``all`` of the blocks (and of the final
+            norm, with ``final_weight > 0``), or only their ``vectors`` (norms, biases, layer scales).
         lr: AdamW's peak learning rate (None: ``train``'s, :data:`TRAINED`).
         batch_size: images per step (under torch.distributed: in all, split over the processes).
         weight_decay: AdamW's decoupled weight decay.
@@ -96,7 +98,8 @@ class RecoveryConfig:
         blend: the share of the trained change of the weights that is kept: the recovered weights
             are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
             validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
-        final_weight: the weight of the final features' term beside the blocks' mean.
+        final_weight: the weight of the final features' term beside the blocks' mean (0: the blocks
+            alone, and the final norm does not train).
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
         checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
@@ -128,7 +131,7 @@ class RecoveryConfig:
         value_type=float,
         default_help="0.5 (all), 1 (vectors)",
     )
-    final_weight: float = 1.0
+    final_weight: float = 0.0
     seed: int = 0
     autocast_bf16: bool = True
     checkpointing: bool = option(
@@ -242,11 +245,13 @@ def _lr_factor(step: int, config: RecoveryConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
 
 
-def trainable_parameters(model: nn.Module, train: str = "all") -> dict[str, nn.Parameter]:
-    """The parameters recovery trains (:data:`TRAINED`), by name: those of the blocks and of the
-    final norm (``norm``; a pooled model's ``fc_norm`` too), or only the vectors among them
-    (one-dimensional: norm weights and biases, biases, layer scales)."""
-    owners = [*blocks_of(model), *(getattr(model, name, None) for name in ("norm", "fc_norm"))]
+def trainable_parameters(model: nn.Module, train: str = "all", final_norm: bool = True) -> dict[str, nn.Parameter]:
+    """The parameters recovery trains (:data:`TRAINED`), by name: those of the blocks and, with
+    ``final_norm`` (the final features are in the loss), of the final norm (``norm``; a pooled
+    model's ``fc_norm`` too), or only the vectors among them (one-dimensional: norm weights and
+    biases, biases, layer scales)."""
+    norms = ("norm", "fc_norm") if final_norm else ()
+    owners = [*blocks_of(model), *(getattr(model, name, None) for name in norms)]
     ids = {id(p) for module in owners if isinstance(module, nn.Module) for p in module.parameters()}
     return {name: p for name, p in model.named_parameters() if id(p) in ids and (train == "all" or p.dim() == 1)}
 
@@ -405,7 +410,7 @@ class _Distillation:
         self.bf16 = config.autocast_bf16 and device.type == "cuda"
         if config.checkpointing:
             student.set_grad_checkpointing(True)
-        self.trained = trainable_parameters(student, config.train)
+        self.trained = trainable_parameters(student, config.train, final_norm=config.final_weight > 0)
         self._requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
         for name, parameter in student.named_parameters():
             parameter.requires_grad_(name in self.trained)

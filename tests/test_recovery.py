@@ -60,7 +60,8 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
     assert recovery["images"] == {"training_sources": 28, "validation_sources": 4, "validation_views": 32} and report[
         "params"
     ]["compressed"] == sum(p.numel() for p in model.parameters())
-    for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight"):  # never trained
+    # never trained; nor is the final norm by default (no final-features term in the loss)
+    for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight", "norm.weight", "norm.bias"):
         assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
 
 
@@ -250,9 +251,11 @@ def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
 
 def test_only_the_blocks_and_the_final_norm_learn(small_vit):
+    """The final norm only where the final features are in the loss (``final_weight > 0``)."""
     names = set(trainable_parameters(small_vit()))
     assert all(name.startswith(("blocks.", "norm.")) for name in names)
     assert "norm.weight" in names and "blocks.1.mlp.fc2.bias" in names
+    assert set(trainable_parameters(small_vit(), final_norm=False)) == {n for n in names if n.startswith("blocks.")}
     vectors = trainable_parameters(small_vit(), "vectors")
     assert set(vectors) < names and all(p.dim() == 1 for p in vectors.values())
     assert {"norm.weight", "blocks.0.norm1.bias", "blocks.1.mlp.fc1.bias", "blocks.1.attn.proj.bias"} <= set(vectors)
@@ -269,7 +272,7 @@ def test_training_the_vectors_changes_only_them_with_their_own_defaults(small_vi
     model = copy.deepcopy(start)
     config = RecoveryConfig(steps=10, train="vectors", lr=3e-2, batch_size=8, eval_every=10, patience=10)
     assert recover(model, small_vit(), images, config)["best_step"] == 10
-    vectors = trainable_parameters(start, "vectors")
+    vectors = trainable_parameters(start, "vectors", final_norm=False)  # the default loss: blocks only
     changed = {name for name, tensor in start.state_dict().items() if not torch.equal(model.state_dict()[name], tensor)}
     assert changed <= set(vectors) and len(changed) > 0.9 * len(vectors)
 
