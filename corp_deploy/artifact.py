@@ -217,7 +217,10 @@ def read_config(path: str | Path) -> dict:
     if not path.is_dir():
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
-        raise CorpError(f"{path} is not a corp-deploy artifact (no {CONFIG_FILE})")
+        raise CorpError(
+            f"{path} is not a corp-deploy artifact (no {CONFIG_FILE}; an export or bench folder is not one: "
+            "give the folder compress wrote)"
+        )
     config = read_recorded_json(path, "artifact", CONFIG_FORMAT)
     problem = _config_problem(config)
     if problem is not None:

@@ -87,7 +87,8 @@ class RecoveryConfig:
         batch_size: images per step (under torch.distributed: in all, split over the processes).
         weight_decay: AdamW's decoupled weight decay.
         warmup: the fraction of the steps over which the learning rate rises linearly from 0.
-        validation: the fraction of the sources held out for validation (at least one, at most half).
+        validation: the fraction of the sources held out for validation (rounded; at least one, at
+            most half of them and 256).
         eval_every: steps between two validation measurements.
         patience: measurements in a row without improvement after which recovery stops.
         crop_scale: the smallest area of a random resized crop, as a fraction of the image.
@@ -119,7 +120,11 @@ class RecoveryConfig:
     batch_size: int = option(16, f"recovery: images per step (at most {MAX_BATCH:,}).")
     weight_decay: float = 0.0
     warmup: float = 0.1
-    validation: float = option(0.125, "recovery: fraction of the calibration images held out for validation.")
+    validation: float = option(
+        0.125,
+        "recovery: share of the calibration images' source files held out for validation "
+        "(rounded; at least one, at most half).",
+    )
     eval_every: int = option(25, "recovery: steps between two validation measurements.")
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
     crop_scale: float = option(0.25, "recovery: smallest random crop, as a fraction of the image.")
@@ -286,9 +291,9 @@ class RecoveryImages:
 
     The images' sources (the file each came from, when the batches say so with an
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
-    image is its own source) are split, seeded: a ``validation`` share of the sources (at least
-    one, at most 256) is held out. Its validation images are views of the held-out sources that
-    training does not see (random resized crops, mirrored or not, seeded;
+    image is its own source) are split, seeded: a ``validation`` share of the sources (rounded;
+    at least one, at most half of them and 256) is held out. Its validation images are views of the
+    held-out sources that training does not see (random resized crops, mirrored or not, seeded;
     ``ceil(VALIDATION_VIEWS / sources)`` of each), and the same views distorted once in colour
     and sharpness: a recovery must not buy fidelity on the one by losing it on the other.
     Compression must not see them either (it matches its own calibration images closely, so they
@@ -313,8 +318,8 @@ class RecoveryImages:
         images = torch.cat([batch.to(torch.float32) for batch in listed])
         sources = list(getattr(batches, "image_sources", None) or range(len(images)))  # known once read
         distinct = list(dict.fromkeys(sources))
-        held = min(256, max(1, round(config.validation * len(distinct))))
-        if len(distinct) - held < 1:
+        held = min(256, len(distinct) // 2, max(1, round(config.validation * len(distinct))))  # half train
+        if held < 1:
             raise CorpError(
                 f"recovery needs calibration images from at least 2 sources (one to train on, one to "
                 f"validate); got {len(distinct)}"
@@ -575,7 +580,8 @@ def recover(
                 if better:
                     best = {"step": step, "cosine": cosine, "distorted": distorted, "weights": weights}
                 if stale >= config.patience:
-                    stop = f"validation did not improve in {config.patience} measurements"
+                    plural = "s" if config.patience > 1 else ""
+                    stop = f"validation did not improve in {config.patience} measurement{plural}"
                     break
     finally:
         run.close(best["weights"])
@@ -669,25 +675,26 @@ class _Progress:
 
 def recovery_table(report: dict, path=None):
     """A recovery's report (:func:`recover`) as a rich table: steps run and why it stopped, the
-    best step, the validation cosine before and after, and the time."""
+    best step, the validation cosine before and after (only before, when no step was kept), and the time."""
     from rich.table import Table
 
-    cosine = report["validation_cosine"]
+    kept = report["best_step"]
+
+    def change(cosines: dict) -> str:
+        before = f"{cosines['compressed']:.4f}"
+        return f"{before} -> {cosines['recovered']:.4f}" if kept else f"{before} (before any step)"
+
     table = Table(title="recovery" + (f" -> {path}" if path else ""))
     table.add_column("")
     table.add_column("", justify="right")
     table.add_row("steps run", f"{report['steps_run']} ({report['stopped']})")
-    table.add_row("weights kept from step", str(report["best_step"]))
+    table.add_row("weights kept from step", str(kept) if kept else "none: no measurement beat compression's")
     images = report["images"]
     table.add_row(
         f"validation output cosine ({images['validation_views']} views of "
         f"{images['validation_sources']} held-out image{'s' if images['validation_sources'] != 1 else ''})",
-        f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}",
+        change(report["validation_cosine"]),
     )
-    distorted = report["distorted_validation_cosine"]
-    table.add_row(
-        "the same images distorted (colour, greyscale, blur)",
-        f"{distorted['compressed']:.4f} -> {distorted['recovered']:.4f}",
-    )
+    table.add_row("the same images distorted (colour, greyscale, blur)", change(report["distorted_validation_cosine"]))
     table.add_row("recovery wall time (s)", f"{report['time_s']:.1f}")
     return table

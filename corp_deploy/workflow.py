@@ -167,8 +167,9 @@ def recover_artifact(
     with its recorded settings on its recorded calibration images (``calibration`` instead where
     given), as ``compress --recover-steps`` would: the recovery's validation images must be held
     out from compression too, which the artifact's own weights, fitted on every calibration image,
-    cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). An artifact that was already
-    recovered is refused: recover the one compress wrote, with the new settings."""
+    cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). ``recovery.seed`` is used as given
+    (``corp-deploy recover`` gives the artifact's recorded seed, as ``compress --seed`` gives its seed
+    to both). An artifact that was already recovered is refused: recover one compressed without it."""
     check_instance("recovery", recovery, RecoveryConfig)
     if not recovery.enabled:
         raise SettingError(
@@ -190,8 +191,9 @@ def recover_artifact(
     if settings.get("recover_steps"):
         steps = settings["recover_steps"]
         raise CorpError(
-            f"{artifact} was already recovered ({steps} step{'s' if steps != 1 else ''}); recover the artifact "
-            "compress wrote instead, with more steps if needed (--recover-steps)"
+            f"{artifact} was already recovered ({steps} step{'s' if steps != 1 else ''}); recover an artifact "
+            "compressed without recovery instead (compress again without --recover-steps where there is none), "
+            "with more steps if needed (--recover-steps)"
         )
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})

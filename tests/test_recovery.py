@@ -5,6 +5,7 @@ than compression left it, seeded, and its failures."""
 from __future__ import annotations
 
 import copy
+import io
 from dataclasses import replace
 
 import pytest
@@ -18,8 +19,19 @@ from corp_deploy.recovery import (
     check_teacher,
     distillation_loss,
     recover,
+    recovery_table,
     trainable_parameters,
 )
+
+
+def table_text(report: dict) -> str:
+    """:func:`recovery_table` of ``report`` as plain text."""
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(recovery_table(report))
+    return console.export_text()
+
 
 #: A recovery that measurably learns on the small ViT within a few seconds.
 QUICK = RecoveryConfig(steps=40, lr=3e-3, batch_size=8, eval_every=10, patience=10)
@@ -57,6 +69,7 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
     assert losses[-1] < losses[0]
     cosine = recovery["validation_cosine"]
     assert recovery["best_step"] > 0 and cosine["recovered"] > cosine["compressed"]
+    assert f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}" in table_text(recovery)
     assert recovery["images"] == {"training_sources": 28, "validation_sources": 4, "validation_views": 32} and report[
         "params"
     ]["compressed"] == sum(p.numel() for p in model.parameters())
@@ -77,8 +90,11 @@ def test_a_recovery_that_keeps_no_step_leaves_the_model_compress_gives_without_i
     for in_place in (False, True):
         model, report = compress(small_vit(), images, config, in_place=in_place)
         recovery = report["recovery"]
-        assert recovery["best_step"] == 0 and recovery["stopped"].startswith("validation did not improve")
+        assert recovery["best_step"] == 0 and recovery["stopped"] == "validation did not improve in 2 measurements"
         assert recovery["steps_run"] == 4 and report["calibration"]["images"] == 32
+        shown = table_text(recovery)  # the cosine before any step only: the model kept was not measured
+        assert "none: no measurement beat compression's" in shown and "(before any step)" in shown
+        assert "->" not in shown
         assert report["time_s"]["recover"] > 0 and all(p.requires_grad for p in model.parameters())
         for name, tensor in expected.state_dict().items():
             assert torch.equal(model.state_dict()[name], tensor), name
@@ -248,6 +264,7 @@ def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
     assert len(held) == 10 and values(images.views(range(30), step=1)) == set(range(40)) - held
     with pytest.raises(CorpError, match="at least 2 sources"):
         RecoveryImages([x[:1]], DATA_CONFIG, RecoveryConfig())
+    assert RecoveryImages([x[:3]], DATA_CONFIG, RecoveryConfig(validation=0.5)).sources == (2, 1)  # half at most
 
 
 def test_only_the_blocks_and_the_final_norm_learn(small_vit):
@@ -324,11 +341,11 @@ def test_recover_works_on_an_already_compressed_model(small_vit, images):
     assert [p.requires_grad for p in student.parameters()] == flags and not student.training
 
 
-def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tiny_artifact, tmp_path, run_cli):
+def test_compress_and_recover_commands_write_recovered_artifacts_that_export(other_tiny_artifact, tmp_path, run_cli):
     """``compress --recover-steps`` and ``recover ARTIFACT`` write artifacts of the compressed
     structure, recording the recovery; ``recover`` compresses the artifact's dense model again as
-    compress did, so the two give the same weights; export takes them as any other; a recovered
-    artifact is not recovered again."""
+    compress did, with its seed (1 here) for the recovery too, so the two give the same weights;
+    export takes them as any other; a recovered artifact is not recovered again."""
     from safetensors.torch import load_file
 
     from corp_deploy.artifact import read_config, read_report
@@ -346,6 +363,8 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
             16,
             "--s",
             0.5,
+            "--seed",
+            1,
             *quick,
             "-o",
             tmp_path / "c",
@@ -353,7 +372,7 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
         state,
     )
     assert result.exit_code == 0, text
-    result, text = run_cli(["recover", tiny_artifact, *quick, "-o", tmp_path / "r"], state)
+    result, text = run_cli(["recover", other_tiny_artifact, *quick, "-o", tmp_path / "r"], state)
     assert result.exit_code == 0, text
     assert "validation output cosine" in text
     # not on a terminal (a CI log): one line per validation measurement instead of a bar
@@ -361,14 +380,15 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(tin
     for out in (tmp_path / "c", tmp_path / "r"):
         config, report = read_config(out), read_report(out)
         assert config["settings"]["recover_steps"] == 3 and 1 <= report["recovery"]["steps_run"] <= 3
-        assert config["blocks"] == read_config(tiny_artifact)["blocks"]
+        assert config["settings"]["recover_seed"] == 1 and report["recovery"]["settings"]["seed"] == 1
+        assert config["blocks"] == read_config(other_tiny_artifact)["blocks"]
     recovered, replayed = (load_file(tmp_path / out / "model.safetensors") for out in ("c", "r"))
     assert recovered.keys() == replayed.keys() and all(torch.equal(recovered[k], replayed[k]) for k in recovered)
     result, text = run_cli(["recover", "-o", tmp_path / "again"], state)  # the latest: the one recover wrote
     assert f"recovering the most recent artifact: {tmp_path / 'r'}" in text
     assert result.exit_code == 1 and "already recovered (3 steps)" in text and not (tmp_path / "again").exists()
     assert "with more steps if needed (--recover-steps)" in " ".join(text.split())
-    result, text = run_cli(["recover", tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
+    result, text = run_cli(["recover", other_tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
     assert result.exit_code == 2 and "'--recover-steps': 0 is not in the range 1<=x<=1000000" in text
     assert "[default: 100;" in run_cli(["recover", "--help"], state)[1]  # what it does with no --recover-steps
     result, text = run_cli(["export", tmp_path / "r", "-o", tmp_path / "x"], state)

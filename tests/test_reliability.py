@@ -1780,9 +1780,11 @@ def test_a_recovery_on_calibration_images_changed_since_compress_says_so(work):
     image_folder(work.parent / "cal", 4)
     code, text, _ = invoke([*BASE, "--calib", work.parent / "cal", "-o", work / "c"], state)
     assert code == 0, text
+    quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1]
+    code, text, _ = invoke(["recover", work / "c", *quick, "--calib-samples", 2, "-o", work / "fewer"], state)
+    assert code == 0 and "holds other images" not in " ".join(text.split()), text  # fewer asked for: not a change
     for i in range(4):
         png(work.parent / "cal" / f"{i}.png", seed=10 + i)
-    quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1]
     code, text, _ = invoke(["recover", work / "c", *quick, "-o", work / "r"], state)
     said = " ".join(text.split())
     assert code == 0 and "holds other images than when" in said and "(0 of the 4 it recorded are there)" in said, text

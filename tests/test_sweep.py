@@ -156,14 +156,15 @@ def test_sweep_over_mac_budgets(tmp_path, run_cli):
 @pytest.mark.slow
 def test_a_sweep_with_recovery_runs_every_point_also_recovered(tmp_path, run_cli):
     """--recover-steps adds the method corp+rec<N>: the same compression, then recovered (recorded in
-    its artifact), a row and a table column beside corp's; sweep.json reads back with the recovery."""
+    its artifact, with the sweep's seed), a row and a table column beside corp's; sweep.json reads
+    back with the recovery."""
     from benchmarks.sweep import SweepResult
 
     out = tmp_path / "sweep"
     result, text = run_cli(
         ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.5", "--calib-samples", 8]
         + ["--data-samples", 4, "--backends", "ort", "--batch", "1", "--min-time", 0.02]
-        + ["--recover-steps", 2, "--recover-batch-size", 4, "--recover-eval-every", 1, "-o", out],
+        + ["--recover-steps", 2, "--recover-batch-size", 4, "--recover-eval-every", 1, "--seed", 3, "-o", out],
         tmp_path / "state",
     )
     assert result.exit_code == 0, text
@@ -175,6 +176,7 @@ def test_a_sweep_with_recovery_runs_every_point_also_recovered(tmp_path, run_cli
     assert sweep.spec.recovery.steps == 2 and sweep.rows[0].macs == sweep.rows[1].macs
     plain, recovered = (read_config(out / row.artifact)["settings"] for row in sweep.rows)
     assert "recover_steps" not in plain and recovered["recover_steps"] == 2
+    assert recovered["recover_seed"] == recovered["seed"] == 3  # the recovery's seed is the sweep's, as in compress
     assert (out / "corp+rec2-s0.5" / "report.json").exists() and "| s | corp | corp+rec2 |" in text
 
 

@@ -9,7 +9,7 @@ from .group import cli
 from .options import IMAGE_COUNT, PATH, recovery_options
 
 #: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU
-#: about 9 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
+#: about 8 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
 DEFAULT_STEPS = 100
 
 
@@ -39,9 +39,10 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     The same as `compress --recover-steps N` for an artifact compress already wrote (the latest
     one by default): its dense model is rebuilt from its record and compressed again with its
     settings, this time with the recovery (whose validation images compression must not fit on),
-    into a new artifact; the artifact itself is left as it is. The structure is the same, so export
-    and bench work as before. Recovery stops early when its validation images stop improving and
-    never leaves the model worse there than compression did.
+    into a new artifact; the artifact itself is left as it is. Export and bench work as before
+    (uniform sparsities keep the artifact's dims; a budget's or VBP's are fitted again on the
+    images compression sees, and can differ by a few channels). Recovery stops early when its
+    validation images stop improving and never leaves the model worse there than compression did.
 
     \b
     Examples:
@@ -55,19 +56,22 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     from ..recovery import RecoveryConfig, recovery_table
     from ..workflow import recover_artifact
 
-    recovery = RecoveryConfig.from_settings(recovery_settings)
     if artifact is None:
         artifact = latest_artifact()
         click.echo(f"recovering the most recent artifact: {artifact}", err=True)
     else:
         artifact = input_dir(artifact, "ARTIFACT")
+    config = read_config(artifact)
+    # the recovery's seed is the compression's, as compress --seed gives it to both
+    seed = config.get("settings", {}).get("seed", 0)
+    recovery = RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed})
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.name}-rec{recovery.steps}", "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
     resolve_device(device)
     calibration = None
     if calib is not None or calib_samples is not None:
-        calibration = CalibrationSpec.recorded(read_config(artifact), source=calib, samples=calib_samples)
+        calibration = CalibrationSpec.recorded(config, source=calib, samples=calib_samples)
     result = recover_artifact(
         artifact,
         recovery,
@@ -78,9 +82,9 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     )
     for message in result.calibration_warnings():
         warn(message)
-    recorded = set(read_config(artifact).get("calibration", {}).get("image_digests", []))
+    recorded = set(config.get("calibration", {}).get("image_digests", []))
     used = set(result.calibration.get("image_digests", []))
-    if calib is None and recorded and used != recorded:  # its own folder, changed since compress read it
+    if calibration is None and recorded and used != recorded:  # its own images, changed since compress read them
         warn(
             f"the calibration folder holds other images than when {artifact} was compressed ({len(used & recorded)} "
             f"of the {len(recorded)} it recorded are there): the recovered artifact is not the one compress "

@@ -132,7 +132,7 @@ def sweep(
             min_time=min_time,
             torch_precision=torch_precision,
         ),
-        recovery=RecoveryConfig.from_settings(recovery_settings),
+        recovery=RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed}),  # as compress --seed
     )
     check_recovery_options_apply(spec.recovery.steps)
     if given_on_command_line("torch_precision") and "torch" not in spec.bench.backends:
