@@ -9,7 +9,6 @@ files it uses against it.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch import nn
 from .bundled_weights import bundled_model
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
-from .families import blocks_of, in_standard_form, standard_form
+from .families import blocks_of, in_standard_form, standard_copy
 from .files import json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .models import base_skeleton, check_finite, create_base_model, resolve_model_name, state_mismatch
@@ -427,7 +426,7 @@ def check_dense_weights(base_model: dict[str, Any], dense: nn.Module) -> None:
     if weights["source"] == "timm-pretrained":
         return
     rebuilt = _rebuilt_dense(base_model["name"], base_model["model_kwargs"], weights, "base_model").state_dict()
-    given = (dense if in_standard_form(dense) else standard_form(copy.deepcopy(dense))).state_dict()
+    given = standard_copy(dense).state_dict()
     differs = next((k for k, v in rebuilt.items() if k not in given or not torch.equal(v, given[k].cpu())), None)
     if differs is not None:
         raise CorpError(

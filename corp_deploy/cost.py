@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import resource
 import sys
 from collections.abc import Callable
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 from .errors import BadUsage, check_instance, first_line
-from .families import attention_macs, in_standard_form, standard_form
+from .families import attention_macs, standard_copy
 
 
 def count_params(model: nn.Module) -> int:
@@ -30,8 +29,7 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     attentions bypass their ``qkv`` modules.
     """
     check_instance("model", model, nn.Module)
-    if not in_standard_form(model):
-        model = standard_form(copy.deepcopy(model))
+    model = standard_copy(model)
     total = 0
 
     def linear(mod, args, out):

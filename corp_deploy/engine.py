@@ -149,7 +149,7 @@ def _compress_and_recover(
     ``time_s["recover"]``."""
     images = RecoveryImages(calibration_batches, model_transform(model)[1], config.recovery)
     plain, device = replace(config, recovery=RecoveryConfig()), resolve_device(config.device)
-    teacher = copy.deepcopy(model)
+    teacher = standard_form(copy.deepcopy(model))
     began = time.perf_counter()
     student, report = compress(model, images.fit_batches(), plain, progress=progress, in_place=in_place)
     recovery = recover(student.to(device), teacher, images, config.recovery, progress=progress, on_measure=on_measure)

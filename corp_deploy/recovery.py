@@ -47,7 +47,7 @@ from torch import nn
 from . import distributed
 from .calibration import load_rgb, model_transform
 from .errors import CorpError, SettingError, check_choice, check_instance, check_setting_types
-from .families import blocks_of, family_of
+from .families import blocks_of, family_of, standard_copy
 from .methods.base import option
 
 #: The prefix of the recovery's settings where they sit beside the compression's (``recover_steps``).
@@ -524,7 +524,8 @@ def recover(
     on_measure: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Distil ``student`` (the compressed model, trained in place on its device) from ``teacher``
-    (the dense model it was compressed from, moved to the same device) on ``images``, as the
+    (the dense model it was compressed from, moved to the same device; a copy of it where its
+    family's blocks are rewritten for compression, :func:`~corp_deploy.families.standard_copy`) on ``images``, as the
     module docstring says: calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages`
     made of them before compressing on their :meth:`~RecoveryImages.fit_batches` (then no
     validation image was seen by compression: :func:`corp_deploy.compress` does that). Returns the recovery's
@@ -545,7 +546,9 @@ def recover(
         )
     device = next(student.parameters()).device
     student.eval()  # dropout and drop-path off: the function inference computes is the one trained
-    teacher = teacher.to(device).eval()
+    # the student's blocks are in standard form (a Swin block ends with the next stage's patch
+    # merging): the teacher's block outputs are compared with them in the same form
+    teacher = standard_copy(teacher).to(device).eval()
     if not isinstance(images, RecoveryImages):
         images = RecoveryImages(images, model_transform(student)[1], config)
     run = _Distillation(student, teacher, config)

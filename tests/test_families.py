@@ -34,6 +34,7 @@ from corp_deploy.families.record import WHOLE_SEQUENCE
 from corp_deploy.layers import keep_rows
 from corp_deploy.methods.corp import qk_pruning
 from corp_deploy.methods.corp.qk_statistics import HeadGrams
+from corp_deploy.recovery import RecoveryConfig, recover
 from exporters import ExportOptions, export_artifact
 
 #: Every family's small test models (each family module names its own), by test id.
@@ -161,6 +162,20 @@ def test_every_method_at_zero_sparsity_reproduces_the_dense_model(family, config
         torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
     # counted in the same (standard) form: nothing pruned, nothing removed
     assert report["params"]["compressed"] == report["params"]["dense"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recovery_compares_each_block_with_the_dense_block_it_came_from(family):
+    """Recovery's loss compares every block of the compressed model with the same block of the
+    dense one, in the same form (a compressed Swin block ends with the next stage's patch merging,
+    timm's does not): a student that is the dense model in that form starts with a loss of zero up
+    to float rounding."""
+    size = FAMILIES[family].size
+    dense = create_dense(family)
+    images = [torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(2))]
+    report = recover(standard_form(copy.deepcopy(dense)), dense, images, RecoveryConfig(steps=1, eval_every=1))
+    first = report["curve"][1]
+    assert first["step"] == 1 and abs(first["loss"]) < 1e-5, first
 
 
 #: Each family's relative position bias ``(1, H, N, N)`` of a dense block, read with timm's own code.

@@ -13,6 +13,8 @@ module and one entry there.
 
 from __future__ import annotations
 
+import copy
+
 from timm.layers import Mlp
 from torch import nn
 
@@ -41,6 +43,7 @@ __all__ = [
     "in_standard_form",
     "is_plain_attention",
     "is_prunable_attention",
+    "standard_copy",
     "standard_form",
     "structure_problem",
     "supported_summary",
@@ -86,6 +89,12 @@ def standard_form(model: nn.Module) -> nn.Module:
         if is_gated(getattr(block, "mlp", None)):
             block.mlp = standard_mlp(block.mlp)
     return model
+
+
+def standard_copy(model: nn.Module) -> nn.Module:
+    """``model`` itself when it is in standard form, else a copy of it rewritten into it
+    (:func:`standard_form`); ``model`` is left as it is."""
+    return model if in_standard_form(model) else standard_form(copy.deepcopy(model))
 
 
 def in_standard_form(model: nn.Module) -> bool:
