@@ -525,8 +525,8 @@ def recover(
 ) -> dict:
     """Distil ``student`` (the compressed model, trained in place on its device) from ``teacher``
     (the dense model it was compressed from, moved to the same device; a copy of it where its
-    family's blocks are rewritten for compression, :func:`~corp_deploy.families.standard_copy`) on ``images``, as the
-    module docstring says: calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages`
+    family's blocks are rewritten for compression: :func:`~corp_deploy.families.standard_copy`)
+    on ``images``, as the module docstring says: calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages`
     made of them before compressing on their :meth:`~RecoveryImages.fit_batches` (then no
     validation image was seen by compression: :func:`corp_deploy.compress` does that). Returns the recovery's
     report: its settings, the steps run, why it stopped, the best step, and per measurement the
