@@ -20,11 +20,12 @@ A share of the images' sources is held out for validation, from training and fro
 all), as they are and distorted in colour and sharpness. The student is measured on both before the
 first step and every ``eval_every`` steps (the mean cosine of the model's outputs, pooled features
 or logits, to the teacher's). A measurement counts as better when it beats the best so far on the
-views as they are without falling below compression on the distorted ones; recovery stops when
-``patience`` measurements in a row were not better, and the weights of the best are kept, CORP's
-own if none was: a recovery never leaves the model worse on either validation set than compression
-left it, and one that kept no step leaves the model exactly as compression on all the images makes
-it (:func:`corp_deploy.compress` compresses again on :attr:`RecoveryImages.batches`).
+views as they are (by more than :data:`MIN_GAIN`, float rounding) without falling below compression
+on the distorted ones; recovery stops when ``patience`` measurements in a row were not better, and
+the weights of the best are kept, CORP's own if none was: a recovery never leaves the model worse
+on either validation set than compression left it, and one that kept no step leaves the model
+exactly as compression on all the images makes it (:func:`corp_deploy.compress` compresses again
+on :attr:`RecoveryImages.batches`).
 
 Under torch.distributed the student is wrapped in ``DistributedDataParallel``: every process draws
 the same global batch and runs its share of it, torch averages the gradients, so the result equals
@@ -62,6 +63,10 @@ DECODED_BYTES = 1 << 30
 #: The most images one recovery step may take: DeiT-S keeps over 30 GB of activations for the
 #: backward pass at this batch (:func:`corp_deploy.resources.training_bytes`).
 MAX_BATCH = 4096
+#: The least gain of the validation cosine over the best measurement so far for recovery to keep a
+#: step: a smaller one is float32 rounding (a nearly exact compression "gained" 2e-8 and had its
+#: weights replaced).
+MIN_GAIN = 1e-5
 #: The most steps a recovery may take (a million steps of 16 images: days on a GPU; more never ends
 #: in practice).
 MAX_STEPS = 1_000_000
@@ -254,11 +259,11 @@ def _lr_factor(step: int, config: RecoveryConfig) -> float:
 
 def trainable_parameters(model: nn.Module, train: str = "all", final_norm: bool = True) -> dict[str, nn.Parameter]:
     """The parameters recovery trains (:data:`TRAINED`), by name: those of the blocks and, with
-    ``final_norm`` (the final features are in the loss), of the final norm (``norm``; a pooled
-    model's ``fc_norm`` too), or only the vectors among them (one-dimensional: norm weights and
-    biases, biases, layer scales)."""
-    norms = ("norm", "fc_norm") if final_norm else ()
-    owners = [*blocks_of(model), *(getattr(model, name, None) for name in norms)]
+    ``final_norm`` (the final features are in the loss), of the final norm ``forward_features``
+    applies (``norm``; a pooled model's ``fc_norm`` comes after the pooling, outside the loss, and
+    does not train), or only the vectors among them (one-dimensional: norm weights and biases,
+    biases, layer scales)."""
+    owners = [*blocks_of(model), getattr(model, "norm", None) if final_norm else None]
     ids = {id(p) for module in owners if isinstance(module, nn.Module) for p in module.parameters()}
     return {name: p for name, p in model.named_parameters() if id(p) in ids and (train == "all" or p.dim() == 1)}
 
@@ -524,18 +529,18 @@ def recover(
     on_measure: Callable[[int, nn.Module], None] | None = None,
 ) -> dict:
     """Distil ``student`` (the compressed model, trained in place on its device) from ``teacher``
-    (the dense model it was compressed from, moved to the same device; a copy of it where its
-    family's blocks are rewritten for compression: :func:`~corp_deploy.families.standard_copy`)
-    on ``images``, as the module docstring says: calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages`
-    made of them before compressing on their :meth:`~RecoveryImages.fit_batches` (then no
-    validation image was seen by compression: :func:`corp_deploy.compress` does that). Returns the recovery's
-    report: its settings, the steps run, why it stopped, the best step, and per measurement the
-    step, the running training loss and both validation cosines; ``student``
-    holds the best weights, in eval mode (also after a failure: compression's weights then).
-    ``on_measure(step, student)``, if given, is called at each validation measurement (step 0
-    included) with the student holding the weights measured, the blended ones (for studies and
-    logging; it must not train). ``progress``: show progress on stderr (a bar on a terminal, else
-    one line per validation measurement)."""
+    (the dense model it was compressed from, moved to the same device and put in eval mode; a copy
+    of it where its family's blocks are rewritten for compression:
+    :func:`~corp_deploy.families.standard_copy`) on ``images``, as the module docstring says:
+    calibration batches ``(B, 3, H, W)``, or the :class:`RecoveryImages` made of them before
+    compressing on their :meth:`~RecoveryImages.fit_batches` (then no validation image was seen by
+    compression: :func:`corp_deploy.compress` does that). Returns the recovery's report: its
+    settings, the steps run, why it stopped, the best step, and per measurement the step, the
+    running training loss and both validation cosines; ``student`` holds the best weights, in eval
+    mode (also after a failure: compression's weights then). ``on_measure(step, student)``, if
+    given, is called at each validation measurement (step 0 included) with the student holding the
+    weights measured, the blended ones (for studies and logging; it must not train). ``progress``:
+    show progress on stderr (a bar on a terminal, else one line per validation measurement)."""
     check_instance("config", config, RecoveryConfig)
     check_teacher(student, teacher)
     world = distributed.world_size()
@@ -580,7 +585,7 @@ def recover(
                     {"step": step, "loss": running, "validation_cosine": cosine, "distorted_cosine": distorted}
                 )
                 bar.validated(cosine)
-                better = cosine > best["cosine"] and distorted >= start_distorted
+                better = cosine > best["cosine"] + MIN_GAIN and distorted >= start_distorted
                 stale = 0 if better else stale + 1
                 if better:
                     best = {"step": step, "cosine": cosine, "distorted": distorted, "weights": weights}
