@@ -169,7 +169,8 @@ def recover_artifact(
     out from compression too, which the artifact's own weights, fitted on every calibration image,
     cannot give (:class:`~corp_deploy.recovery.RecoveryImages`). ``recovery.seed`` is used as given
     (``corp-deploy recover`` gives the artifact's recorded seed, as ``compress --seed`` gives its seed
-    to both). An artifact that was already recovered is refused: recover one compressed without it."""
+    to both). An artifact that was recovered already is compressed again the same way and recovered
+    anew with ``recovery``: its recovery is replaced, not continued."""
     check_instance("recovery", recovery, RecoveryConfig)
     if not recovery.enabled:
         raise SettingError(
@@ -187,13 +188,6 @@ def recover_artifact(
             f"{artifact} does not record the settings it was compressed with ({', '.join(missing)} missing: "
             "save_artifact was given no settings, or others), and recover compresses the dense model again with "
             "them; compress it with the recovery instead (compress --recover-steps, or CompressConfig(recovery=...))"
-        )
-    if settings.get("recover_steps"):
-        steps = settings["recover_steps"]
-        raise CorpError(
-            f"{artifact} was already recovered ({steps} step{'s' if steps != 1 else ''}); recover an artifact "
-            "compressed without recovery instead (compress again without --recover-steps where there is none), "
-            "with more steps if needed (--recover-steps)"
         )
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})

@@ -410,10 +410,13 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(oth
         assert config["blocks"] == read_config(other_tiny_artifact)["blocks"]
     recovered, replayed = (load_file(tmp_path / out / "model.safetensors") for out in ("c", "r"))
     assert recovered.keys() == replayed.keys() and all(torch.equal(recovered[k], replayed[k]) for k in recovered)
-    result, text = run_cli(["recover", "-o", tmp_path / "again"], state)  # the latest: the one recover wrote
+    # the latest, the one recover wrote: recovered anew from its compression, as the first time
+    result, text = run_cli(["recover", *quick, "-o", tmp_path / "again"], state)
+    assert result.exit_code == 0, text
     assert f"recovering the most recent artifact: {tmp_path / 'r'}" in text
-    assert result.exit_code == 1 and "already recovered (3 steps)" in text and not (tmp_path / "again").exists()
-    assert "with more steps if needed (--recover-steps)" in " ".join(text.split())
+    assert "was recovered already (3 steps): recover starts again from its compression" in " ".join(text.split())
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert again.keys() == recovered.keys() and all(torch.equal(again[k], recovered[k]) for k in again)
     result, text = run_cli(["recover", other_tiny_artifact, "--recover-steps", 0, "-o", tmp_path / "none"], state)
     assert result.exit_code == 2 and "'--recover-steps': 0 is not in the range 1<=x<=1000000" in text
     assert "[default: 100;" in run_cli(["recover", "--help"], state)[1]  # what it does with no --recover-steps

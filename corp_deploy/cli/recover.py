@@ -39,7 +39,8 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     The same as `compress --recover-steps N` for an artifact compress already wrote (the latest
     one by default): its dense model is rebuilt from its record and compressed again with its
     settings, this time with the recovery (whose validation images compression must not fit on),
-    into a new artifact; the artifact itself is left as it is. Export and bench work as before
+    into a new artifact; the artifact itself is left as it is (an artifact recovered already gets a
+    new recovery from its compression, not more steps of its own). Export and bench work as before
     (uniform sparsities keep the artifact's dims; a budget's or VBP's are fitted again on the
     images compression sees, and can differ by a few channels). Recovery stops early when its
     validation images stop improving and never leaves the model worse there than compression did.
@@ -62,6 +63,13 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     else:
         artifact = input_dir(artifact, "ARTIFACT")
     config = read_config(artifact)
+    steps = config.get("settings", {}).get("recover_steps")
+    if steps:
+        click.echo(
+            f"{artifact} was recovered already ({steps} step{'s' if steps != 1 else ''}): recover starts again from "
+            "its compression, so its recovery is replaced, not continued",
+            err=True,
+        )
     # the recovery's seed is the compression's, as compress --seed gives it to both
     seed = config.get("settings", {}).get("seed", 0)
     recovery = RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed})
