@@ -148,10 +148,19 @@ def _compress_and_recover(
     ``"recovery"`` and its time (with the first compression's, when there were two) under
     ``time_s["recover"]``."""
     images = RecoveryImages(calibration_batches, model_transform(model)[1], config.recovery)
+    fit = images.fit_batches()
+    if len(fit) < distributed.world_size():  # compress's own message would not say why there are so few
+        training, held = images.sources
+        raise CorpError(
+            f"recovery holds out {held} of the {training + held} calibration sources for validation, and the "
+            f"{sum(len(batch) for batch in fit)} images of the others, which compression fits on, come in "
+            f"{len(fit)} batch{'es' if len(fit) != 1 else ''}: fewer than there are processes "
+            f"({distributed.world_size()}); give every process at least one batch (a smaller batch size or more images)"
+        )
     plain, device = replace(config, recovery=RecoveryConfig()), resolve_device(config.device)
     teacher = standard_form(copy.deepcopy(model))
     began = time.perf_counter()
-    student, report = compress(model, images.fit_batches(), plain, progress=progress, in_place=in_place)
+    student, report = compress(model, fit, plain, progress=progress, in_place=in_place)
     recovery = recover(student.to(device), teacher, images, config.recovery, progress=progress, on_measure=on_measure)
     recovering = time.perf_counter() - began
     if recovery["best_step"]:

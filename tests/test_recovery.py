@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 from dataclasses import replace
 
 import pytest
@@ -158,6 +159,20 @@ def test_a_non_finite_loss_stops_with_the_step(small_vit, images, monkeypatch):
 
     monkeypatch.setattr(recovery, "distillation_loss", poisoned)
     with pytest.raises(CorpError, match="recovery stopped at step 3 of 10: the loss is not finite"):
+        compress(small_vit(), images, CompressConfig(recovery=RecoveryConfig(steps=10, batch_size=8)))
+
+
+def test_too_few_batches_for_the_processes_once_validation_is_held_out_says_why(small_vit, images, monkeypatch):
+    """Under torch.distributed every process needs a batch of the images compression fits on;
+    recovery's validation sources are not among them, and the message says so."""
+    import corp_deploy.distributed as distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 5)  # checked before any collective call
+    expected = (
+        "recovery holds out 4 of the 32 calibration sources for validation, and the 28 images of the others, "
+        "which compression fits on, come in 4 batches: fewer than there are processes (5)"
+    )
+    with pytest.raises(CorpError, match=re.escape(expected)):
         compress(small_vit(), images, CompressConfig(recovery=RecoveryConfig(steps=10, batch_size=8)))
 
 
