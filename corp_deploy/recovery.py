@@ -108,6 +108,9 @@ class RecoveryConfig:
             validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
         final_weight: the weight of the final features' term beside the blocks' mean (0: the blocks
             alone, and the final norm does not train).
+        pooled_weight: the weight of the pooled output's term beside the blocks' mean (the class
+            token or the tokens' mean after the final norm: what a classifier head reads; a norm
+            after the pooling, ``fc_norm``, passes the gradient but does not train).
         seed: the seed of the validation split, the batches and the augmentation.
         autocast_bf16: on CUDA, run the forward passes in bfloat16 autocast.
         checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
@@ -144,6 +147,7 @@ class RecoveryConfig:
         default_help="0.5 (all), 1 (vectors)",
     )
     final_weight: float = 0.0
+    pooled_weight: float = 0.0
     seed: int = 0
     autocast_bf16: bool = True
     checkpointing: bool = option(
@@ -178,6 +182,7 @@ class RecoveryConfig:
             "mix": (0.0, 1.0, True),
             "blend": (0.0, 1.0, False),
             "final_weight": (0.0, 100.0, True),
+            "pooled_weight": (0.0, 100.0, True),
         }
         for name, (low, high, low_included) in ranges.items():
             value = getattr(self, name)
@@ -231,22 +236,32 @@ class _BlockOutputs:
             handle.remove()
 
 
-def distillation_loss(
-    student_blocks: list[torch.Tensor],
-    teacher_blocks: list[torch.Tensor],
-    student_features: torch.Tensor,
-    teacher_features: torch.Tensor,
-    final_weight: float,
-) -> torch.Tensor:
-    """Mean over blocks of the mean over tokens of ``1 - cos`` between the residual streams (each
-    ``(B, N, C)``, or a Swin's ``(B, H, W, C)``; cosine over ``C``), plus ``final_weight`` times the
-    same for the final features; a scalar in float32."""
+@dataclass
+class Outputs:
+    """What the loss compares of one model on a batch: the residual stream after every block (each
+    ``(B, N, C)``, or a Swin's ``(B, H, W, C)``), the final features (``forward_features``) and the
+    pooled output (``forward_head(..., pre_logits=True)``, ``(B, C)``: what a classifier reads)."""
+
+    blocks: list[torch.Tensor]
+    features: torch.Tensor
+    pooled: torch.Tensor
+
+
+def distillation_loss(student: Outputs, teacher: Outputs, final_weight: float, pooled_weight: float) -> torch.Tensor:
+    """Mean over blocks of the mean over tokens of ``1 - cos`` between the residual streams
+    (cosine over channels), plus ``final_weight`` times the same for the final features and
+    ``pooled_weight`` times the mean over images of ``1 - cos`` between the pooled outputs; a
+    scalar in float32."""
 
     def distance(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
 
-    blocks = torch.stack([distance(s, t) for s, t in zip(student_blocks, teacher_blocks)]).mean()
-    return blocks + final_weight * distance(student_features, teacher_features)
+    blocks = torch.stack([distance(s, t) for s, t in zip(student.blocks, teacher.blocks)]).mean()
+    return (
+        blocks
+        + final_weight * distance(student.features, teacher.features)
+        + pooled_weight * distance(student.pooled, teacher.pooled)
+    )
 
 
 def _lr_factor(step: int, config: RecoveryConfig) -> float:
@@ -442,16 +457,16 @@ class _Distillation:
         over the processes. CorpError if it is not finite."""
         self._teacher_blocks.clear(), self._student_blocks.clear()
         with torch.no_grad(), self.autocast():
-            teacher_features = self.teacher.forward_features(x)
+            features = self.teacher.forward_features(x)
+            teacher = Outputs(
+                self._teacher_blocks.outputs, features, self.teacher.forward_head(features, pre_logits=True)
+            )
         with self.autocast():
-            student_features = self._features(x)
-        loss = distillation_loss(
-            self._student_blocks.outputs,
-            self._teacher_blocks.outputs,
-            student_features,
-            teacher_features,
-            self.config.final_weight,
-        )
+            features = self._features(x)
+            student = Outputs(
+                self._student_blocks.outputs, features, self.student.forward_head(features, pre_logits=True)
+            )
+        loss = distillation_loss(student, teacher, self.config.final_weight, self.config.pooled_weight)
         if not torch.isfinite(loss):
             raise CorpError(
                 f"recovery stopped at step {step} of {self.config.steps}: the loss is not finite "

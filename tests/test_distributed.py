@@ -164,7 +164,7 @@ PAST_THE_GRAMS = (32, 32, 16)
         (dict(method="vbp", s_mlp=0.5), (8, 8, 8, 5)),
         (
             dict(s_mlp=0.75, s_attn=0.75, compensation=False, recover_steps=4, recover_batch_size=4, recover_lr=3e-3)
-            | dict(recover_eval_every=2),
+            | dict(recover_eval_every=2, recover_pooled_weight=1.0),  # the pooled term: outside the DDP module
             (8, 8, 8, 5),
         ),
     ],

@@ -15,6 +15,7 @@ import torch
 from corp_deploy import CompressConfig, compress, model_transform
 from corp_deploy.errors import CorpError, SettingError
 from corp_deploy.recovery import (
+    Outputs,
     RecoveryConfig,
     RecoveryImages,
     _Distillation,
@@ -185,13 +186,21 @@ def test_a_teacher_that_is_not_the_dense_model_is_refused(small_vit, images):
     check_teacher(student, small_vit())
 
 
-def test_the_loss_is_zero_for_equal_streams_and_the_cosine_distance_otherwise():
+def test_the_loss_is_zero_for_equal_outputs_and_the_cosine_distances_otherwise():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-    assert float(distillation_loss([a, a], [a, a], a, a, 1.0)) == pytest.approx(0.0, abs=1e-6)
-    expected = (1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)).mean()
-    got = distillation_loss([a, a], [b, b], a, b, 0.5)
-    assert float(got) == pytest.approx(1.5 * float(expected), rel=1e-5)
+    p, q = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    same = Outputs([a, a], a, p)
+    assert float(distillation_loss(same, same, 1.0, 1.0)) == pytest.approx(0.0, abs=1e-6)
+
+    def distance(s, t):  # 1 - cos over the last dim, in float64, averaged
+        return float(
+            (1 - (s.double() * t.double()).sum(-1) / (s.double().norm(dim=-1) * t.double().norm(dim=-1))).mean()
+        )
+
+    got = distillation_loss(Outputs([a, a], a, p), Outputs([b, a], b, q), 0.5, 2.0)
+    expected = distance(a, b) / 2 + 0.5 * distance(a, b) + 2.0 * distance(p, q)
+    assert float(got) == pytest.approx(expected, rel=1e-5)
 
 
 DATA_CONFIG = {"mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3), "input_size": (3, 8, 8)}
@@ -305,6 +314,32 @@ def test_every_trained_parameter_is_in_the_loss_also_for_a_pooled_model(small_vi
     pooled.forward_features(x).sum().backward()
     assert trained and all(p.grad is not None for p in trained.values())
     assert not any(name.startswith("fc_norm.") for name in trained)
+
+
+def test_the_pooled_output_term_trains_the_blocks_through_a_frozen_fc_norm(small_vit, images):
+    """``pooled_weight``: the loss has the pooled outputs' distance (here alone, the blocks' term
+    cancelled by a student equal to the teacher but for one block); ``fc_norm`` passes the gradient
+    and keeps its weights."""
+    teacher = small_vit(global_pool="avg", fc_norm=True)
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student.blocks[1].mlp.fc2.weight.mul_(0.5)
+    x, twin = torch.cat(list(images))[:8], copy.deepcopy(student)
+    run = _Distillation(student, teacher, RecoveryConfig(steps=1, pooled_weight=3.0, lr=1e-3))
+    before = copy.deepcopy(student.state_dict())
+    with torch.no_grad():
+        s, t = (
+            student.forward_head(student.forward_features(x), pre_logits=True),
+            teacher.forward_head(teacher.forward_features(x), pre_logits=True),
+        )
+    pooled = float((1 - torch.nn.functional.cosine_similarity(s, t, dim=1)).mean())
+    loss = run.step(x, 0)
+    assert loss > 3.0 * pooled > 0  # the blocks' term (block 1 and after differ) and the pooled one
+    after = student.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before if k.startswith("fc_norm."))
+    assert not torch.equal(after["blocks.1.mlp.fc2.weight"], before["blocks.1.mlp.fc2.weight"])
+    no_pooled = _Distillation(twin, teacher, RecoveryConfig(steps=1, lr=1e-3))
+    assert no_pooled.step(x, 0) == pytest.approx(loss - 3.0 * pooled, rel=1e-4)
 
 
 @pytest.mark.parametrize("gain, kept", [(1e-7, 0), (1e-3, 1)])
