@@ -585,7 +585,8 @@ class PhotoSet:
 
 @click.group()
 def cli() -> None:
-    """The photo set (docs/photo_set.md): build it from the pinned packages, verify a built one."""
+    """The photo set (docs/photo_set.md): build it from the pinned packages, verify a built one, or draw
+    the manifest's splits again."""
 
 
 @cli.command("build")
