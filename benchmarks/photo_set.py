@@ -35,7 +35,6 @@ from pathlib import Path
 import click
 from PIL import ExifTags, Image, ImageFilter, ImageOps
 
-from corp_deploy.calibration import HELD_OUT_PHOTOS
 from corp_deploy.documents import Document, DocumentFormat, Record, optional_entry
 from corp_deploy.errors import CorpError
 from corp_deploy.files import sha256_file, write_json
@@ -168,6 +167,8 @@ def draw_splits(files: Sequence[Source], seed: int, share: float = HELD_OUT_SHAR
     otherwise); the rest drawn, ``round(share * n)`` of them ``held_out``, stratified by (kind,
     category): each stratum gets its share (largest remainders round it) drawn by a generator
     seeded from ``seed`` and the stratum, so that a file's split depends only on its stratum."""
+    from corp_deploy.calibration import HELD_OUT_PHOTOS  # here: it imports torch, which building does not need
+
     splits = {}
     strata = defaultdict(list)
     for f in files:
