@@ -567,7 +567,7 @@ class PhotoSet:
     """
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).expanduser()
         self.index = read_index(self.root)
 
     def entries(self, split: str | None = None) -> list[OutputFile]:
