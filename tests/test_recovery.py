@@ -1,4 +1,4 @@
-"""The label-free recovery after compression (corp_deploy/recovery.py): off by default and then
+"""The label-free recovery after compression (corp_deploy/recovery/): off by default and then
 bit-identical to compression alone, structure unchanged, the loss falls, never worse on validation
 than compression left it, seeded, and its failures."""
 
@@ -25,6 +25,7 @@ from corp_deploy.recovery import (
     recovery_table,
     trainable_parameters,
 )
+from corp_deploy.recovery.validation import Validation
 
 
 def table_text(report: dict) -> str:
@@ -149,7 +150,7 @@ def test_activation_checkpointing_gives_the_same_weights(small_vit, images):
 
 
 def test_a_non_finite_loss_stops_with_the_step(small_vit, images, monkeypatch):
-    import corp_deploy.recovery as recovery
+    from corp_deploy.recovery import training
 
     calls = []
 
@@ -158,7 +159,7 @@ def test_a_non_finite_loss_stops_with_the_step(small_vit, images, monkeypatch):
         loss = distillation_loss(*args)
         return loss * float("nan") if len(calls) == 3 else loss
 
-    monkeypatch.setattr(recovery, "distillation_loss", poisoned)
+    monkeypatch.setattr(training, "distillation_loss", poisoned)
     with pytest.raises(CorpError, match="recovery stopped at step 3 of 10: the loss is not finite"):
         compress(small_vit(), images, CompressConfig(recovery=RecoveryConfig(steps=10, batch_size=8)))
 
@@ -249,7 +250,7 @@ def test_files_are_decoded_once_while_they_fit_and_the_views_are_those_decoded_e
     decodes again. The views are the same either way, bit for bit."""
     from PIL import Image
 
-    import corp_deploy.recovery as recovery
+    from corp_deploy.recovery import images as recovery_images
 
     paths = []
     for i in range(4):
@@ -262,12 +263,12 @@ def test_files_are_decoded_once_while_they_fit_and_the_views_are_those_decoded_e
         image_sources = paths
 
     decoded = []
-    load_rgb = recovery.load_rgb
-    monkeypatch.setattr(recovery, "load_rgb", lambda path: decoded.append(path) or load_rgb(path))
+    load_rgb = recovery_images.load_rgb
+    monkeypatch.setattr(recovery_images, "load_rgb", lambda path: decoded.append(path) or load_rgb(path))
     config = RecoveryConfig(validation=0.25, seed=3)
     views = {}
-    for limit, decodes in ((recovery.DECODED_BYTES, 3), (2 * 3 * 12 * 16, 3 + 2)):  # keeps all 3 files, then 2
-        monkeypatch.setattr(recovery, "DECODED_BYTES", limit)
+    for limit, decodes in ((recovery_images.DECODED_BYTES, 3), (2 * 3 * 12 * 16, 3 + 2)):  # keeps all 3 files, then 2
+        monkeypatch.setattr(recovery_images, "DECODED_BYTES", limit)
         images = RecoveryImages(Batches([torch.zeros(4, 3, 8, 8)]), DATA_CONFIG, config)
         decoded.clear()
         views[limit] = [images.views([0, 1, 2], step) for step in (1, 2, 3)]
@@ -349,7 +350,7 @@ def test_a_gain_within_float_rounding_is_not_kept(small_vit, images, monkeypatch
     views' cosine at steps 0, 1, 2, 3; the distorted views' never falls)."""
     plain = iter([0.99, 0.99 + gain, 0.5, 0.5])
     calls = iter(range(100))
-    monkeypatch.setattr(_Distillation, "validate", lambda self, ref: next(plain) if next(calls) % 2 == 0 else 0.9)
+    monkeypatch.setattr(Validation, "validate", lambda self, ref: next(plain) if next(calls) % 2 == 0 else 0.9)
     dense = small_vit()
     report = recover(copy.deepcopy(dense), dense, images, RecoveryConfig(steps=3, batch_size=8, eval_every=1))
     assert report["best_step"] == kept

@@ -2410,7 +2410,7 @@ FAULTS = {
         "os", "rename", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
     "compress-sigterm-while-recovering": Fault(
-        "corp_deploy.recovery",
+        "corp_deploy.recovery.training",
         "distillation_loss",
         2,
         "SIGTERM",
@@ -2418,7 +2418,7 @@ FAULTS = {
         "art",
     ),
     "recover-sigint-while-recovering": Fault(
-        "corp_deploy.recovery",
+        "corp_deploy.recovery.training",
         "distillation_loss",
         2,
         "SIGINT",

@@ -1,4 +1,4 @@
-"""Label-free recovery (corp_deploy/recovery.py) on the real DINOv2 ViT-S/14: fidelity on held-out
+"""Label-free recovery (corp_deploy/recovery/) on the real DINOv2 ViT-S/14: fidelity on held-out
 photos and on images unlike the calibration set, against the number of steps, started from CORP
 (uniform and budgeted), from the uncompensated slice and from VBP.
 
