@@ -25,6 +25,7 @@ from corp_deploy.recovery import (
     recovery_table,
     trainable_parameters,
 )
+from corp_deploy.recovery.images import training_batches
 from corp_deploy.recovery.validation import Validation
 
 
@@ -222,7 +223,7 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
         image_sources = [paths[i // 2] for i in range(16)]  # two crops of each file
 
     batches = Batches([torch.zeros(16, 3, 8, 8)])
-    images = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3))
+    images = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, batch_size=3))
     assert images.sources == (6, 2)  # 2 of 8 files held out
     mean, std = torch.tensor(DATA_CONFIG["mean"]).view(3, 1, 1), torch.tensor(DATA_CONFIG["std"]).view(3, 1, 1)
 
@@ -232,17 +233,37 @@ def test_validation_holds_out_whole_sources_and_views_are_seeded(tmp_path):
     held = greys(images.validation)
     assert images.validation.shape == (32, 3, 8, 8) and len(held) == 2  # 16 views of each
     plain = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0))
-    trained = set().union(*(greys(plain.views(range(6), step)) for step in (1, 2)))
+    trained = set().union(*(greys(plain.training[step]) for step in (1, 2)))  # 16 a step: every file shown
     assert trained == set(range(8)) - held
     assert images.batches == list(batches)  # all of them, for compressing again
     mixed = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=1.0))
-    values = [float((view * std + mean).mean()) * 255 / 30 for view in mixed.views(range(6), 1)]
+    values = [float((view * std + mean).mean()) * 255 / 30 for view in mixed.training[1]]
     assert all(min(trained) - 1e-4 <= v <= max(trained) + 1e-4 for v in values)  # convex mixtures of them
     assert any(abs(v - round(v)) > 0.01 for v in values)  # not a grey of one file
-    one, again = images.views([0, 5, 5], step=7), images.views([0, 5, 5], step=7)
-    assert one.shape == (3, 3, 8, 8) and torch.equal(one, again) and not torch.equal(one, images.views([0, 5, 5], 8))
+    one, again = images.training[7], images.training[7]
+    assert one.shape == (3, 3, 8, 8) and torch.equal(one, again) and not torch.equal(one, images.training[8])
     pixels = one * std + mean
     assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
+
+
+def test_training_views_are_the_same_with_and_without_workers_and_leave_the_global_rng_alone():
+    """A step's views depend on the seed and the step alone: made in this process, by two DataLoader
+    workers (which make steps out of order and ahead of their use) or one at a time out of order,
+    bit for bit the same; making them draws nothing from torch's global generator."""
+    x = torch.rand(12, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(seed=5, batch_size=4))  # 11 sources train
+    made = {}
+    for workers in (0, 2):
+        with training_batches(images.training, 7, workers, pin_memory=False) as batches:
+            made[workers] = list(batches)
+    assert len(made[0]) == 7 and all(torch.equal(a, b) for a, b in zip(made[0], made[2]))
+    torch.manual_seed(11)
+    before = torch.random.get_rng_state()
+    backwards = [images.training[step] for step in range(7, 0, -1)][::-1]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(a, b) for a, b in zip(made[0], backwards))
+    other = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(seed=6, batch_size=4))
+    assert not torch.equal(other.training[1], made[0][0])
 
 
 def test_files_are_decoded_once_while_they_fit_and_the_views_are_those_decoded_each_time(tmp_path, monkeypatch):
@@ -265,29 +286,52 @@ def test_files_are_decoded_once_while_they_fit_and_the_views_are_those_decoded_e
     decoded = []
     load_rgb = recovery_images.load_rgb
     monkeypatch.setattr(recovery_images, "load_rgb", lambda path: decoded.append(path) or load_rgb(path))
-    config = RecoveryConfig(validation=0.25, seed=3)
+    config = RecoveryConfig(validation=0.25, seed=3, batch_size=3)  # every step shows each of the 3 files
     views = {}
-    for limit, decodes in ((recovery_images.DECODED_BYTES, 3), (2 * 3 * 12 * 16, 3 + 2)):  # keeps all 3 files, then 2
+    for limit, decodes in ((recovery_images.DECODED_BYTES, 0), (2 * 3 * 12 * 16, 3)):  # keeps all 3 files, then 2
         monkeypatch.setattr(recovery_images, "DECODED_BYTES", limit)
         images = RecoveryImages(Batches([torch.zeros(4, 3, 8, 8)]), DATA_CONFIG, config)
         decoded.clear()
-        views[limit] = [images.views([0, 1, 2], step) for step in (1, 2, 3)]
+        views[limit] = [images.training[step] for step in (1, 2, 3)]
         assert len(decoded) == decodes  # with two kept, the third file is decoded at every step
     first, second = views.values()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_large_training_files_are_kept_shrunk_to_a_few_times_the_input(tmp_path):
+    """A training file whose shorter side exceeds DECODED_SIDE times the model's input side is kept
+    shrunk to that (its aspect kept); a smaller one as it is."""
+    from PIL import Image
+
+    from corp_deploy.recovery.images import DECODED_SIDE
+
+    files = {tmp_path / "wide.png": (100, 50), tmp_path / "tall.png": (50, 120), tmp_path / "small.png": (20, 30)}
+    for path, size in files.items():
+        Image.new("RGB", size, (10, 20, 30)).save(path)
+    side = DECODED_SIDE * 8  # the input is 8 px: kept at most 32 px on the shorter side
+    shapes = {(3, side, 2 * side), (3, round(side * 120 / 50), side), (3, 30, 20)}
+
+    class Batches(list):
+        image_sources = list(files)
+
+    images = RecoveryImages(Batches([torch.zeros(3, 3, 8, 8)]), DATA_CONFIG, RecoveryConfig(validation=0.34, seed=0))
+    kept = images.training.sources
+    assert len(kept) == 2 and all(image.dtype == torch.uint8 for image in kept)
+    assert {tuple(image.shape) for image in kept} < shapes and any(min(i.shape[1:]) == side for i in kept)
+
+
 def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
     x = torch.arange(40.0).view(40, 1, 1, 1).expand(40, 3, 8, 8) / 40  # image i one flat value
-    images = RecoveryImages([x], DATA_CONFIG, RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0))
+    config = RecoveryConfig(validation=0.25, seed=3, color=0.0, mix=0.0, batch_size=30)
+    images = RecoveryImages([x], DATA_CONFIG, config)
     assert images.sources == (30, 10) and images.validation.shape == (40, 3, 8, 8)  # 4 views of each
 
     def values(views):  # which image each view shows
         return {round(float(view[0].mean()) * 40) for view in views}
 
     held = values(images.validation)
-    assert len(held) == 10 and values(images.views(range(30), step=1)) == set(range(40)) - held
+    assert len(held) == 10 and values(images.training[1]) == set(range(40)) - held  # one step, one epoch
     with pytest.raises(CorpError, match="at least 2 sources"):
         RecoveryImages([x[:1]], DATA_CONFIG, RecoveryConfig())
     assert RecoveryImages([x[:3]], DATA_CONFIG, RecoveryConfig(validation=0.5)).sources == (2, 1)  # half at most
@@ -483,3 +527,72 @@ def test_recover_refuses_an_artifact_whose_weights_are_damaged(tiny_artifact_cop
     result, text = run_cli(["recover", tiny_artifact_copy, "-o", tmp_path / "rec"], tmp_path / "state")
     assert result.exit_code == 1 and "does not match" in text and "Traceback" not in text, text
     assert not (tmp_path / "rec").exists()
+
+
+WORKERS_RUNNER = """
+import os, signal, sys
+import corp_deploy.recovery.training as training
+
+def children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(entry)
+        except OSError:
+            pass
+    return found
+
+original, calls, (written, sent) = training.distillation_loss, [0], sys.argv[1:3]
+def patched(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:  # the workers are making the next steps' views
+        with open(written, "w") as out:
+            out.write(" ".join(children(os.getpid())))
+        if sent == "group":
+            os.killpg(0, signal.SIGINT)  # as Ctrl-C in a terminal: every process of the group
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)  # as kill PID: the main process alone
+    return original(*args, **kwargs)
+training.distillation_loss = patched
+sys.argv = ["corp-deploy", *sys.argv[3:]]
+from corp_deploy.launch import main
+main()
+"""
+
+
+@pytest.mark.slow  # a real subprocess with DataLoader workers, interrupted
+@pytest.mark.parametrize("sent, code", [("group", 130), ("main", 143)])
+def test_an_interrupt_with_view_workers_running_leaves_no_output_and_no_worker(tmp_path, sent, code):
+    """Ctrl-C (SIGINT to the whole process group, the workers included) or SIGTERM to the main
+    process alone while two workers make training views: the run stops with its status and one
+    message, writes nothing, and its workers are gone when it has exited."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers import SMALL_VIT_CLI_ARGS
+
+    args = ["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", "8"]
+    args += ["--recover-steps", "50", "--recover-batch-size", "2", "--recover-workers", "2", "-o", "art"]
+    done = subprocess.run(
+        [sys.executable, "-c", WORKERS_RUNNER, str(tmp_path / "workers"), sent, *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+        start_new_session=True,  # its own process group, so that "group" does not reach pytest
+        timeout=600,
+    )
+    assert done.returncode == code, done.stderr
+    signal_name = "SIGINT" if sent == "group" else "SIGTERM"
+    assert f"stopped by {signal_name}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    workers = [int(pid) for pid in (tmp_path / "workers").read_text().split()]
+    assert len(workers) == 2
+    assert not list(tmp_path.glob(".*tmp-*")) and not (tmp_path / "art").exists()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "a view worker outlived the run"

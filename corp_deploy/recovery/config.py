@@ -17,6 +17,8 @@ MAX_BATCH = 4096
 #: The most steps a recovery may take (a million steps of 16 images: days on a GPU; more never ends
 #: in practice).
 MAX_STEPS = 1_000_000
+#: The most DataLoader workers recovery may start for its training views.
+MAX_WORKERS = 64
 
 
 #: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate and blend
@@ -63,6 +65,9 @@ class RecoveryConfig:
         checkpointing: activation checkpointing (timm's ``set_grad_checkpointing``): each block's
             activations are recomputed in the backward pass instead of kept, for models whose
             training does not fit in memory otherwise.
+        workers: DataLoader worker processes that make the training views ahead of the steps (0: the
+            main process makes each step's views when it needs them); the views are the same whatever
+            the number.
     """
 
     steps: int = option(0, "label-free recovery: distillation steps after compression (0: off).")
@@ -100,6 +105,7 @@ class RecoveryConfig:
     checkpointing: bool = option(
         False, "recovery: recompute the blocks' activations in the backward pass (less memory)."
     )
+    workers: int = option(2, f"recovery: worker processes making the training views (0 to {MAX_WORKERS}).")
 
     def __post_init__(self) -> None:
         check_setting_types(self, lambda name: SETTING_PREFIX + name)
@@ -113,6 +119,7 @@ class RecoveryConfig:
             "eval_every": (1, None),
             "patience": (1, None),
             "seed": (0, None),
+            "workers": (0, MAX_WORKERS),
         }
         for name, (least, most) in integers.items():
             value = getattr(self, name)

@@ -1,19 +1,25 @@
-"""What recovery trains and validates on (:class:`RecoveryImages`: the split of the calibration
-images' sources, the held-out validation views, the augmented training views) and the order of the
-training batches (:class:`_Batches`)."""
+"""What recovery trains and validates on: :class:`RecoveryImages` (the split of the calibration
+images' sources, the held-out validation views) and :class:`TrainingViews` (the augmented training
+views of every step, made in DataLoader worker processes: :func:`training_batches`)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
-from collections.abc import Iterable
+import signal
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from ..calibration import load_rgb
 from ..errors import CorpError
+from ..launch import INTERRUPTS
 from .config import RecoveryConfig
 
 #: The fewest validation views: each held-out source gives ``ceil(VALIDATION_VIEWS / sources)``
@@ -23,6 +29,10 @@ VALIDATION_VIEWS = 32
 #: not decode its files again (decoding 16 photos took 0.25 s of the 0.35 s their views take on one
 #: CPU core, and on a GPU a small model's step waits for them); images beyond it are decoded at each use.
 DECODED_BYTES = 1 << 30
+#: Training files are kept decoded at most this many times the model's input side on their shorter
+#: side (larger photos are shrunk once, when decoded): the smallest crop (8 % of the area, 0.28 of
+#: the side) of such an image still has more pixels than the view it is resized to.
+DECODED_SIDE = 4
 
 
 class RecoveryImages:
@@ -37,11 +47,9 @@ class RecoveryImages:
     and sharpness: a recovery must not buy fidelity on the one by losing it on the other.
     Compression must not see them either (it matches its own calibration images closely, so they
     would flatter it): made before compressing, :meth:`fit_batches` are the images it fits on
-    (:attr:`batches`: all of them, as given).
-    Training draws fresh augmented views of the other sources: random resized crops of the whole
-    file (of the image itself for a bare tensor), mirrored, a ``color`` share of them distorted too
-    (colour jitter, greyscale, blur, as self-supervised training augments: SimCLR, DINO), and a
-    ``mix`` share mixed with another view (mixup, as function-matching distillation does).
+    (:attr:`batches`: all of them, as given). Training draws fresh augmented views of the other
+    sources (:attr:`training`, a :class:`TrainingViews`): of the whole file each image came from (of
+    the image itself for a bare tensor), its files decoded once here.
 
     Args:
         batches: preprocessed images ``(B, 3, H, W)``.
@@ -71,21 +79,20 @@ class RecoveryImages:
             for source in (distinct[i] for i in order)
         ]
         self.batches = listed
-        self._train, self._held = kept[held:], held
-        self._decoded: dict[Path, torch.Tensor] = {}
         trained = {distinct[i] for i in order[held:]}
         self._images, self._batch = images, len(listed[0])
         self._fit = [i for i, source in enumerate(sources) if source in trained]
-        self._crop, self._distort = _augmentations(tuple(data_config["input_size"][1:]), config)
-        self._seed, self._color, self._mix = config.seed, config.color, config.mix
+        self._held = held
+        size = tuple(data_config["input_size"][1:])
+        crop, distort = _augmentations(size, config)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             each = math.ceil(VALIDATION_VIEWS / held)
-            views = torch.stack(
-                [self._crop(self._pixels(source, keep=False)) for source in kept[:held] for _ in range(each)]
-            )
+            views = torch.stack([crop(_pixels(source)) for source in kept[:held] for _ in range(each)])
             self.validation = (views - self.mean) / self.std
-            self.distorted = (torch.stack([self._distort(view) for view in views]) - self.mean) / self.std
+            self.distorted = (torch.stack([distort(view) for view in views]) - self.mean) / self.std
+        training = _decoded(kept[held:], DECODED_SIDE * max(size))
+        self.training = TrainingViews(training, size, self.mean, self.std, config)
 
     def fit_batches(self) -> list[torch.Tensor]:
         """The calibration images of the training sources, in their order and batch size: what
@@ -95,31 +102,130 @@ class RecoveryImages:
     @property
     def sources(self) -> tuple[int, int]:
         """``(training, validation)`` source counts."""
-        return len(self._train), self._held
+        return len(self.training.sources), self._held
 
-    def views(self, indices: list[int], step: int) -> torch.Tensor:
-        """Augmented views ``(len(indices), 3, H, W)`` of the training sources ``indices``,
-        preprocessed; the same for the same ``step`` in every process."""
+
+class TrainingViews(Dataset):
+    """The training views of recovery's steps: item ``step`` (from 1) is that step's batch of
+    ``config.batch_size`` augmented views, preprocessed, ``(B, 3, H, W)``.
+
+    The sources are visited in a seeded random order, epoch after epoch; each view is a random
+    resized crop of its source, mirrored or not, a ``color`` share of them distorted (colour jitter,
+    greyscale, blur, as self-supervised training augments: SimCLR, DINO), and a ``mix`` share mixed
+    with the view before it in the batch (mixup with a uniform weight, as function-matching
+    distillation does; teacher and student see the same mixture). Every draw is seeded by the seed,
+    the step and the view's place in the batch alone, so a step's views are the same in every
+    process, in whichever DataLoader worker makes them, and with none.
+
+    Args:
+        sources: the training sources: decoded files or images, ``(3, h, w)`` uint8 (or float in
+            [0, 1] for an image given as a tensor), or files to decode at each use (a :class:`Path`,
+            beyond :data:`DECODED_BYTES`).
+    """
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor | Path],
+        size: tuple[int, int],
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        config: RecoveryConfig,
+    ) -> None:
+        self.sources, self._size, self._mean, self._std = sources, size, mean, std
+        self._batch, self._seed, self._color, self._mix = config.batch_size, config.seed, config.color, config.mix
+        self._crop, self._distort = _augmentations(size, config)
+        self._orders: dict[int, list[int]] = {}
+
+    def __getitem__(self, step: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self._seed * 1_000_003 + step)
-            views = [self._crop(self._pixels(self._train[i])) for i in indices]
-            views = torch.stack([self._distort(v) if torch.rand(1).item() < self._color else v for v in views])
+            views = torch.stack([self._view(step, place) for place in range(self._batch)])
+            torch.manual_seed(_seed_of(self._seed, "mix", step))
             mixed = torch.rand(len(views)) < self._mix
             weight = torch.where(mixed, torch.rand(len(views)), 1.0).view(-1, 1, 1, 1)
             views = weight * views + (1 - weight) * views.roll(1, dims=0)
-        return (views - self.mean) / self.std
+        return (views - self._mean) / self._std
 
-    def _pixels(self, source: Path | torch.Tensor, keep: bool = True) -> torch.Tensor:
-        """A source (a file or an image) as ``(3, h, w)`` floats in [0, 1]. With ``keep`` (the
-        training files) a file is decoded once and kept while the kept files fit in :data:`DECODED_BYTES`."""
-        if isinstance(source, torch.Tensor):
-            return source
-        decoded = self._decoded.get(source)
-        if decoded is None:
-            decoded = pil_to_tensor(load_rgb(source))
-            if keep and sum(kept.numel() for kept in self._decoded.values()) + decoded.numel() <= DECODED_BYTES:
-                self._decoded[source] = decoded
-        return decoded.float() / 255
+    def _view(self, step: int, place: int) -> torch.Tensor:
+        """View ``place`` of ``step``'s batch, in [0, 1] (the global RNG reseeded)."""
+        torch.manual_seed(_seed_of(self._seed, "view", step, place))
+        view = self._crop(_pixels(self.sources[self._source_at((step - 1) * self._batch + place)]))
+        return self._distort(view) if torch.rand(1).item() < self._color else view
+
+    def _source_at(self, position: int) -> int:
+        """The source at ``position`` of the sequence of epochs (each a seeded permutation)."""
+        epoch, index = divmod(position, len(self.sources))
+        if epoch not in self._orders:
+            self._orders = {epoch: torch.randperm(len(self.sources), generator=_generator(self._seed, epoch)).tolist()}
+        return self._orders[epoch][index]
+
+
+@contextlib.contextmanager
+def training_batches(views: TrainingViews, steps: int, workers: int, pin_memory: bool) -> Iterator[Iterator]:
+    """Steps 1 to ``steps`` of ``views``, made by ``workers`` DataLoader worker processes (0: in this
+    process) ahead of their use, in pinned memory with ``pin_memory`` (for a copy to a GPU that does
+    not wait); the workers are stopped when the ``with`` block ends, however it ends."""
+    loader = DataLoader(
+        views,
+        batch_size=None,
+        sampler=range(1, steps + 1),
+        num_workers=workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_ignore_interrupts if workers else None,
+    )
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)  # joins the workers (a private but long-lived API)
+        if shutdown is not None:
+            shutdown()
+
+
+def _ignore_interrupts(worker: int) -> None:
+    """In a worker: the interrupts are the main process's to handle (it stops the workers, and a
+    worker whose parent is gone stops by itself); a worker would print a traceback for them."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _seed_of(seed: int, *what) -> int:
+    """A 63-bit seed for the draw ``what`` (a purpose and the step, ...) of recovery's ``seed``."""
+    digest = hashlib.sha256(repr((seed, *what)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_seed_of(seed, "order", epoch))
+
+
+def _decoded(sources: list[Path | torch.Tensor], side: int) -> list[Path | torch.Tensor]:
+    """The training sources, files decoded once (``(3, h, w)`` uint8, shrunk so that the shorter side is
+    at most ``side``) while they fit in :data:`DECODED_BYTES`; files beyond stay paths, decoded at each use."""
+    decoded, total = [], 0
+    for source in sources:
+        if isinstance(source, Path) and total < DECODED_BYTES:
+            image = _decode(source, side)
+            if total + image.numel() <= DECODED_BYTES:
+                source, total = image, total + image.numel()
+        decoded.append(source)
+    return decoded
+
+
+def _decode(path: Path, side: int) -> torch.Tensor:
+    """A file as ``(3, h, w)`` uint8, its shorter side shrunk to at most ``side``."""
+    image = load_rgb(path)
+    scale = side / min(image.size)
+    if scale < 1:
+        image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+    return pil_to_tensor(image)
+
+
+def _pixels(source: Path | torch.Tensor) -> torch.Tensor:
+    """A source as ``(3, h, w)`` floats in [0, 1]: an image given as a tensor as it is, a decoded
+    file scaled from uint8, a file decoded now (as it is: a validation source, or beyond the bytes kept)."""
+    if isinstance(source, Path):
+        source = pil_to_tensor(load_rgb(source))
+    return source.float() / 255 if source.dtype == torch.uint8 else source
 
 
 def _augmentations(size: tuple[int, int], config: RecoveryConfig):
@@ -137,17 +243,3 @@ def _augmentations(size: tuple[int, int], config: RecoveryConfig):
         ]
     )
     return crop, distort
-
-
-class _Batches:
-    """Indices of training batches: the images in a seeded random order, epoch after epoch."""
-
-    def __init__(self, count: int, batch: int, generator: torch.Generator) -> None:
-        self._count, self._batch, self._generator = count, batch, generator
-        self._order: list[int] = []
-
-    def next(self) -> list[int]:
-        while len(self._order) < self._batch:
-            self._order += torch.randperm(self._count, generator=self._generator).tolist()
-        taken, self._order = self._order[: self._batch], self._order[self._batch :]
-        return taken

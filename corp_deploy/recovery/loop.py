@@ -15,7 +15,7 @@ from ..calibration import model_transform
 from ..errors import SettingError, check_instance
 from ..families import standard_copy
 from .config import SETTING_PREFIX, RecoveryConfig
-from .images import RecoveryImages, _Batches
+from .images import RecoveryImages, training_batches
 from .loss import check_teacher
 from .report import _Progress
 from .training import _Distillation
@@ -63,11 +63,14 @@ def recover(
     started = time.perf_counter()
     validation = Validation(run, images, config, on_measure)
     stop, running, step = "steps done", None, 0
-    order = _Batches(images.sources[0], config.batch_size, torch.Generator().manual_seed(config.seed + 1))
+    pinned = device.type == "cuda"
     try:
-        with _Progress(progress, config.steps, validation.start["cosine"]) as bar:
-            for step in range(1, config.steps + 1):
-                loss = run.step(images.views(order.next(), step)[distributed.rank() :: world].to(device), step)
+        with (
+            training_batches(images.training, config.steps, config.workers, pinned) as batches,
+            _Progress(progress, config.steps, validation.start["cosine"]) as bar,
+        ):
+            for step, views in enumerate(batches, 1):
+                loss = run.step(views[distributed.rank() :: world].to(device, non_blocking=pinned), step)
                 running = loss if running is None else 0.9 * running + 0.1 * loss
                 bar.step(running)
                 if step % config.eval_every and step != config.steps:
