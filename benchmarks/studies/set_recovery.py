@@ -1,0 +1,143 @@
+"""Label-free recovery (corp_deploy.recovery) on the real DINOv2 ViT-S/14 calibrated on the photo set
+(:mod:`benchmarks.photo_set`): fidelity on the set's held-out photos, its unlike images and the
+synthetic unlike images, against the number of training photos, the steps and the recipe.
+
+    python -m benchmarks.studies.set_recovery --set /path/to/photo-set --photos all --starts budget-s0.5 \\
+        --steps 100 --recipes default,blend=1,blend=1+mix=0 --trace --out benchmarks/results/set_recovery.json
+
+For every start (``corp-s<S>``, ``budget-s<S>``: benchmarks/studies/set_calibration.py) and number of
+photos, the calibration images are made once (``--views`` per photo) and the model is compressed
+twice: on all of them (``corp``, the artifact without recovery, the row every recovery is compared
+with) and on the images of the sources recovery trains on (its validation sources held out, as
+``compress --recover-steps`` does), which every recipe then starts from. A recipe is ``default`` or
+KEY=VALUE settings of RecoveryConfig joined by ``+`` (``blend=1+mix=0``). A recovery that keeps no
+step gives the ``corp`` model, as compress does. Each row: the cosines of the final model on the three
+evaluation sets, the closed share of what CORP alone leaves (``(recovered - corp) / (1 - corp)``), the
+recovery's own validation, the steps run and the times; with ``--trace`` the three sets measured at
+every validation measurement too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+from benchmarks.held_out import write_dinov2_study
+from benchmarks.real_weights import build_dinov2
+from benchmarks.set_images import calibration_images
+from benchmarks.studies.recovery import parse_value
+from benchmarks.studies.set_calibration import evaluation_sets, measure, start_config
+from corp_deploy import compress, model_transform
+from corp_deploy.recovery import RecoveryConfig, RecoveryImages, recover
+
+SETS = ("photos", "unlike", "synthetic")
+
+
+def recipe_settings(recipe: str) -> dict:
+    """``default`` -> {}; ``blend=1+mix=0`` -> {"blend": 1, "mix": 0}."""
+    if recipe == "default":
+        return {}
+    settings = {}
+    for item in recipe.split("+"):
+        key, _, value = item.partition("=")
+        settings[key] = parse_value(value)
+    return settings
+
+
+def closed_share(recovered: float, corp: float) -> float:
+    """How much of what CORP alone leaves the recovery closes: ``(recovered - corp) / (1 - corp)``."""
+    return (recovered - corp) / (1 - corp)
+
+
+def rounded(value):
+    """``value`` with its floats rounded to 4 decimals, for printing."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--set", type=Path, required=True, help="the built photo set (benchmarks.photo_set)")
+    parser.add_argument("--photos", default="all")
+    parser.add_argument("--views", type=int, default=1, help="calibration images per photo")
+    parser.add_argument("--starts", default="budget-s0.5")
+    parser.add_argument("--steps", default="100")
+    parser.add_argument("--recipes", default="default")
+    parser.add_argument("--trace", action="store_true", help="measure the evaluation sets at every validation")
+    parser.add_argument("--eval-views", type=int, default=3, help="images per evaluation file")
+    parser.add_argument("--unlike", type=int, default=64, help="synthetic unlike images")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    command = (
+        f"python -m benchmarks.studies.set_recovery --set PHOTO_SET --photos {args.photos} --views {args.views} "
+        f"--starts {args.starts} --steps {args.steps} --recipes {args.recipes} "
+        + ("--trace " if args.trace else "")
+        + f"--eval-views {args.eval_views} --unlike {args.unlike} --out {args.out}"
+    )
+
+    dense = build_dinov2()
+    transform, data_config = model_transform(dense)
+    size = tuple(data_config["input_size"])
+    sets = evaluation_sets(args.set, transform, args.eval_views, args.unlike)
+    rows = []
+    for start in args.starts.split(","):
+        config = start_config(start, dense, size)
+        for photos in args.photos.split(","):
+            calib = calibration_images(args.set, transform, None if photos == "all" else int(photos), args.views)
+            began = time.perf_counter()
+            corp, report = compress(dense, calib, config)
+            base = {"start": start, "photos": photos, "views": args.views, "images": len(calib)}
+            corp_row = {**base, "recipe": None, "steps": 0, **measure(dense, corp, sets)}
+            corp_row["compress_s"] = round(time.perf_counter() - began, 1)
+            corp_row["macs_fraction"] = report["macs"]["compressed"] / report["macs"]["dense"]
+            rows.append(corp_row)
+            print(json.dumps(rounded(corp_row)), flush=True)
+            fitted: dict[tuple, object] = {}  # the compression on the training sources, per split
+            for recipe in args.recipes.split(","):
+                for steps in (int(n) for n in args.steps.split(",")):
+                    recovery = RecoveryConfig(steps=steps, **recipe_settings(recipe))
+                    images = RecoveryImages(calib, data_config, recovery)
+                    split = (recovery.seed, recovery.validation)
+                    if split not in fitted:
+                        fitted[split] = compress(dense, images.fit_batches(), config)[0]
+                    trace = []
+
+                    def on_measure(step, model, trace=trace):
+                        trace.append({"step": step, **measure(dense, model, sets)})
+                        print(json.dumps(rounded(trace[-1])), flush=True)
+
+                    student = copy.deepcopy(fitted[split])
+                    began = time.perf_counter()
+                    result = recover(student, dense, images, recovery, on_measure=on_measure if args.trace else None)
+                    recover_s = time.perf_counter() - began
+                    final = student if result["best_step"] else corp
+                    row = {**base, "recipe": recipe, "steps": steps, **measure(dense, final, sets)}
+                    row["closed"] = {n: closed_share(row[f"{n}_output"], corp_row[f"{n}_output"]) for n in SETS}
+                    row.update(
+                        steps_run=result["steps_run"],
+                        best_step=result["best_step"],
+                        stopped=result["stopped"],
+                        validation=result["validation_cosine"],
+                        distorted=result["distorted_validation_cosine"],
+                        sources=result["images"],
+                        recover_s=round(recover_s, 1),
+                        trace=trace,
+                    )
+                    rows.append(row)
+                    print(json.dumps(rounded({k: v for k, v in row.items() if k != "trace"})), flush=True)
+                    write_rows(args, command, rows)
+            write_rows(args, command, rows)
+
+
+def write_rows(args, command: str, rows: list) -> None:
+    write_dinov2_study(args.out, command, recovery_defaults=vars(RecoveryConfig()), rows=rows)
+
+
+if __name__ == "__main__":
+    main()
