@@ -18,13 +18,24 @@ import torch
 from torch import nn
 
 from .bundled_weights import bundled_model
+from .config import CompressConfig
+from .cost import count_params
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of, in_standard_form, standard_copy
 from .files import json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, check_finite, create_base_model, resolve_model_name, state_mismatch
+from .methods.corp.sizes import uniform_sizes
+from .models import (
+    base_skeleton,
+    check_finite,
+    create_base_model,
+    model_transform,
+    resolve_model_name,
+    state_mismatch,
+)
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
+from .plots import plot_allocation
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
 #: ``config.json``'s format (also the weights file's ``format`` metadata). 2: the artifact has a record
@@ -107,8 +118,6 @@ def check_base_model_form(base_model: Any) -> None:
 def _check_input_size(config: dict, model: nn.Module, path: str | Path) -> None:
     """CorpError unless ``config.json``'s ``input.input_size`` is the input size of ``model`` (the
     model it describes), which export and bench feed it."""
-    from .calibration import model_transform
-
     recorded, own = config["input"]["input_size"], list(model_transform(model)[1]["input_size"])
     if recorded != own:
         raise CorpError(
@@ -169,8 +178,6 @@ def save_artifact(
     """
     from safetensors.torch import save_file
 
-    from .calibration import model_transform
-
     for name, record in (("settings", settings), ("calibration", calibration), ("report", report)):
         if record is not None and not isinstance(record, dict):
             raise BadUsage(f"{name} must be a dict, not {type(record).__name__}")
@@ -204,8 +211,6 @@ def save_artifact(
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})
         if plots and config["allocation"]:
-            from .plots import plot_allocation
-
             plot_allocation(config["allocation"], tmp / ALLOCATION_PLOT, title=base_model["name"])
     return out_dir
 
@@ -512,10 +517,6 @@ def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
     """BadUsage, before anything is written, when what :func:`save_artifact` was given to record
     cannot be written as JSON or contradicts ``model``: a report of another parameter count, or
     settings of uniform CORP whose kept dims are not the model's."""
-    from .config import CompressConfig
-    from .cost import count_params
-    from .methods.corp.sizes import uniform_sizes
-
     for name, value in (
         ("base_model", config["base_model"]),
         ("settings", config["settings"]),

@@ -26,13 +26,14 @@ from .artifact import (
     read_config,
     save_artifact,
 )
-from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
+from .calibration import CalibrationImages, CalibrationSpec, summary_warnings
 from .config import CompressConfig
-from .engine import compress
+from .engine import compress, compress_bytes
 from .errors import BadUsage, CorpError, SettingError, check_instance
+from .models import model_transform
 from .outputs import check_apart, check_output_dir, verify_files
 from .recovery import SETTING_PREFIX, RecoveryConfig
-from .resources import check_fits, compress_bytes, training_bytes
+from .resources import check_fits, training_bytes
 
 
 @dataclass(frozen=True)
