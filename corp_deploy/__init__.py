@@ -16,6 +16,7 @@ import importlib
 #: The public API and the module each name lives in. Imported on first use, so that importing the
 #: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
 _API = {
+    "Artifact": "artifact",
     "latest_artifact": "artifact",
     "load_base_model": "artifact",
     "load_compressed": "artifact",

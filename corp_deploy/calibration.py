@@ -386,6 +386,12 @@ class CalibrationImages:
         for message in self.span.warnings():
             warnings.warn(message, stacklevel=1)
 
+    @property
+    def most(self) -> int:
+        """The most images an iteration gives: the limit, or fewer when there are fewer sources
+        (what memory and disk are checked for before they are read)."""
+        return min(self._limit, len(self._sources))
+
     def _measured(self, batch: torch.Tensor) -> Iterator[torch.Tensor]:
         """``batch``, its span measured; counted as used once the consumer is done with it."""
         self.span.add(batch)

@@ -19,17 +19,8 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from corp_deploy import (
-    CalibrationImages,
-    CorpError,
-    count_macs,
-    count_params,
-    load_base_model,
-    load_compressed,
-    model_transform,
-    read_config,
-)
-from corp_deploy.artifact import recorded_checksums
+from corp_deploy import CalibrationImages, CorpError, count_macs, count_params, model_transform
+from corp_deploy.artifact import Artifact, recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
 from corp_deploy.errors import BadUsage, check_instance
@@ -71,14 +62,15 @@ def default_export_dir(artifact: str | Path, precision: str) -> Path:
 
 
 def export_artifact(
-    artifact: str | Path,
+    artifact: str | Path | Artifact,
     out_dir: str | Path | None = None,
     options: ExportOptions | None = None,
     *,
     dense_model: nn.Module | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> ExportResult:
-    """Export the compressed model of ``artifact`` (and its dense base with ``options.dense``).
+    """Export the compressed model of ``artifact`` (its folder, or the
+    :class:`~corp_deploy.artifact.Artifact` read already; and its dense base with ``options.dense``).
 
     Writes ``model.onnx`` (``dense.onnx``), with ``options.trt`` also ``build_engine.sh`` and,
     where TensorRT and a CUDA GPU are present, ``model.engine`` (``dense.engine``), and
@@ -92,15 +84,14 @@ def export_artifact(
         if not options.dense:
             raise BadUsage("dense_model is exported only with ExportOptions(dense=True); it would be ignored")
     precision = PRECISIONS[options.precision]
-    artifact = Path(artifact)
-    config = read_config(artifact)
-    made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
+    artifact = Artifact.of(artifact)
+    made_from = artifact.checksums  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
-    check_output_dir(out_dir, "export", made_from=artifact)  # before any work
+    check_output_dir(out_dir, "export", made_from=artifact.path)  # before any work
     _check_named_precision(out_dir, options.precision)
     _check_timing_cache_outside_outputs(options.timing_cache, out_dir)
     models = _models(artifact, options, dense_model, log)
-    input_size = tuple(config["input"]["input_size"])
+    input_size = artifact.input_size
     check_fits(
         "the export",
         sum(export_bytes(model, input_size) for model in models.values()),
@@ -109,11 +100,14 @@ def export_artifact(
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
-    images = parity_images(models["model"], n_images, held_out=precision.calibrates)
+    images = _parity_images(artifact.transform[0], n_images, held_out=precision.calibrates)
     with (
         tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
         staged_output(
-            out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values()), made_from=artifact
+            out_dir,
+            "export",
+            needs=sum(graph_bytes(model, precision) for model in models.values()),
+            made_from=artifact.path,
         ) as tmp,
         ExitStack() as runners,
     ):
@@ -128,7 +122,7 @@ def export_artifact(
             trt_missing=trt_missing,
             engine_batches=engine_batches,
             runners=runners,
-            calibration=int8_calibration_images(models["model"], config, options.int8, Path(scratch))
+            calibration=int8_calibration_images(artifact, options.int8, Path(scratch))
             if precision.calibrates
             else None,
             log=log,
@@ -141,23 +135,23 @@ def export_artifact(
             if run.builds_engines:
                 for name, model in models.items():
                     _build_and_check_engine(run, name, entries[name], model)
-        if recorded_checksums(artifact) != made_from:
+        if recorded_checksums(artifact.path) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
-        manifest = _manifest(artifact, config, made_from, graph, entries, options, run.tolerance, trt_missing)
+        manifest = _manifest(artifact, made_from, graph, entries, options, run.tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, entries, run.incomplete)
 
 
 def _models(
-    artifact: Path, options: ExportOptions, dense_model: nn.Module | None, log: Callable[[str], None]
+    artifact: Artifact, options: ExportOptions, dense_model: nn.Module | None, log: Callable[[str], None]
 ) -> dict[str, nn.Module]:
     """The models to export, by name: the compressed ``model`` and, with ``options.dense``, the
     ``dense`` one (``dense_model``, else rebuilt from the artifact's record; checked to be the base
     of ``model``); with int8 options, checked to leave each an int8 layer."""
-    models = {"model": load_compressed(artifact)}
+    models = {"model": artifact.model}
     if options.dense:
         log("rebuilding the dense base model ...")
-        models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
+        models["dense"] = dense_model if dense_model is not None else artifact.dense()
         check_teacher(models["model"], models["dense"])  # dense.onnx must be the base of model.onnx
     if options.int8 is not None:
         _check_keep_float_leaves_int8(models, options.int8)
@@ -261,7 +255,11 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
     """``count`` calibration-like images ``(count, C, H, W)`` float32: seeded random crops of the
     photos bundled with scikit-image, preprocessed exactly as ``model`` expects; with ``held_out``
     only of the photos that built-in calibration never uses."""
-    transform, _ = model_transform(model)
+    return _parity_images(model_transform(model)[0], count, held_out=held_out)
+
+
+def _parity_images(transform: Callable, count: int, *, held_out: bool) -> np.ndarray:
+    """:func:`parity_images` preprocessed by ``transform`` (the model's)."""
     photos = {"photos": HELD_OUT_PHOTOS} if held_out else {}
     images = CalibrationImages.from_builtin(transform, count=count, batch_size=count, seed=0, **photos)
     return next(iter(images)).numpy()
@@ -330,22 +328,23 @@ def graph_bytes(model: nn.Module, precision: Precision) -> int:
     return linear + (sum(t.numel() for t in model.state_dict().values()) - linear) * FLOAT32
 
 
-def int8_calibration_images(
-    model: nn.Module, config: dict, int8: Int8Options, folder: Path
-) -> tuple[SpooledBatches, dict]:
+def int8_calibration_images(artifact: Artifact, int8: Int8Options, folder: Path) -> tuple[SpooledBatches, dict]:
     """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
-    step (one batch in memory at a time), and their summary: ``int8.calib`` or the artifact's own
-    calibration source (a directory, or the built-in photos with the same seed)."""
-    spec = CalibrationSpec.recorded(config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH)
-    transform, data_config = model_transform(model)
-    count = spec.most_images()
+    step (one batch in memory at a time), preprocessed as the artifact's model, and their summary:
+    ``int8.calib`` or the artifact's own calibration source (a directory, or the built-in photos with
+    the same seed)."""
+    spec = CalibrationSpec.recorded(
+        artifact.config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH
+    )
+    transform, data_config = artifact.transform
+    images = spec.images(transform)  # the files listed once, decoded below
+    count = images.most
     check_disk(
         f"decoding {count} int8 calibration images",
         count * FLOAT32 * math.prod(data_config["input_size"]),
         folder,
         "use fewer --calib-samples, or point TMPDIR at a larger disk",
     )
-    images = spec.images(transform)
     return SpooledBatches(images, folder), images.summary()
 
 
@@ -449,8 +448,7 @@ def _build_and_check_engine(run: _Run, name: str, entry: ModelExport, model: nn.
 
 
 def _manifest(
-    artifact: Path,
-    config: dict,
+    artifact: Artifact,
     made_from: dict[str, str],
     graph: dict,
     models: dict[str, ModelExport],
@@ -462,9 +460,9 @@ def _manifest(
         **MANIFEST_FORMAT.header(),
         "created": timestamp(),
         "artifact": {
-            "path": str(artifact.resolve()),
-            "base_model": config["base_model"]["name"],
-            "method": config["settings"].get("method"),
+            "path": str(artifact.path.resolve()),
+            "base_model": artifact.base_model["name"],
+            "method": artifact.config["settings"].get("method"),
             **made_from,
         },
         "precision": options.precision,
@@ -473,7 +471,7 @@ def _manifest(
         "inputs": graph["inputs"],
         "outputs": graph["outputs"],
         "dynamic_axes": graph["dynamic_axes"],
-        "data_config": config["input"]["data_config"],
+        "data_config": artifact.config["input"]["data_config"],
         "parity_inputs": {
             "images": "seeded random crops of scikit-image's bundled photos, preprocessed with the model's data config",
             "batches": list(PARITY_BATCHES),

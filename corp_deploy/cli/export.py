@@ -185,7 +185,7 @@ def export(
     from exporters.options import ExportOptions
     from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
 
-    from ..artifact import latest_artifact
+    from ..artifact import Artifact, latest_artifact
     from ..calibration import summary_warnings
     from ..outputs import resolve
 
@@ -212,7 +212,10 @@ def export(
     )
     if given_on_command_line("batch") and not trt:  # the profile of the engines; nothing else reads it
         raise BadUsage("--batch is the TensorRT engines' batch profile; it applies only with --trt")
-    calib = _int8_calibration_folder(artifact, options)
+    calib = {}
+    if options.int8 is not None:  # the images int8 ranges are read from: given, or the artifact's own
+        artifact = Artifact.read(artifact)  # read once: export_artifact is given it
+        calib = _int8_calibration_folder(artifact, options.int8)
     check_apart([resolve(output or default_export_dir(artifact, precision))], calib)
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     int8 = result.manifest["models"]["model"].get("int8")
@@ -235,17 +238,13 @@ def _check_int8_options_apply(takes_int8: bool) -> None:
         raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --precision int8")
 
 
-def _int8_calibration_folder(artifact, options) -> dict:
-    """The folder the int8 ranges are read from (given, or the artifact's own calibration source),
-    by the name a message gives it, which the export must not lie in; none for another precision."""
-    from ..artifact import read_config
+def _int8_calibration_folder(artifact, int8: Int8Options) -> dict:
+    """The folder the int8 ranges are read from (``int8.calib``, or the artifact's own calibration
+    source), by the name a message gives it: the export must not lie in it."""
     from ..calibration import CalibrationSpec
 
-    if options.int8 is None:
-        return {}
-    recorded = options.int8.calib is None
-    source = CalibrationSpec.recorded(read_config(artifact), source=options.int8.calib).source
-    return {"the artifact's calibration folder" if recorded else "--calib": source}
+    source = CalibrationSpec.recorded(artifact.config, source=int8.calib).source
+    return {"--calib" if int8.calib is not None else "the artifact's calibration folder": source}
 
 
 def _say_how_to_finish(result, trt: bool, chosen_artifact) -> None:
