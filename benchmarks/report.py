@@ -192,7 +192,7 @@ def int8_markdown(int8: Int8Result | None) -> list[str]:
 
 def plot(report: BenchReport, path: str | Path) -> None:
     """Throughput of both models and measured vs MAC-ideal speedup, per backend and batch size."""
-    import matplotlib
+    import matplotlib  # loaded when a picture is drawn: heavy, and its backend chosen first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -496,7 +496,7 @@ def to_markdown(result: SweepResult) -> str:
 
 def plot(result: SweepResult, path: str | Path) -> None:
     """Per method: fidelity vs sparsity (or budget), fidelity vs MACs, measured speedup vs sparsity."""
-    import matplotlib
+    import matplotlib  # loaded when a picture is drawn: heavy, and its backend chosen first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
