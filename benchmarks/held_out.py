@@ -25,10 +25,10 @@ from corp_deploy.calibration import (
     HELD_OUT_PHOTOS,
     builtin_photo_paths,
     load_rgb,
-    model_transform,
     split_builtin_images,
 )
 from corp_deploy.documents import library_versions
+from corp_deploy.models import model_transform
 from exporters.metrics import tensor_cosine
 
 

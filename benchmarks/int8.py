@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from corp_deploy import CorpError
+from corp_deploy.artifact import Artifact
 from exporters.manifest import MANIFEST, model_files, read_manifest
 from exporters.metrics import as_rows, cosine, top1_matches
 from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
@@ -40,7 +41,7 @@ class Int8Graphs:
     skipped: str | None = None
 
 
-def int8_graphs(artifact: Path) -> Int8Graphs:
+def int8_graphs(artifact: Path | Artifact) -> Int8Graphs:
     """The int8 and fp32 graphs of the artifact's exports (:class:`Int8Graphs`)."""
     int8 = Path(artifact) / "export-int8"
     if not (int8 / MANIFEST).is_file():
@@ -53,7 +54,7 @@ def int8_graphs(artifact: Path) -> Int8Graphs:
                 skipped=f"no {folder.name}/ beside export-int8/ (run `corp-deploy export ARTIFACT --dense`)"
             )
         manifest = read_manifest(folder)
-        check_made_from(Path(artifact), folder, manifest)
+        check_made_from(artifact, folder, manifest)
         for model, key in _MODEL_KEYS.items():
             if key not in manifest["models"]:
                 return Int8Graphs(skipped=f"{folder.name}/ has no dense graph (export it with --dense)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from corp_deploy import CorpError, model_transform
+from corp_deploy import CorpError
 from corp_deploy.artifact import recorded_checksums
 from corp_deploy.resources import check_fits, inference_bytes
 
@@ -17,7 +17,7 @@ from .gate import GateLimits, check_comparable, check_gates, check_same_data, re
 from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
-from .targets import calibration_overlap, copied_calibration_images, load_models, resolve_target
+from .targets import calibration_overlap, copied_calibration_images, find_target, load_models
 
 
 def bench_target(
@@ -45,14 +45,14 @@ def bench_target(
     previous = read_baseline(baseline) if baseline is not None else None
     if previous is not None:
         check_gates(previous, baseline, limits)
-    artifact, export_dir = resolve_target(target)
+    artifact, export_dir = find_target(target)
     log(
         f"benchmarking {artifact}"
         + (f" with the export {export_dir}" if export_dir else " (no export found: ONNX Runtime and TensorRT need one)")
     )
-    made_from = recorded_checksums(artifact)  # before the models are read; the same after the run
+    made_from = artifact.checksums  # read before the models; the same after the run
     compressed, dense = load_models(artifact, export_dir)
-    transform, data_config = model_transform(compressed.torch)
+    transform, data_config = artifact.transform
     check_fits(
         f"timing at batch {max(settings.batches)}",
         inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
@@ -90,7 +90,7 @@ def bench_target(
         report.int8 = Int8Result(skipped=int8.skipped)
     elif int8.graphs:
         report.int8 = run_int8_bench(int8.graphs, dense.torch, evaluation, settings, log)
-    if recorded_checksums(artifact) != made_from:
+    if recorded_checksums(artifact.path) != made_from:
         raise CorpError(
             f"{artifact} was replaced while it was benchmarked: the numbers are of a model that is no longer "
             "there, so no report was written; run bench again"

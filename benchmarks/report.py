@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING
 
 from corp_deploy import CorpError
 from corp_deploy.errors import BadUsage
-from corp_deploy.files import json_text
+from corp_deploy.files import atomic_files, json_text
+from corp_deploy.outputs import (
+    check_creatable,
+    check_output_dir,
+    enclosing_output,
+    mark_complete,
+    note_planned,
+    resolve,
+    staged_output,
+)
 
 from .results import BENCH_FORMAT, BenchReport, Int8Result
 
@@ -183,7 +192,7 @@ def int8_markdown(int8: Int8Result | None) -> list[str]:
 
 def plot(report: BenchReport, path: str | Path) -> None:
     """Throughput of both models and measured vs MAC-ideal speedup, per backend and batch size."""
-    import matplotlib
+    import matplotlib  # loaded when a picture is drawn: heavy, and its backend chosen first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -278,8 +287,6 @@ def check_report_file(path: str | Path, rendering: str) -> Path:
     ``markdown``, ``plot``): its folder can be written, the plot is a ``.png``, and an existing
     file there is one that bench wrote (a bench JSON report, a bench Markdown report, a plot
     bench marked); bench never overwrites anything else."""
-    from corp_deploy.outputs import check_creatable, enclosing_output, note_planned, resolve
-
     given = Path(path)
     if given.exists() and not (given.is_file() or given.is_dir()):  # /dev/stdout, a FIFO, a device
         raise BadUsage(f"{given} is not a file path (a device, pipe or socket): bench writes its reports to files")
@@ -312,8 +319,6 @@ def check_report_outputs(
     ``({rendering: path}, folder or None)``. CorpError when a file lies inside the folder, two
     renderings name one file, or a report would replace the ``baseline`` the run is gated against
     (a failing run would become the next run's baseline)."""
-    from corp_deploy.outputs import check_output_dir
-
     checked = {rendering: check_report_file(path, rendering) for rendering, path in files.items() if path is not None}
     out_dir = check_output_dir(folder, "bench") if folder is not None else None
     inside = [path for path in checked.values() if out_dir is not None and out_dir in path.parents]
@@ -395,9 +400,6 @@ def _unedited_json(text: str) -> bool:
 def write_outputs(report: BenchReport, files: dict[str, Path], folder: Path | None = None) -> list[Path]:
     """Write the renderings in ``files`` (``{rendering: path}``) and, with ``folder``, the others
     into that folder as one output (:func:`corp_deploy.outputs.staged_output`); each file atomically."""
-    from corp_deploy.files import atomic_files
-    from corp_deploy.outputs import mark_complete, staged_output
-
     writers = {
         "json": lambda p: p.write_text(_signed_json(report)),
         "markdown": lambda p: p.write_text(_signed_markdown(to_markdown(report))),

@@ -225,12 +225,8 @@ def run_sweep(
     first = distributed.rank() == 0
     transform, _ = model_transform(dense)
     calibration = HeldImages(spec.calibration.images(transform))  # read once for every point
-    if first:
-        evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
-        decoded = list(evaluation)  # decode once, reuse for every run
-        evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
-    held_out = not (spec.data and spec.calib and folders_overlap(spec.data, spec.calib))
-    rows, dense_onnx = [], None
+    measure = _Measure(dense, spec, transform, log, warn) if first else None
+    rows = []
     with staged_output(out_dir, "sweep") if first else contextlib.nullcontext() as tmp:
         for method in spec.labels:
             for point in spec.points:
@@ -245,53 +241,9 @@ def run_sweep(
                     base_model=base_model,
                     images=calibration,
                 )
-                if not first:
-                    distributed.barrier()  # the first rank's export and timing of this point
-                    continue
-                model, report = compressed.model, compressed.report
-                log(f"{name}: exporting ...")
-                with_dense = dense_onnx is None  # the dense graph once, for every point's bench
-                export = export_artifact(
-                    compressed.path,
-                    None,
-                    ExportOptions(dense=with_dense),
-                    dense_model=dense if with_dense else None,
-                    log=log,
-                )
-                dense_onnx = dense_onnx or export.out_dir / "dense.onnx"
-                with _timing_threads(spec.bench) as settings:
-                    bench = run_bench(
-                        ModelFiles(model, export.out_dir / "model.onnx"),
-                        ModelFiles(dense, dense_onnx),
-                        evaluation,
-                        settings,
-                        held_out=held_out,
-                        log=log,
-                    )
-                _paths_relative_to(bench.models, tmp)
-                for backend, reason in bench.skipped_backends().items():
-                    warn(f"{name}: skipped {backend}: {reason}")
-                if not bench.latency:
-                    warn(f"{name}: nothing was timed: every backend asked for was skipped")
-                for message in lost_kernel_warnings(bench.attention, model, dense):
-                    warn(f"{name}: {message}")
-                rows.append(
-                    SweepRow(
-                        method=method,
-                        sparsity=point if spec.sparsities else None,
-                        budget=point if spec.budgets else None,
-                        artifact=name,
-                        target=config.target,
-                        params=PerModel(**report["params"]),
-                        macs=PerModel(**report["macs"]),
-                        ideal_speedup=bench.ideal_speedup,
-                        latency=bench.latency,
-                        fidelity=bench.fidelity,
-                        bench=bench,
-                    )
-                )
-                log(f"{name}: " + fidelity_summary(bench))
-                distributed.barrier()
+                if first:
+                    rows.append(measure.row(tmp, name, method, point, config, compressed))
+                distributed.barrier()  # on the other ranks: the first rank's export and timing of this point
         if not first:
             return None
         result = SweepResult(
@@ -301,13 +253,81 @@ def run_sweep(
             machine=rows[0].bench.machine,
             versions=rows[0].bench.versions,
             classifier=dense.num_classes > 0,
-            distributed=report.get("distributed"),
+            distributed=compressed.report.get("distributed"),
             rows=rows,
         )
         write_json(tmp / SWEEP_FILE, result.to_dict())
         (tmp / "sweep.md").write_text(to_markdown(result))
         plot(result, tmp / "sweep.png")
     return result
+
+
+class _Measure:
+    """What the first rank does with each point's artifact: export it (the dense graph with the
+    first, for every point's bench), bench it against the dense model on the evaluation images
+    (decoded once, before any work), say what the user should know, and make its row."""
+
+    def __init__(
+        self,
+        dense: nn.Module,
+        spec: SweepSpec,
+        transform: Callable,
+        log: Callable[[str], None],
+        warn: Callable[[str], None],
+    ) -> None:
+        self._dense, self._spec, self._log, self._warn = dense, spec, log, warn
+        evaluation = eval_images(spec.data, transform, limit=spec.data_samples, seed=spec.seed)
+        decoded = list(evaluation)  # decode once, reuse for every run
+        self._evaluation = EvalImages(lambda: iter(decoded), evaluation.description, evaluation.labelled)
+        self._held_out = not (spec.data and spec.calib and folders_overlap(spec.data, spec.calib))
+        self._dense_onnx: Path | None = None
+
+    def row(self, folder: Path, name: str, method: str, point: float, config: CompressConfig, compressed) -> SweepRow:
+        """Export and bench the ``compressed`` artifact (:class:`~corp_deploy.CompressedArtifact`)
+        of ``method`` at ``point``, ``folder / name`` in the sweep's staging ``folder``: its row."""
+        dense, spec, log, warn = self._dense, self._spec, self._log, self._warn
+        model, report = compressed.model, compressed.report
+        log(f"{name}: exporting ...")
+        with_dense = self._dense_onnx is None  # the dense graph once, for every point's bench
+        export = export_artifact(
+            compressed.path,
+            None,
+            ExportOptions(dense=with_dense),
+            dense_model=dense if with_dense else None,
+            log=log,
+        )
+        self._dense_onnx = self._dense_onnx or export.out_dir / "dense.onnx"
+        with _timing_threads(spec.bench) as settings:
+            bench = run_bench(
+                ModelFiles(model, export.out_dir / "model.onnx"),
+                ModelFiles(dense, self._dense_onnx),
+                self._evaluation,
+                settings,
+                held_out=self._held_out,
+                log=log,
+            )
+        _paths_relative_to(bench.models, folder)
+        for backend, reason in bench.skipped_backends().items():
+            warn(f"{name}: skipped {backend}: {reason}")
+        if not bench.latency:
+            warn(f"{name}: nothing was timed: every backend asked for was skipped")
+        for message in lost_kernel_warnings(bench.attention, model, dense):
+            warn(f"{name}: {message}")
+        row = SweepRow(
+            method=method,
+            sparsity=point if spec.sparsities else None,
+            budget=point if spec.budgets else None,
+            artifact=name,
+            target=config.target,
+            params=PerModel(**report["params"]),
+            macs=PerModel(**report["macs"]),
+            ideal_speedup=bench.ideal_speedup,
+            latency=bench.latency,
+            fidelity=bench.fidelity,
+            bench=bench,
+        )
+        log(f"{name}: " + fidelity_summary(bench))
+        return row
 
 
 @contextlib.contextmanager
@@ -476,7 +496,7 @@ def to_markdown(result: SweepResult) -> str:
 
 def plot(result: SweepResult, path: str | Path) -> None:
     """Per method: fidelity vs sparsity (or budget), fidelity vs MACs, measured speedup vs sparsity."""
-    import matplotlib
+    import matplotlib  # loaded when a picture is drawn: heavy, and its backend chosen first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

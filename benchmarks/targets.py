@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from corp_deploy import CorpError, latest_artifact, load_base_model, load_compressed, read_config
-from corp_deploy.artifact import CONFIG_FILE, recorded_checksums
+from corp_deploy import CorpError, latest_artifact
+from corp_deploy.artifact import CONFIG_FILE, Artifact
 from corp_deploy.outputs import read_record
 from exporters.manifest import MANIFEST, model_files, read_manifest
 from exporters.precision import PRECISIONS
@@ -16,10 +16,18 @@ from .data import folders_overlap
 
 def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
     """``(artifact, export directory or None)`` for an artifact, an export directory, or None
-    (the most recent artifact). An artifact's export is the first ``export-*`` inside it by
-    :func:`_export_preference` (``export-fp32`` first); an export's artifact is the one it lies in, else the one its
-    manifest names. The export must have been made from exactly that artifact (its
-    ``config.json`` and weights have the SHA-256s the manifest recorded)."""
+    (the most recent artifact): :func:`find_target` with the artifact's folder."""
+    artifact, export = find_target(path)
+    return artifact.path, export
+
+
+def find_target(path: str | Path | None) -> tuple[Artifact, Path | None]:
+    """``(artifact, export directory or None)`` for an artifact, an export directory, or None
+    (the most recent artifact), the artifact read (:class:`~corp_deploy.artifact.Artifact`). An
+    artifact's export is the first ``export-*`` inside it by :func:`_export_preference`
+    (``export-fp32`` first); an export's artifact is the one it lies in, else the one its manifest
+    names. The export must have been made from exactly that artifact (its ``config.json`` and
+    weights have the SHA-256s the manifest recorded)."""
     if path is None:
         path = latest_artifact()
     path = Path(path)
@@ -27,17 +35,17 @@ def resolve_target(path: str | Path | None) -> tuple[Path, Path | None]:
         manifest = read_manifest(path)
         # an export inside an artifact belongs to it (also after both were moved or copied)
         inside = (path.parent / CONFIG_FILE).is_file()
-        artifact = path.parent if inside else Path(manifest["artifact"]["path"])
+        artifact = Artifact.read(path.parent if inside else Path(manifest["artifact"]["path"]))
         check_made_from(artifact, path, manifest)
         return artifact, path
-    read_config(path)
+    artifact = Artifact.read(path)
     # an export is known by its export.json or by its record (one whose export.json was removed is damaged, not absent)
     exports = [p for p in path.glob("export-*") if (p / MANIFEST).is_file() or read_record(p) is not None]
     if not exports:
-        return path, None
+        return artifact, None
     export = min(exports, key=_export_preference)
-    check_made_from(path, export, read_manifest(export))
-    return path, export
+    check_made_from(artifact, export, read_manifest(export))
+    return artifact, export
 
 
 def _export_preference(export: Path) -> tuple[int, str]:
@@ -49,12 +57,12 @@ def _export_preference(export: Path) -> tuple[int, str]:
     return (runs_on_cpu.index(named) if named in runs_on_cpu else len(runs_on_cpu), export.name)
 
 
-def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
-    """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it is
-    now, and holds the precision its name says (``export-int8`` int8, ...): bench finds the graphs
+def check_made_from(artifact: Path | Artifact, export: Path, manifest: dict) -> None:
+    """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it was
+    read, and holds the precision its name says (``export-int8`` int8, ...): bench finds the graphs
     it compares by those names."""
-    read_config(artifact)
-    if recorded_checksums(artifact) != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
+    artifact = Artifact.of(artifact)
+    if artifact.checksums != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
     named = export.name.removeprefix("export-")
     if export.name.startswith("export-") and named in PRECISIONS and manifest.get("precision") != named:
@@ -64,33 +72,34 @@ def check_made_from(artifact: Path, export: Path, manifest: dict) -> None:
         )
 
 
-def load_models(artifact: Path, export: Path | None) -> tuple[ModelFiles, ModelFiles]:
+def load_models(artifact: Path | Artifact, export: Path | None) -> tuple[ModelFiles, ModelFiles]:
     """``(compressed, dense)``: PyTorch modules plus the export's ONNX files and engines, every
     file checked against its record first."""
+    artifact = Artifact.of(artifact)
     files = {"model": {}, "dense": {}}
     if export is not None:
         manifest = read_manifest(export)
         for key in manifest["models"]:
             made = {name: manifest.get(name) for name in ("precision", "exporter", "opset")}
             files[key] = {**model_files(export, manifest, key), **made}
-    compressed = ModelFiles(load_compressed(artifact), **files["model"])
-    dense = ModelFiles(load_base_model(artifact), **files["dense"])
+    compressed = ModelFiles(artifact.model, **files["model"])
+    dense = ModelFiles(artifact.dense(), **files["dense"])
     return compressed, dense
 
 
-def copied_calibration_images(artifact: Path, eval_digests: set[str]) -> int:
+def copied_calibration_images(artifact: Artifact, eval_digests: set[str]) -> int:
     """How many of the evaluation files (by :func:`~corp_deploy.calibration.file_digest`) are
     byte-identical to a file the artifact was calibrated on, wherever the copy lies (0 for an artifact
     calibrated on the bundled photos, or made before the digests were recorded)."""
-    calibrated = read_config(artifact).get("calibration", {}).get("image_digests", [])
+    calibrated = artifact.config.get("calibration", {}).get("image_digests", [])
     return len(eval_digests & set(calibrated))
 
 
-def calibration_overlap(artifact: Path, eval_description: dict) -> bool:
+def calibration_overlap(artifact: Artifact, eval_description: dict) -> bool:
     """Whether the evaluation images may have been seen in calibration (then they are not
     held out): folders that can share files (:func:`~benchmarks.data.folders_overlap`), or
     bundled photos that calibration also used."""
-    calib = read_config(artifact).get("calibration", {})
+    calib = artifact.config.get("calibration", {})
     if eval_description["source"] == "builtin":
         return calib.get("source") == "builtin" and bool(set(calib.get("photos", [])) & set(eval_description["photos"]))
     return calib.get("source") == "directory" and folders_overlap(calib["path"], eval_description["path"])

@@ -16,6 +16,7 @@ import importlib
 #: The public API and the module each name lives in. Imported on first use, so that importing the
 #: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
 _API = {
+    "Artifact": "artifact",
     "latest_artifact": "artifact",
     "load_base_model": "artifact",
     "load_compressed": "artifact",
@@ -24,7 +25,6 @@ _API = {
     "save_artifact": "artifact",
     "CalibrationImages": "calibration",
     "CalibrationSpec": "calibration",
-    "model_transform": "calibration",
     "CompressConfig": "config",
     "count_macs": "cost",
     "count_params": "cost",
@@ -46,6 +46,7 @@ _API = {
     "ToastOptions": "methods",
     "VbpOptions": "methods",
     "create_base_model": "models",
+    "model_transform": "models",
     "PARTS": "parts",
     "Part": "parts",
     "TARGETS": "parts",

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +21,24 @@ import torch
 from torch import nn
 
 from .bundled_weights import bundled_model
+from .config import CompressConfig
+from .cost import count_params
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of, in_standard_form, standard_copy
 from .files import json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
-from .models import base_skeleton, check_finite, create_base_model, resolve_model_name, state_mismatch
+from .methods.corp.sizes import uniform_sizes
+from .models import (
+    base_skeleton,
+    check_finite,
+    create_base_model,
+    model_transform,
+    resolve_model_name,
+    state_mismatch,
+)
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
+from .plots import plot_allocation
 
 WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
 #: ``config.json``'s format (also the weights file's ``format`` metadata). 2: the artifact has a record
@@ -104,12 +118,10 @@ def check_base_model_form(base_model: Any) -> None:
         )
 
 
-def _check_input_size(config: dict, model: nn.Module, path: str | Path) -> None:
-    """CorpError unless ``config.json``'s ``input.input_size`` is the input size of ``model`` (the
-    model it describes), which export and bench feed it."""
-    from .calibration import model_transform
-
-    recorded, own = config["input"]["input_size"], list(model_transform(model)[1]["input_size"])
+def _check_input_size(config: dict, data_config: dict, path: str | Path) -> None:
+    """CorpError unless ``config.json``'s ``input.input_size`` is the input size of the model it
+    describes (``data_config``: that model's), which export and bench feed it."""
+    recorded, own = config["input"]["input_size"], list(data_config["input_size"])
     if recorded != own:
         raise CorpError(
             f"{Path(path) / CONFIG_FILE} is malformed: input.input_size {recorded} is not the input size of the "
@@ -167,20 +179,45 @@ def save_artifact(
     Records that contradict ``model`` (uniform CORP settings of other kept dims, a report of another
     parameter count) or that JSON cannot hold are refused (BadUsage) before anything is written.
     """
-    from safetensors.torch import save_file
-
-    from .calibration import model_transform
-
     for name, record in (("settings", settings), ("calibration", calibration), ("report", report)):
         if record is not None and not isinstance(record, dict):
             raise BadUsage(f"{name} must be a dict, not {type(record).__name__}")
-    out_dir = Path(out_dir)
     _, data_config = model_transform(model)
     if base_model is None:
         base_model = base_model_spec(model)
     else:
         check_base_model_form(base_model)
-        base_model = {"model_kwargs": {}, **base_model, "weights": complete_weights_record(base_model)}
+        base_model = complete_base_model(base_model)
+    return write_artifact(
+        model, out_dir, base_model, data_config, settings=settings, calibration=calibration, report=report, plots=plots
+    )
+
+
+def complete_base_model(base_model: dict[str, Any]) -> dict[str, Any]:
+    """``base_model`` (of the form :func:`check_base_model_form` admits) as ``config.json`` records
+    it: ``model_kwargs`` ({} when not given) and the weights record completed
+    (:func:`complete_weights_record`; None without one)."""
+    return {"model_kwargs": {}, **base_model, "weights": complete_weights_record(base_model)}
+
+
+def write_artifact(
+    model: nn.Module,
+    out_dir: str | Path,
+    base_model: dict[str, Any],
+    data_config: dict,
+    *,
+    settings: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+    plots: bool = True,
+) -> Path:
+    """:func:`save_artifact` of records already checked: ``base_model`` as ``config.json`` records it
+    (:func:`complete_base_model`, or :func:`base_model_spec`'s), ``data_config`` the model's
+    (:func:`~corp_deploy.models.model_transform`), ``settings``, ``calibration`` and ``report`` dicts
+    or None."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
     config = {
         **CONFIG_FORMAT.header(),
         "base_model": base_model,
@@ -204,8 +241,6 @@ def save_artifact(
         write_json(tmp / CONFIG_FILE, config)
         write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})
         if plots and config["allocation"]:
-            from .plots import plot_allocation
-
             plot_allocation(config["allocation"], tmp / ALLOCATION_PLOT, title=base_model["name"])
     return out_dir
 
@@ -273,30 +308,109 @@ def recorded_checksums(path: str | Path) -> dict[str, str] | None:
 def load_compressed(path: str | Path) -> nn.Module:
     """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
     weights file must match the artifact's record, and its weights must be finite."""
-    from safetensors.torch import load_file
-
     if not isinstance(path, (str, os.PathLike)):
         raise BadUsage(f"path must be a str or a pathlib.Path, not {type(path).__name__}")
+    return Artifact.read(path).model
 
-    config = read_config(path)
-    verify_files(path, "artifact", [WEIGHTS_FILE])
-    try:
-        model = build_skeleton(config)
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
-        raise CorpError(
-            f"{Path(path) / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
-        ) from None
-    _check_input_size(config, model, path)
-    try:
-        state = load_file(str(Path(path) / WEIGHTS_FILE))
-    except Exception as exc:
-        raise CorpError(f"cannot read weights of {path}: {exc}") from None
-    problem = state_mismatch(model.state_dict(), state, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
-    if problem is not None:
-        raise CorpError(f"the weights of {path} do not match its {CONFIG_FILE}: {problem}")
-    model.load_state_dict(state, strict=True)
-    check_finite(model, f"the weights of {path}", "no export or measurement of them could mean anything")
-    return model.eval()
+
+@dataclass(frozen=True)
+class Artifact:
+    """An artifact folder read once, what the workflow, recover, export and bench pass on instead
+    of reading and verifying its files again: ``config.json`` (``config``), checked against the
+    folder's record and its format (:func:`read_config`), and the record's checksums of it and of
+    the weights (``checksums``, :func:`recorded_checksums`: what an export records as what it was
+    made from; None without a readable record). The weights file is verified against the record
+    once, when first used (:meth:`verified_weights`); the compressed model is loaded once (:attr:`model`,
+    with its preprocessing, :attr:`transform`); the dense model is rebuilt from the complete weights
+    record ``config.json`` holds (:attr:`base_model`, :meth:`dense`). It stands for its folder where
+    a path is taken (``os.fspath``, ``str``)."""
+
+    path: Path
+    config: dict
+    checksums: dict[str, str] | None
+
+    @classmethod
+    def read(cls, path: str | Path) -> Artifact:
+        """The artifact at ``path``: its ``config.json`` read and checked (CorpError otherwise)."""
+        config = read_config(path)
+        return cls(Path(path), config, recorded_checksums(path))
+
+    @classmethod
+    def of(cls, artifact: str | Path | Artifact) -> Artifact:
+        """``artifact`` itself if it was read already, else :meth:`read`."""
+        return artifact if isinstance(artifact, Artifact) else cls.read(artifact)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def base_model(self) -> dict[str, Any]:
+        """The dense model's record: timm name, creation arguments and the complete weights record
+        (:func:`complete_base_model`'s form, as compress wrote it)."""
+        return self.config["base_model"]
+
+    @property
+    def input_size(self) -> tuple[int, ...]:
+        """``(C, H, W)``, the size of the images the model takes."""
+        return tuple(self.config["input"]["input_size"])
+
+    def verified_weights(self) -> Path:
+        """The weights file, verified against the record (CorpError naming it otherwise) the first
+        time it is asked for."""
+        return self._weights
+
+    @cached_property
+    def _weights(self) -> Path:
+        verify_files(self.path, "artifact", [WEIGHTS_FILE])
+        return self.path / WEIGHTS_FILE
+
+    @cached_property
+    def _loaded(self) -> tuple[nn.Module, tuple[Callable, dict]]:
+        """The compressed model rebuilt from ``config.json`` and the weights file (strict load,
+        finite weights), and its preprocessing."""
+        from safetensors.torch import load_file
+
+        weights = self.verified_weights()
+        try:
+            model = build_skeleton(self.config)
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
+            raise CorpError(
+                f"{self.path / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
+            ) from None
+        transform = model_transform(model)
+        _check_input_size(self.config, transform[1], self.path)
+        try:
+            state = load_file(str(weights))
+        except Exception as exc:
+            raise CorpError(f"cannot read weights of {self.path}: {exc}") from None
+        problem = state_mismatch(model.state_dict(), state, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
+        if problem is not None:
+            raise CorpError(f"the weights of {self.path} do not match its {CONFIG_FILE}: {problem}")
+        model.load_state_dict(state, strict=True)
+        check_finite(model, f"the weights of {self.path}", "no export or measurement of them could mean anything")
+        return model.eval(), transform
+
+    @property
+    def model(self) -> nn.Module:
+        """The compressed model, in eval mode (loaded once: the same module every time)."""
+        return self._loaded[0]
+
+    @property
+    def transform(self) -> tuple[Callable, dict]:
+        """The compressed model's preprocessing and its data config (:func:`~corp_deploy.models.model_transform`)."""
+        return self._loaded[1]
+
+    def dense(self) -> nn.Module:
+        """The dense model the artifact was compressed from, rebuilt from its weights record (a new
+        module at each call) and checked to have the artifact's patch embedding. CorpError when the
+        source cannot be reproduced."""
+        base = self.base_model
+        dense = _rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {self}")
+        _check_patch_embedding(self, dense)
+        return dense
 
 
 def weights_record(checkpoint: str | Path | None, pretrained: bool, seed: int, *, name: str) -> dict:
@@ -320,27 +434,22 @@ def load_base_model(path: str | Path) -> nn.Module:
     (its file must have the recorded SHA-256), or timm's pretrained weights (which need the hub or
     its local cache). CorpError when the source cannot be reproduced.
     """
-    config = read_config(path)
-    base = config["base_model"]
-    dense = _rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {path}")
-    _check_patch_embedding(path, dense)
-    return dense
+    return Artifact.read(path).dense()
 
 
-def _check_patch_embedding(path: str | Path, dense: nn.Module) -> None:
-    """CorpError unless ``dense`` has the patch embedding of the artifact at ``path`` (compression
-    never changes it): a weights record that names other weights than the artifact was compressed
-    from is caught here, before any export, measurement or recovery against that model."""
+def _check_patch_embedding(artifact: Artifact, dense: nn.Module) -> None:
+    """CorpError unless ``dense`` has the patch embedding of ``artifact`` (compression never changes
+    it): a weights record that names other weights than the artifact was compressed from is caught
+    here, before any export, measurement or recovery against that model."""
     from safetensors import safe_open
 
-    verify_files(path, "artifact", [WEIGHTS_FILE])
     own = dense.state_dict()
-    with safe_open(str(Path(path) / WEIGHTS_FILE), "pt") as weights:
+    with safe_open(str(artifact.verified_weights()), "pt") as weights:
         keys = [key for key in weights.keys() if key.startswith("patch_embed.")]
         differs = next((k for k in keys if k not in own or not torch.equal(weights.get_tensor(k), own[k])), None)
     if differs is not None:
         raise CorpError(
-            f"the dense model rebuilt from {path}'s record is not the one it was compressed from ({differs} "
+            f"the dense model rebuilt from {artifact}'s record is not the one it was compressed from ({differs} "
             "differs from the artifact's): its weights record names other weights; compress it again with the "
             "record of the weights it was compressed from"
         )
@@ -512,10 +621,6 @@ def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
     """BadUsage, before anything is written, when what :func:`save_artifact` was given to record
     cannot be written as JSON or contradicts ``model``: a report of another parameter count, or
     settings of uniform CORP whose kept dims are not the model's."""
-    from .config import CompressConfig
-    from .cost import count_params
-    from .methods.corp.sizes import uniform_sizes
-
     for name, value in (
         ("base_model", config["base_model"]),
         ("settings", config["settings"]),

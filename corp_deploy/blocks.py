@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import token_groups
+from .families import blocks_of, token_groups
 from .layers import HeadsProbe, ProjInputProbe, head_dims, multi_head_attention, relative_position_bias
 
 #: Sees one batch's MLP hidden activations ``act(fc1(.))``, ``(B, N, hidden)``.
@@ -184,3 +184,25 @@ class BoundaryCache:
         """Replace every batch ``x`` by ``step(x)``."""
         for i, x in enumerate(self.batches):
             self.batches[i] = step(x)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The tokens ``(B, N, C)`` (a Swin's feature map ``(B, H, W, C)``) that enter the first block for ``images``."""
+    captured = []
+
+    def grab(module, args):
+        captured.append(args[0])
+        raise _StopForward
+
+    handle = blocks_of(model)[0].register_forward_pre_hook(grab)
+    try:
+        model.forward_features(images)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    return captured[0]

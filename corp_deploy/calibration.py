@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from torch import nn
 
-from .errors import BadUsage, CorpError, SettingError, check_instance, check_setting_types, first_line
+from .errors import CorpError, SettingError, check_setting_types, first_line
 from .files import existing_dir
 from .outputs import RECORD_FILE
 
@@ -46,27 +45,6 @@ CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS
 DEFAULT_IMAGES = 256
 #: How many calibration images are preprocessed and run at once unless told otherwise.
 DEFAULT_BATCH = 32
-
-
-def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
-    """timm's inference preprocessing for ``model`` and the data config it came from.
-
-    The input size is the one the model was built for (``patch_embed.img_size``), which
-    differs from the pretrained config's when ``img_size`` was overridden (e.g. DINOv2 at 224).
-    """
-    from timm.data import create_transform, resolve_model_data_config
-
-    check_instance("model", model, nn.Module)
-    if getattr(model, "pretrained_cfg", None) is None:
-        raise BadUsage(
-            f"model_transform takes a timm model, whose pretrained_cfg gives its preprocessing; "
-            f"this {type(model).__name__} has none"
-        )
-    cfg = resolve_model_data_config(model)
-    patch_embed = getattr(model, "patch_embed", None)
-    if patch_embed is not None and getattr(patch_embed, "img_size", None):
-        cfg["input_size"] = (cfg["input_size"][0], *patch_embed.img_size)
-    return create_transform(**cfg, is_training=False), cfg
 
 
 def find_images(directory: str | Path) -> list[Path]:
@@ -407,6 +385,12 @@ class CalibrationImages:
             raise CorpError(refusal)
         for message in self.span.warnings():
             warnings.warn(message, stacklevel=1)
+
+    @property
+    def most(self) -> int:
+        """The most images an iteration gives: the limit, or fewer when there are fewer sources
+        (what memory and disk are checked for before they are read)."""
+        return min(self._limit, len(self._sources))
 
     def _measured(self, batch: torch.Tensor) -> Iterator[torch.Tensor]:
         """``batch``, its span measured; counted as used once the consumer is done with it."""

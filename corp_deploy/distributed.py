@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .launch import INTERRUPTS
+from .interrupts import INTERRUPTS
 
 
 def active() -> bool:
@@ -54,7 +54,7 @@ def init_from_environment(device: str, timeout: timedelta | None = None) -> None
 
 @contextlib.contextmanager
 def _signals_end_the_process():
-    """The interrupts (:data:`corp_deploy.launch.INTERRUPTS`) end the process at once (their
+    """The interrupts (:data:`corp_deploy.interrupts.INTERRUPTS`) end the process at once (their
     default action) inside the block. Joining the group waits for the other ranks in one C++ call,
     in which Python's own handlers (:mod:`corp_deploy.launch`) would run only once it returns: when
     another rank died before joining, torchrun's SIGTERM went unanswered for its 30 s grace period

@@ -38,6 +38,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from . import __version__
 from .errors import CorpError
 
 #: The libraries an artifact's weights depend on (``config.json``'s ``versions``), besides Python
@@ -53,8 +54,6 @@ def timestamp() -> str:
 def library_versions(libraries: tuple[str, ...] = ARTIFACT_LIBRARIES, optional: tuple[str, ...] = ()) -> dict:
     """``{"corp_deploy": version, <library>: version, ..., "python": version}``, the libraries in the
     order given, then the ``optional`` ones (None where one cannot be imported here)."""
-    from . import __version__
-
     return {
         "corp_deploy": __version__,
         **{name: importlib.import_module(name).__version__ for name in libraries},

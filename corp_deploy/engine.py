@@ -34,17 +34,17 @@ import torch
 from torch import nn
 
 from . import distributed
-from .blocks import BoundaryCache
-from .calibration import model_transform
+from .blocks import BoundaryCache, embed_tokens
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
 from .errors import CorpError, SettingError, check_instance, first_line
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
-from .models import check_finite, check_vit
+from .models import check_finite, check_vit, model_transform
 from .parts import PARTS, Part
 from .recovery import RecoveryConfig, RecoveryImages, recover, recovery_table
+from .resources import FLOAT32, inference_bytes
 
 
 def compress(
@@ -265,26 +265,14 @@ def _embed_all(
     return cache, n
 
 
-class _StopForward(Exception):
-    pass
-
-
-def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """The tokens ``(B, N, C)`` (a Swin's feature map ``(B, H, W, C)``) that enter the first block for ``images``."""
-    captured = []
-
-    def grab(module, args):
-        captured.append(args[0])
-        raise _StopForward
-
-    handle = blocks_of(model)[0].register_forward_pre_hook(grab)
-    try:
-        model.forward_features(images)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    return captured[0]
+def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
+    """A lower bound on the memory compressing the loaded ``model`` in place on ``images`` images in
+    batches of ``batch`` adds: the hidden states of every image at a block boundary (the calibration
+    cache) and one batch's inference."""
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
+    return images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, min(batch, images))
 
 
 def resolve_device(name: str) -> torch.device:

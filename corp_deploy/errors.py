@@ -4,6 +4,10 @@ import dataclasses
 import numbers
 import typing
 
+#: Where corp-deploy's own code lives: its warnings are shown (other libraries' are not), and a module
+#: of it that cannot be imported is a bug, not a dependency missing from the installation.
+OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
+
 
 class CorpError(Exception):
     """Bad input or an unsupported request, with a message meant for the user.

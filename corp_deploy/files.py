@@ -8,16 +8,14 @@ import hashlib
 import json
 import math
 import os
-import signal
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .errors import CorpError
-from .launch import INTERRUPTS
+from .interrupts import signals_deferred
 
 #: Temporary names carry at most this much of the final name, so that a name near the file
 #: system's limit still leaves room for the suffix.
@@ -55,29 +53,6 @@ def atomic_files(paths: Iterable[str | Path]) -> Iterator[dict[Path, Path]]:
             for tmp in temporary.values():
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Hold the interrupts (:data:`corp_deploy.launch.INTERRUPTS`) back while files are moved or
-    removed, so that an interrupt never leaves half a swap or half a cleanup: a signal that arrives
-    meanwhile is remembered and raised again when the block ends. (Python runs signal handlers in
-    the main thread whichever thread received the signal, so the handlers are swapped here rather
-    than the threads' signal masks.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = {signum: signal.getsignal(signum) for signum in INTERRUPTS}
-    for signum in previous:
-        signal.signal(signum, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if received:
-            signal.raise_signal(received[0])
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -23,34 +23,8 @@ import signal
 import sys
 import warnings
 
-#: Where corp-deploy's own code lives (its warnings are shown, other libraries' are not).
-OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
-
-
-#: The signals that end a run cleanly, each with exit status 128 + its number.
-INTERRUPTS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-    signal.SIGVTALRM,
-    signal.SIGPROF,
-    signal.SIGXCPU,
-    signal.SIGXFSZ,
-)
-
-
-class Interrupted(BaseException):
-    """One of :data:`INTERRUPTS` arrived (a BaseException, so no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
-        self.completed: tuple = ()  # the outputs the command had put in place (set by the command group)
-        self.abandoned: tuple = ()  # (output, older one kept) for those it was writing, removed (likewise)
+from .errors import OWN_MODULES
+from .interrupts import INTERRUPTS, Interrupted
 
 
 def main() -> None:
@@ -66,7 +40,7 @@ def main() -> None:
     for signum in INTERRUPTS:
         signal.signal(signum, _raise_interrupted)
     try:
-        from .cli import cli
+        from .cli import cli  # after the handlers: an interrupt while torch and timm load ends cleanly
 
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
@@ -139,7 +113,7 @@ class _Diagnostics:
 def _raise_interrupted(signum, frame) -> None:
     # Every signal raises (none is ignored: a first one swallowed where Python drops exceptions, such
     # as in a finalizer, must not make the run unkillable); the cleanups that must not be cut short
-    # hold signals back themselves (corp_deploy.files.signals_deferred).
+    # hold signals back themselves (corp_deploy.interrupts.signals_deferred).
     raise Interrupted(signum)
 
 

@@ -1,15 +1,20 @@
-"""Building the base timm Vision Transformer: names, weights and supported structure."""
+"""Building the base timm Vision Transformer: names, weights and supported structure; a model's
+preprocessing (:func:`model_transform`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
+from PIL import Image
+from timm.data import create_transform, resolve_model_data_config
 from torch import nn
 
 from .bundled_weights import bundled_model
+from .cost import forward_blank_image
 from .errors import BadUsage, CorpError, check_instance, first_line
 from .families import standard_form, structure_problem, supported_summary
 
@@ -143,12 +148,28 @@ def create_base_model(
     return model
 
 
+def model_transform(model: nn.Module) -> tuple[Callable[[Image.Image], torch.Tensor], dict]:
+    """timm's inference preprocessing for ``model`` and the data config it came from.
+
+    The input size is the one the model was built for (``patch_embed.img_size``), which
+    differs from the pretrained config's when ``img_size`` was overridden (e.g. DINOv2 at 224).
+    """
+    check_instance("model", model, nn.Module)
+    if getattr(model, "pretrained_cfg", None) is None:
+        raise BadUsage(
+            f"model_transform takes a timm model, whose pretrained_cfg gives its preprocessing; "
+            f"this {type(model).__name__} has none"
+        )
+    cfg = resolve_model_data_config(model)
+    patch_embed = getattr(model, "patch_embed", None)
+    if patch_embed is not None and getattr(patch_embed, "img_size", None):
+        cfg["input_size"] = (cfg["input_size"][0], *patch_embed.img_size)
+    return create_transform(**cfg, is_training=False), cfg
+
+
 def _check_runs(model: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
     """CorpError, in one line, when ``model`` cannot run one blank image of its input size (timm
     accepts some arguments it cannot run with, e.g. a NaN drop rate)."""
-    from .calibration import model_transform
-    from .cost import forward_blank_image
-
     _, data_config = model_transform(model)
     try:
         forward_blank_image(model, tuple(data_config["input_size"]), lambda module: None)

@@ -38,7 +38,9 @@ from pathlib import Path
 
 from .documents import DocumentFormat, timestamp
 from .errors import BadUsage, CorpError
-from .files import NAME_IN_TEMP, current_umask, sha256_file, signals_deferred, write_json
+from .files import NAME_IN_TEMP, current_umask, sha256_file, write_json
+from .interrupts import signals_deferred
+from .resources import check_disk
 
 RECORD_FILE = "corp-deploy-record.json"
 RECORD = DocumentFormat("corp-deploy-record", 1, "output", "write it again", file=RECORD_FILE)
@@ -212,8 +214,6 @@ def _check_room(dest: Path, kind: str, needs: int) -> None:
     """CorpError when the file system of ``dest`` has fewer than ``needs`` bytes free."""
     if needs <= 0:
         return
-    from .resources import check_disk
-
     replacing = dest.exists()
     check_disk(
         f"writing {KINDS[kind]} to {dest}",

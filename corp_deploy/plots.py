@@ -10,7 +10,7 @@ from .parts import UNIT_PARTS
 def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
     """PNG of a budget report (``report["budget"]``): per block and part, the fraction of dims
     kept (left) and the unit's distortion at that size (right, log scale when any unit is pruned)."""
-    import matplotlib
+    import matplotlib  # loaded when a picture is drawn: heavy, and its backend chosen first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

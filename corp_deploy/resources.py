@@ -21,6 +21,7 @@ from torch import nn
 
 from .cost import forward_blank_image
 from .errors import CorpError
+from .families import blocks_of
 
 FLOAT32 = 4
 
@@ -104,8 +105,6 @@ def training_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) ->
     from it, adds at ``batch``: the input batch, and in every block the normed residual streams that
     the query/key/value and first MLP layers read, which autograd keeps for their weights' gradients
     (two of the block's output size; pruning never narrows them)."""
-    from .families import blocks_of
-
     blocks = set(map(id, blocks_of(model)))
     kept = 0
 
@@ -115,18 +114,6 @@ def training_bytes(model: nn.Module, input_size: tuple[int, ...], batch: int) ->
 
     forward_blank_image(model, input_size, lambda module: record if id(module) in blocks else None)
     return batch * (FLOAT32 * math.prod(input_size) + kept)
-
-
-def compress_bytes(model: nn.Module, input_size: tuple[int, ...], images: int, batch: int) -> int:
-    """A lower bound on the memory compressing the loaded ``model`` in place on ``images`` images in
-    batches of ``batch`` adds: the hidden states of every image at a block boundary (the calibration
-    cache, :mod:`corp_deploy.engine`) and one batch's inference."""
-    from .engine import embed_tokens
-
-    parameter = next(model.parameters())
-    with torch.no_grad():
-        tokens = embed_tokens(model, torch.zeros(1, *input_size, device=parameter.device, dtype=parameter.dtype))
-    return images * tokens.numel() * FLOAT32 + inference_bytes(model, input_size, min(batch, images))
 
 
 def check_fits(what: str, needed: int, hint: str) -> None:

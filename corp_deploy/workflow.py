@@ -9,6 +9,7 @@ a dense model, a :class:`~corp_deploy.config.CompressConfig` and a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,22 +18,21 @@ from torch import nn
 
 from . import distributed
 from .artifact import (
-    WEIGHTS_FILE,
+    Artifact,
     base_model_spec,
     check_base_model,
     check_dense_weights,
-    complete_weights_record,
-    load_base_model,
-    read_config,
-    save_artifact,
+    complete_base_model,
+    write_artifact,
 )
-from .calibration import CalibrationImages, CalibrationSpec, model_transform, summary_warnings
+from .calibration import CalibrationImages, CalibrationSpec, summary_warnings
 from .config import CompressConfig
-from .engine import compress
+from .engine import compress, compress_bytes
 from .errors import BadUsage, CorpError, SettingError, check_instance
-from .outputs import check_apart, check_output_dir, verify_files
+from .models import model_transform
+from .outputs import check_apart, check_output_dir
 from .recovery import SETTING_PREFIX, RecoveryConfig
-from .resources import check_fits, compress_bytes, training_bytes
+from .resources import check_fits, training_bytes
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,14 @@ class CompressedArtifact:
 
 class HeldImages:
     """Calibration batches read once and held in memory, for work that compresses one model
-    several times (a sweep): iterating gives the same batches, ``summary()`` and
-    ``image_sources`` those of the read (:class:`~corp_deploy.calibration.CalibrationImages`)."""
+    several times (a sweep): iterating gives the same batches, ``summary()``, ``image_sources`` and
+    ``most`` those of the read (:class:`~corp_deploy.calibration.CalibrationImages`)."""
 
     def __init__(self, images: CalibrationImages) -> None:
         self._batches = list(images)
         self._summary = images.summary()
         self.image_sources = list(images.image_sources)
+        self.most = images.most
 
     def __iter__(self):
         return iter(self._batches)
@@ -116,10 +117,45 @@ def compress_to_artifact(
     if inferred:
         base_model = base_model_spec(dense)
     check_base_model(base_model, dense, inferred=inferred)
-    if base_model.get("weights") is not None:
-        base_model = {**base_model, "weights": complete_weights_record(base_model)}
+    base_model = complete_base_model(base_model)  # the weights record completed once, as config.json records it
+    if base_model["weights"] is not None:
         check_dense_weights(base_model, dense)
-    count = calibration.most_images()
+    return _compressed_artifact(
+        dense,
+        config,
+        calibration,
+        out_dir,
+        base_model,
+        transform,
+        data_config,
+        images=images,
+        progress=progress,
+        in_place=in_place,
+        plots=plots,
+    )
+
+
+def _compressed_artifact(
+    dense: nn.Module,
+    config: CompressConfig,
+    calibration: CalibrationSpec,
+    out_dir: str | Path | None,
+    base_model: dict[str, Any],
+    transform: Callable,
+    data_config: dict,
+    *,
+    images: HeldImages | None = None,
+    progress: bool = False,
+    in_place: bool = False,
+    plots: bool = True,
+) -> CompressedArtifact:
+    """:func:`compress_to_artifact` once its inputs are checked: ``base_model`` the dense model's
+    record as ``config.json`` records it (:func:`~corp_deploy.artifact.complete_base_model`), checked
+    to rebuild ``dense``; ``transform`` and ``data_config`` its preprocessing. Refuses what would not
+    fit in memory, then compresses and writes."""
+    if images is None:
+        images = calibration.images(transform)  # the files listed once, read as they are compressed
+    count = images.most
     input_size = tuple(data_config["input_size"])
     check_fits(
         f"compressing {base_model['name']} on {count} images",
@@ -133,16 +169,16 @@ def compress_to_artifact(
             training_bytes(dense, input_size, recovery.batch_size),
             "use a smaller --recover-batch-size, or --recover-checkpointing",
         )
-    if images is None:
-        images = calibration.images(transform)
     model, report = compress(dense, images, config, progress=progress, in_place=in_place)
     summary = images.summary()
     if distributed.rank() != 0:
         return CompressedArtifact(None, model, report, summary)
-    path = save_artifact(
+    _, compressed_data_config = model_transform(model)
+    path = write_artifact(
         model,
         out_dir,
-        base_model=base_model,
+        base_model,
+        compressed_data_config,
         settings={**config.to_dict(), **calibration.settings()},
         calibration=summary,
         report=report,
@@ -152,7 +188,7 @@ def compress_to_artifact(
 
 
 def recover_artifact(
-    artifact: str | Path,
+    artifact: str | Path | Artifact,
     recovery: RecoveryConfig,
     out_dir: str | Path,
     *,
@@ -160,10 +196,11 @@ def recover_artifact(
     device: str = "cpu",
     progress: bool = False,
 ) -> CompressedArtifact:
-    """``artifact`` compressed again as it was, this time with ``recovery``, written to ``out_dir``
-    as a new artifact (``artifact`` is only read).
+    """``artifact`` (its folder, or the :class:`~corp_deploy.artifact.Artifact` read already)
+    compressed again as it was, this time with ``recovery``, written to ``out_dir`` as a new
+    artifact (``artifact`` is only read).
 
-    The dense model is rebuilt from the artifact's record (and checked against it) and compressed
+    The dense model is rebuilt from the artifact's record (and checked against its weights) and compressed
     with its recorded settings on its recorded calibration images (``calibration`` instead where
     given), as ``compress --recover-steps`` would: the recovery's validation images must be held
     out from compression too, which the artifact's own weights, fitted on every calibration image,
@@ -179,9 +216,9 @@ def recover_artifact(
         )
     if calibration is not None:
         check_instance("calibration", calibration, CalibrationSpec)
-    config = read_config(artifact)
-    verify_files(artifact, "artifact", [WEIGHTS_FILE])  # not read, but a damaged artifact is not recovered
-    settings = config["settings"]
+    artifact = Artifact.of(artifact)
+    artifact.verified_weights()  # not read here, but a damaged artifact is not recovered
+    settings = artifact.config["settings"]
     missing = [name for name in ("method", *CalibrationSpec().settings()) if name not in settings]
     if missing:
         raise CorpError(
@@ -191,12 +228,19 @@ def recover_artifact(
         )
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})
-    return compress_to_artifact(
-        load_base_model(artifact),
+    dense = artifact.dense()  # rebuilt from the artifact's record, and checked against its weights
+    calibration = calibration or CalibrationSpec.recorded(artifact.config)
+    check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
+    check_apart([out_dir], {"the calibration folder": calibration.source})
+    transform, data_config = model_transform(dense)
+    return _compressed_artifact(
+        dense,
         compression,
-        calibration or CalibrationSpec.recorded(config),
+        calibration,
         out_dir,
-        base_model=config["base_model"],
+        artifact.base_model,
+        transform,
+        data_config,
         progress=progress,
         in_place=True,
     )

@@ -117,14 +117,6 @@ class Tolerance:
         """These limits with each non-None value of ``overrides`` (``atol=...``) in place of its own."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
-    @classmethod
-    def for_precision(cls, precision: str, **overrides: float | None) -> Tolerance:
-        """The default limits of ``precision`` (its :class:`~exporters.precision.Precision` record)
-        with the given non-None ``overrides``; the spelling scripts used before the records."""
-        from .precision import precision_named  # the records hold Tolerances: imported when called
-
-        return precision_named(precision).tolerance.with_limits(**overrides)
-
     def violations(self, result: Comparison) -> list[str]:
         """What ``result`` fails, in words; empty when it passes."""
         failed = []

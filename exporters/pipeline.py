@@ -13,22 +13,14 @@ import math
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from torch import nn
 
-from corp_deploy import (
-    CalibrationImages,
-    CorpError,
-    count_macs,
-    count_params,
-    load_base_model,
-    load_compressed,
-    model_transform,
-    read_config,
-)
-from corp_deploy.artifact import recorded_checksums
+from corp_deploy import CalibrationImages, CorpError, count_macs, count_params, model_transform
+from corp_deploy.artifact import Artifact, recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
 from corp_deploy.errors import BadUsage, check_instance
@@ -70,14 +62,15 @@ def default_export_dir(artifact: str | Path, precision: str) -> Path:
 
 
 def export_artifact(
-    artifact: str | Path,
+    artifact: str | Path | Artifact,
     out_dir: str | Path | None = None,
     options: ExportOptions | None = None,
     *,
     dense_model: nn.Module | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> ExportResult:
-    """Export the compressed model of ``artifact`` (and its dense base with ``options.dense``).
+    """Export the compressed model of ``artifact`` (its folder, or the
+    :class:`~corp_deploy.artifact.Artifact` read already; and its dense base with ``options.dense``).
 
     Writes ``model.onnx`` (``dense.onnx``), with ``options.trt`` also ``build_engine.sh`` and,
     where TensorRT and a CUDA GPU are present, ``model.engine`` (``dense.engine``), and
@@ -91,104 +84,150 @@ def export_artifact(
         if not options.dense:
             raise BadUsage("dense_model is exported only with ExportOptions(dense=True); it would be ignored")
     precision = PRECISIONS[options.precision]
-    artifact = Path(artifact)
-    config = read_config(artifact)
-    made_from = recorded_checksums(artifact)  # before the model is loaded (and checked against it)
+    artifact = Artifact.of(artifact)
+    made_from = artifact.checksums  # before the model is loaded (and checked against it)
     out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
-    check_output_dir(out_dir, "export", made_from=artifact)  # before any work
+    check_output_dir(out_dir, "export", made_from=artifact.path)  # before any work
     _check_named_precision(out_dir, options.precision)
     _check_timing_cache_outside_outputs(options.timing_cache, out_dir)
-    tolerance = options.tolerance or precision.tolerance
-    models = {"model": load_compressed(artifact)}
-    if options.dense:
-        log("rebuilding the dense base model ...")
-        models["dense"] = dense_model if dense_model is not None else load_base_model(artifact)
-        check_teacher(models["model"], models["dense"])  # dense.onnx must be the base of model.onnx
-    if options.int8 is not None:
-        _check_keep_float_leaves_int8(models, options.int8)
-    input_size = tuple(config["input"]["input_size"])
+    models = _models(artifact, options, dense_model, log)
+    input_size = artifact.input_size
     check_fits(
         "the export",
         sum(export_bytes(model, input_size) for model in models.values()),
         "export on a machine with more memory",
     )
-    classifier = models["model"].num_classes > 0
     trt_missing = trt_backend.unavailable_reason() if options.trt else None
     engine_batches = sorted({options.batch.min, options.batch.opt, options.batch.max})
     n_images = max(sum(PARITY_BATCHES), sum(engine_batches) if options.trt and not trt_missing else 0)
-    images = parity_images(models["model"], n_images, held_out=precision.calibrates)
-    incomplete = [f"TensorRT engines not built: {trt_missing}"] if trt_missing else []
-
-    entries, graph, onnxruntime = {}, {}, {}
+    images = _parity_images(artifact.transform[0], n_images, held_out=precision.calibrates)
     with (
         tempfile.TemporaryDirectory(prefix="corp-deploy-export-") as scratch,
         staged_output(
-            out_dir, "export", needs=sum(graph_bytes(model, precision) for model in models.values()), made_from=artifact
+            out_dir,
+            "export",
+            needs=sum(graph_bytes(model, precision) for model in models.values()),
+            made_from=artifact.path,
         ) as tmp,
         ExitStack() as runners,
     ):
-        calibration = (
-            int8_calibration_images(models["model"], config, options.int8, Path(scratch))
+        run = _Run(
+            folder=tmp,
+            options=options,
+            precision=precision,
+            tolerance=options.tolerance or precision.tolerance,
+            input_size=input_size,
+            images=images,
+            classifier=models["model"].num_classes > 0,
+            trt_missing=trt_missing,
+            engine_batches=engine_batches,
+            runners=runners,
+            calibration=int8_calibration_images(artifact, options.int8, Path(scratch))
             if precision.calibrates
-            else None
+            else None,
+            log=log,
         )
+        entries, graph = {}, {}
         for name, model in models.items():
-            log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, {options.precision}) ...")
-            graph, int8 = _export_graph(
-                model, tmp / f"{name}.onnx", input_size, options, precision, calibration, tolerance, log
-            )
-            log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
-            runner, reason = _onnxruntime_runner(tmp / f"{name}.onnx", precision)
-            checked = {}
-            if runner is None:
-                incomplete.append(f"{name}.onnx not checked: {reason}")
-            else:
-                runners.enter_context(runner)
-                with TorchRunner(model) as reference:
-                    checked = check_parity(
-                        f"{name}.onnx on ONNX Runtime vs PyTorch",
-                        reference,
-                        runner,
-                        images,
-                        PARITY_BATCHES,
-                        tolerance,
-                        classifier,
-                    )
-                if options.trt and not trt_missing:
-                    onnxruntime[name] = runner  # the engine's reference, later
-                else:
-                    runner.close()
-            parity = ParityCheck(f"{name}.onnx", OnnxRuntimeRunner.name, TorchRunner.name, checked, skipped=reason)
-            entries[name] = ModelExport(
-                onnx=graph["files"],
-                params=count_params(model),
-                macs=count_macs(model, input_size),
-                parity=[parity],
-                int8=int8,
-            )
+            entries[name], graph = _export_and_check(run, name, model)
         if options.trt:
             _write_build_script(tmp, list(models), options, input_size)
-            if not trt_missing:
+            if run.builds_engines:
                 for name, model in models.items():
-                    reference = onnxruntime.get(name) or runners.enter_context(TorchRunner(model))
-                    _build_and_check_engine(
-                        tmp,
-                        name,
-                        entries[name],
-                        reference,
-                        options,
-                        input_size,
-                        images,
-                        engine_batches,
-                        tolerance,
-                        classifier,
-                        log,
-                    )
-        if recorded_checksums(artifact) != made_from:
+                    _build_and_check_engine(run, name, entries[name], model)
+        if recorded_checksums(artifact.path) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
-        manifest = _manifest(artifact, config, made_from, graph, entries, options, tolerance, trt_missing)
+        manifest = _manifest(artifact, made_from, graph, entries, options, run.tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
-    return ExportResult(out_dir, manifest, entries, incomplete)
+    return ExportResult(out_dir, manifest, entries, run.incomplete)
+
+
+def _models(
+    artifact: Artifact, options: ExportOptions, dense_model: nn.Module | None, log: Callable[[str], None]
+) -> dict[str, nn.Module]:
+    """The models to export, by name: the compressed ``model`` and, with ``options.dense``, the
+    ``dense`` one (``dense_model``, else rebuilt from the artifact's record; checked to be the base
+    of ``model``); with int8 options, checked to leave each an int8 layer."""
+    models = {"model": artifact.model}
+    if options.dense:
+        log("rebuilding the dense base model ...")
+        models["dense"] = dense_model if dense_model is not None else artifact.dense()
+        check_teacher(models["model"], models["dense"])  # dense.onnx must be the base of model.onnx
+    if options.int8 is not None:
+        _check_keep_float_leaves_int8(models, options.int8)
+    return models
+
+
+@dataclass
+class _Run:
+    """What every model of one export shares: the staging ``folder``, the settings, the parity
+    gate's ``tolerance`` and ``images`` (``classifier``: top-1 agreement is measured), why TensorRT
+    engines are not built (None: they are, or were not asked for) and their batch sizes, the
+    runners kept open until the export ends, int8's ``calibration`` batches and their summary
+    (None for another precision), and what is left ``incomplete``."""
+
+    folder: Path
+    options: ExportOptions
+    precision: Precision
+    tolerance: Tolerance
+    input_size: tuple[int, ...]
+    images: np.ndarray
+    classifier: bool
+    trt_missing: str | None
+    engine_batches: list[int]
+    runners: ExitStack
+    calibration: tuple[SpooledBatches, dict] | None
+    log: Callable[[str], None]
+    incomplete: list[str] = field(default_factory=list)
+    #: ONNX Runtime on each model's graph, kept open as its engine's reference.
+    onnxruntime: dict[str, Runner] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trt_missing:
+            self.incomplete.append(f"TensorRT engines not built: {self.trt_missing}")
+
+    @property
+    def builds_engines(self) -> bool:
+        return self.options.trt and not self.trt_missing
+
+
+def _export_and_check(run: _Run, name: str, model: nn.Module) -> tuple[ModelExport, dict]:
+    """Export ``model`` to ``<name>.onnx`` and gate it on ONNX Runtime against PyTorch (where the
+    precision's ONNX Runtime device is here; else noted incomplete): its entry in ``export.json``
+    and its graph's description."""
+    options, path = run.options, run.folder / f"{name}.onnx"
+    run.log(f"{name}: exporting ONNX ({options.exporter} exporter, opset {options.opset}, {options.precision}) ...")
+    graph, int8 = _export_graph(run, model, path)
+    run.log(f"{name}: checking ONNX Runtime against PyTorch at batch sizes {PARITY_BATCHES} ...")
+    runner, reason = _onnxruntime_runner(path, run.precision)
+    checked = {}
+    if runner is None:
+        run.incomplete.append(f"{name}.onnx not checked: {reason}")
+    else:
+        run.runners.enter_context(runner)
+        with TorchRunner(model) as reference:
+            checked = check_parity(
+                f"{name}.onnx on ONNX Runtime vs PyTorch",
+                reference,
+                runner,
+                run.images,
+                PARITY_BATCHES,
+                run.tolerance,
+                run.classifier,
+            )
+        if run.builds_engines:
+            run.onnxruntime[name] = runner  # the engine's reference, later
+        else:
+            runner.close()
+    parity = ParityCheck(f"{name}.onnx", OnnxRuntimeRunner.name, TorchRunner.name, checked, skipped=reason)
+    entry = ModelExport(
+        onnx=graph["files"],
+        params=count_params(model),
+        macs=count_macs(model, run.input_size),
+        parity=[parity],
+        int8=int8,
+    )
+    return entry, graph
 
 
 def _check_keep_float_leaves_int8(models: dict[str, nn.Module], int8: Int8Options) -> None:
@@ -216,35 +255,30 @@ def parity_images(model: nn.Module, count: int, *, held_out: bool = False) -> np
     """``count`` calibration-like images ``(count, C, H, W)`` float32: seeded random crops of the
     photos bundled with scikit-image, preprocessed exactly as ``model`` expects; with ``held_out``
     only of the photos that built-in calibration never uses."""
-    transform, _ = model_transform(model)
+    return _parity_images(model_transform(model)[0], count, held_out=held_out)
+
+
+def _parity_images(transform: Callable, count: int, *, held_out: bool) -> np.ndarray:
+    """:func:`parity_images` preprocessed by ``transform`` (the model's)."""
     photos = {"photos": HELD_OUT_PHOTOS} if held_out else {}
     images = CalibrationImages.from_builtin(transform, count=count, batch_size=count, seed=0, **photos)
     return next(iter(images)).numpy()
 
 
-def _export_graph(
-    model: nn.Module,
-    path: Path,
-    input_size,
-    options: ExportOptions,
-    precision: Precision,
-    calibration: tuple[SpooledBatches, dict] | None,
-    tolerance: Tolerance,
-    log: Callable[[str], None],
-) -> tuple[dict, dict | None]:
-    """Export ``model`` to ``path`` in ``precision``: the graph's description and, for a precision
-    that calibrates (int8), what the quantizer did (the float32 graph it starts from is written
-    elsewhere and removed). ``calibration``: for int8 only, the calibration batches and their
-    summary; ``tolerance``: the gate's, which ``--int8-keep-float auto`` also applies on the
-    calibration images."""
+def _export_graph(run: _Run, model: nn.Module, path: Path) -> tuple[dict, dict | None]:
+    """Export ``model`` to ``path`` in the run's precision: the graph's description and, for a
+    precision that calibrates (int8), what the quantizer did (the float32 graph it starts from is
+    written elsewhere and removed): quantized on the run's calibration batches, ``--int8-keep-float
+    auto`` applying the gate's tolerance on them."""
+    options, precision = run.options, run.precision
     export = dict(opset=options.opset, exporter=options.exporter, trace_batch=TRACE_BATCH)
     if not precision.calibrates:
-        return export_onnx(model, path, input_size, precision=precision.name, **export), None
-    batches, source = calibration
+        return export_onnx(model, path, run.input_size, precision=precision.name, **export), None
+    batches, source = run.calibration
     int8 = options.int8
     with tempfile.TemporaryDirectory(prefix="corp-deploy-fp32-") as scratch:
         fp32 = Path(scratch) / path.name
-        graph = export_onnx(model, fp32, input_size, precision="fp32", **export)
+        graph = export_onnx(model, fp32, run.input_size, precision="fp32", **export)
         release_freed_memory()  # the exporter's traced program and graph copies
         quantized = quantize_keeping_float(
             model,
@@ -253,8 +287,8 @@ def _export_graph(
             batches,
             int8.keep_float,
             int8.calibration,
-            tolerance,
-            log,
+            run.tolerance,
+            run.log,
             int8.smoothing,
             int8.activations,
         )
@@ -294,22 +328,23 @@ def graph_bytes(model: nn.Module, precision: Precision) -> int:
     return linear + (sum(t.numel() for t in model.state_dict().values()) - linear) * FLOAT32
 
 
-def int8_calibration_images(
-    model: nn.Module, config: dict, int8: Int8Options, folder: Path
-) -> tuple[SpooledBatches, dict]:
+def int8_calibration_images(artifact: Artifact, int8: Int8Options, folder: Path) -> tuple[SpooledBatches, dict]:
     """The batches int8 ranges are calibrated on, decoded once into ``folder`` for every graph and
-    step (one batch in memory at a time), and their summary: ``int8.calib`` or the artifact's own
-    calibration source (a directory, or the built-in photos with the same seed)."""
-    spec = CalibrationSpec.recorded(config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH)
-    transform, data_config = model_transform(model)
-    count = spec.most_images()
+    step (one batch in memory at a time), preprocessed as the artifact's model, and their summary:
+    ``int8.calib`` or the artifact's own calibration source (a directory, or the built-in photos with
+    the same seed)."""
+    spec = CalibrationSpec.recorded(
+        artifact.config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH
+    )
+    transform, data_config = artifact.transform
+    images = spec.images(transform)  # the files listed once, decoded below
+    count = images.most
     check_disk(
         f"decoding {count} int8 calibration images",
         count * FLOAT32 * math.prod(data_config["input_size"]),
         folder,
         "use fewer --calib-samples, or point TMPDIR at a larger disk",
     )
-    images = spec.images(transform)
     return SpooledBatches(images, folder), images.summary()
 
 
@@ -376,32 +411,23 @@ def _write_build_script(folder: Path, names: list[str], options: ExportOptions, 
     script.chmod(0o755)
 
 
-def _build_and_check_engine(
-    folder: Path,
-    name: str,
-    entry: ModelExport,
-    reference: Runner,
-    options: ExportOptions,
-    input_size,
-    images: np.ndarray,
-    batches,
-    tolerance: Tolerance,
-    classifier: bool,
-    log,
-) -> None:
-    """Build ``<name>.engine``, gate it against ``reference`` (ONNX Runtime on the same graph, or
-    PyTorch for bf16 where ONNX Runtime cannot run it) and record both in ``entry``."""
-    log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
+def _build_and_check_engine(run: _Run, name: str, entry: ModelExport, model: nn.Module) -> None:
+    """Build ``<name>.engine``, gate it against ONNX Runtime on the same graph (PyTorch on
+    ``model`` where ONNX Runtime cannot run it, as bf16 on a machine without its device) and
+    record both in ``entry``."""
+    options, folder = run.options, run.folder
+    reference = run.onnxruntime.get(name) or run.runners.enter_context(TorchRunner(model))
+    run.log(f"{name}: building the TensorRT engine (batch {options.batch}) ...")
     entry.engine_build = trt_backend.build_engine(
         folder / f"{name}.onnx",
         folder / f"{name}.engine",
         batch=options.batch,
-        image_shape=input_size,
+        image_shape=run.input_size,
         workspace_gb=options.workspace_gb,
         timing_cache=options.timing_cache,
     )
     entry.engine = f"{name}.engine"
-    log(f"{name}: checking TensorRT against {reference.name} at batch sizes {tuple(batches)} ...")
+    run.log(f"{name}: checking TensorRT against {reference.name} at batch sizes {tuple(run.engine_batches)} ...")
     with trt_backend.TensorRTRunner(folder / entry.engine) as engine:
         entry.parity.append(
             ParityCheck(
@@ -412,18 +438,17 @@ def _build_and_check_engine(
                     f"{name}.engine on TensorRT vs {reference.name}",
                     reference,
                     engine,
-                    images,
-                    batches,
-                    tolerance,
-                    classifier,
+                    run.images,
+                    run.engine_batches,
+                    run.tolerance,
+                    run.classifier,
                 ),
             )
         )
 
 
 def _manifest(
-    artifact: Path,
-    config: dict,
+    artifact: Artifact,
     made_from: dict[str, str],
     graph: dict,
     models: dict[str, ModelExport],
@@ -435,9 +460,9 @@ def _manifest(
         **MANIFEST_FORMAT.header(),
         "created": timestamp(),
         "artifact": {
-            "path": str(artifact.resolve()),
-            "base_model": config["base_model"]["name"],
-            "method": config["settings"].get("method"),
+            "path": str(artifact.path.resolve()),
+            "base_model": artifact.base_model["name"],
+            "method": artifact.config["settings"].get("method"),
             **made_from,
         },
         "precision": options.precision,
@@ -446,7 +471,7 @@ def _manifest(
         "inputs": graph["inputs"],
         "outputs": graph["outputs"],
         "dynamic_axes": graph["dynamic_axes"],
-        "data_config": config["input"]["data_config"],
+        "data_config": artifact.config["input"]["data_config"],
         "parity_inputs": {
             "images": "seeded random crops of scikit-image's bundled photos, preprocessed with the model's data config",
             "batches": list(PARITY_BATCHES),

@@ -88,5 +88,11 @@ def precision_named(name: str, among: tuple[str, ...] = tuple(PRECISIONS)) -> Pr
     return PRECISIONS[name]
 
 
+def precision_tolerance(name: str, **overrides: float | None) -> Tolerance:
+    """The default limits of precision ``name`` (its record's :attr:`~Precision.tolerance`) with the
+    given non-None ``overrides``; SettingError as :func:`precision_named` for an unknown name."""
+    return precision_named(name).tolerance.with_limits(**overrides)
+
+
 #: The precisions whose graph is the traced model itself (the others are made from it).
 TRACED = tuple(name for name, precision in PRECISIONS.items() if not precision.calibrates)

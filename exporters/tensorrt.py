@@ -110,7 +110,7 @@ def build_engine(
     ``workspace_gb`` caps the builder's workspace pool, and ``timing_cache`` is read when it
     exists and updated after the build.
     """
-    import tensorrt as trt
+    import tensorrt as trt  # optional (corp-deploy[trt]): loaded only to build an engine
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
     from polygraphy.logger import G_LOGGER
 
@@ -143,7 +143,7 @@ class TensorRTRunner(Runner):
     name = "tensorrt"
 
     def __init__(self, engine_path: str | Path) -> None:
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner  # with TensorRT only: loaded to run an engine
 
         self._runner = TrtRunner(EngineFromBytes(Path(engine_path).read_bytes()))
         self._runner.activate()

@@ -9,7 +9,7 @@ import torch
 from corp_deploy import CorpError
 from exporters import PRECISIONS, ExportOptions, Int8Options, Precision, Tolerance
 from exporters import tensorrt as trt_backend
-from exporters.precision import TRACED, precision_named
+from exporters.precision import TRACED, precision_named, precision_tolerance
 
 
 def test_every_precision_has_a_default_tolerance_and_a_traced_type():
@@ -39,8 +39,8 @@ def test_tolerance_overrides_and_the_old_spelling_give_the_records_limits():
     fp16 = PRECISIONS["fp16"].tolerance
     assert fp16.with_limits(atol=1e-2, min_cosine=None) == Tolerance(atol=1e-2, min_cosine=0.999, min_top1=0.85)
     for name, precision in PRECISIONS.items():
-        assert Tolerance.for_precision(name) == precision.tolerance
-        assert Tolerance.for_precision(name, min_cosine=0.5) == precision.tolerance.with_limits(min_cosine=0.5)
+        assert precision_tolerance(name) == precision.tolerance
+        assert precision_tolerance(name, min_cosine=0.5) == precision.tolerance.with_limits(min_cosine=0.5)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])

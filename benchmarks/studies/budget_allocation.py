@@ -30,6 +30,7 @@ from pathlib import Path
 
 from benchmarks.held_out import dinov2_study_setup, feature_cosine, write_dinov2_study
 from corp_deploy import CompressConfig, compress, count_macs, kept_count
+from corp_deploy.methods.corp.curves import macs_per_dim
 from corp_deploy.methods.corp.options import DISTORTIONS
 
 
@@ -61,9 +62,6 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-
-    from corp_deploy.methods.corp.curves import macs_per_dim
-
     dense, _, calib, held = dinov2_study_setup(args.calib, args.held_out)
     blocks, block = len(dense.blocks), dense.blocks[0]
     tokens = calib[0].shape[-1] // 14 * (calib[0].shape[-2] // 14) + 1

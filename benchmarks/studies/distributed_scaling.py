@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy import create_base_model
+from corp_deploy import create_base_model, model_transform
 from corp_deploy.artifact import load_compressed, read_report
-from corp_deploy.calibration import held_out_images, model_transform
+from corp_deploy.calibration import held_out_images
 from corp_deploy.documents import library_versions
 from corp_deploy.families import blocks_of
 from corp_deploy.layers import head_dims

@@ -127,7 +127,7 @@ def bench(
       corp-deploy bench ART --baseline main.json --gate speedup,fidelity --max-regression 0.1
     """
     from benchmarks.backends import parse_families
-    from benchmarks.gate import GateLimits, compared_gates, read_baseline
+    from benchmarks.gate import GateLimits
     from benchmarks.pipeline import bench_target
     from benchmarks.report import check_report_outputs, print_terminal, write_outputs
     from benchmarks.results import BenchSettings
@@ -153,9 +153,7 @@ def bench(
     )
     if given_on_command_line("torch_precision") and "torch" not in settings.backends:
         raise BadUsage("--torch-precision applies only with the torch backends (--backends torch,...)")
-    named = [option for parameter, option in _BASELINE_OPTIONS.items() if given_on_command_line(parameter)]
-    if named and baseline is None:  # even at their default values: a script that names them expects a gate
-        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --baseline")
+    _check_baseline_options_apply(baseline)
     files, folder = check_report_outputs(
         {"json": json_path, "markdown": markdown_path, "plot": plot_path}, output, baseline
     )
@@ -176,7 +174,25 @@ def bench(
         print_terminal(report, console)
     for path in written:
         click.echo(f"wrote {path}", err=True)
-    if report.gate.passed and (baseline is not None or limits.requested):  # a CI log says what held
+    _say_the_gate(report, limits, baseline)
+    if not report.gate.passed:
+        sys.exit(4)
+
+
+def _check_baseline_options_apply(baseline) -> None:
+    """BadUsage when what configures the comparison with ``--baseline`` is given without it, even at
+    its default values: a script that names them expects a gate."""
+    named = [option for parameter, option in _BASELINE_OPTIONS.items() if given_on_command_line(parameter)]
+    if named and baseline is None:
+        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --baseline")
+
+
+def _say_the_gate(report, limits, baseline) -> None:
+    """The regression gate's verdict on stderr: where it passed and was asked for, what held (a CI
+    log says so: against which baseline, which gates were compared); where it failed, every regression."""
+    from benchmarks.gate import compared_gates, read_baseline
+
+    if report.gate.passed and (baseline is not None or limits.requested):
         against = ""
         if baseline is not None:  # the gates compared: those the baseline has numbers of
             compared = compared_gates(read_baseline(baseline), limits)
@@ -189,4 +205,3 @@ def bench(
         click.secho("regression gate FAILED:", fg="red", err=True)
         for item in report.gate.regressions:
             click.echo(f"  {item}", err=True)
-        sys.exit(4)

@@ -184,17 +184,14 @@ def export(
 
     from exporters.options import ExportOptions
     from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
-    from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
 
-    from ..artifact import latest_artifact, read_config
-    from ..calibration import CalibrationSpec, summary_warnings
+    from ..artifact import Artifact, latest_artifact
+    from ..calibration import summary_warnings
     from ..outputs import resolve
 
     record, fields = PRECISIONS[precision], Int8Options.keywords()
     takes_int8 = record.options_class is Int8Options
-    named = [Int8Options.flags()[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
-    if named and not takes_int8:  # even at their default values: a script that names them expects them to matter
-        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --precision int8")
+    _check_int8_options_apply(takes_int8)
     if int8_options.get("calib") is not None:  # named as typed (the library names its field)
         int8_options["calib"] = input_dir(int8_options["calib"], "--calib")
     chosen = artifact is None
@@ -217,9 +214,8 @@ def export(
         raise BadUsage("--batch is the TensorRT engines' batch profile; it applies only with --trt")
     calib = {}
     if options.int8 is not None:  # the images int8 ranges are read from: given, or the artifact's own
-        recorded = options.int8.calib is None
-        source = CalibrationSpec.recorded(read_config(artifact), source=options.int8.calib).source
-        calib = {"the artifact's calibration folder" if recorded else "--calib": source}
+        artifact = Artifact.read(artifact)  # read once: export_artifact is given it
+        calib = _int8_calibration_folder(artifact, options.int8)
     check_apart([resolve(output or default_export_dir(artifact, precision))], calib)
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     int8 = result.manifest["models"]["model"].get("int8")
@@ -228,23 +224,50 @@ def export(
     with results_output() as console:
         console.print(result.summary_table())
     if result.incomplete:
-        for reason in result.incomplete:
-            click.secho(f"not done here: {reason}", fg="yellow", err=True)
-        command = command_to_paste(argument=artifact if chosen else None)
-        if trt and not result.manifest["tensorrt"]["built"]:
-            click.echo(
-                f"To build the engines on the target GPU machine, either run this command there (it builds "
-                f"and checks them)\n"
-                f"  {INSTALL_HINT} && {command}\n"
-                f"or, with TensorRT's trtexec there,\n"
-                f"  bash {shlex.quote(str(result.out_dir / SCRIPT_NAME))}",
-                err=True,
-            )
-        else:
-            click.echo(
-                "To finish on a machine with a CUDA GPU and ONNX Runtime's CUDA provider (the onnxruntime-gpu "
-                f"that corp-deploy installs on Linux x86-64; TensorRT is not needed), run this command there:\n"
-                f"  {command}",
-                err=True,
-            )
+        _say_how_to_finish(result, trt, artifact if chosen else None)
         sys.exit(EXIT_INCOMPLETE)
+
+
+def _check_int8_options_apply(takes_int8: bool) -> None:
+    """BadUsage when ``--int8-*``, ``--calib`` or ``--calib-samples`` are given with a precision that
+    does not take them (``takes_int8`` False), even at their default values: a script that names
+    them expects them to matter."""
+    flags, fields = Int8Options.flags(), Int8Options.keywords()
+    named = [flags[field] for keyword, field in fields.items() if given_on_command_line(keyword)]
+    if named and not takes_int8:
+        raise BadUsage(f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --precision int8")
+
+
+def _int8_calibration_folder(artifact, int8: Int8Options) -> dict:
+    """The folder the int8 ranges are read from (``int8.calib``, or the artifact's own calibration
+    source), by the name a message gives it: the export must not lie in it."""
+    from ..calibration import CalibrationSpec
+
+    source = CalibrationSpec.recorded(artifact.config, source=int8.calib).source
+    return {"--calib" if int8.calib is not None else "the artifact's calibration folder": source}
+
+
+def _say_how_to_finish(result, trt: bool, chosen_artifact) -> None:
+    """What the export left undone here (``result.incomplete``) and the command that finishes it on
+    a machine that can (``chosen_artifact``: the artifact the command chose, written into it)."""
+    from exporters.tensorrt import INSTALL_HINT, SCRIPT_NAME
+
+    for reason in result.incomplete:
+        click.secho(f"not done here: {reason}", fg="yellow", err=True)
+    command = command_to_paste(argument=chosen_artifact)
+    if trt and not result.manifest["tensorrt"]["built"]:
+        click.echo(
+            f"To build the engines on the target GPU machine, either run this command there (it builds "
+            f"and checks them)\n"
+            f"  {INSTALL_HINT} && {command}\n"
+            f"or, with TensorRT's trtexec there,\n"
+            f"  bash {shlex.quote(str(result.out_dir / SCRIPT_NAME))}",
+            err=True,
+        )
+    else:
+        click.echo(
+            "To finish on a machine with a CUDA GPU and ONNX Runtime's CUDA provider (the onnxruntime-gpu "
+            f"that corp-deploy installs on Linux x86-64; TensorRT is not needed), run this command there:\n"
+            f"  {command}",
+            err=True,
+        )

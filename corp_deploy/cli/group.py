@@ -14,8 +14,8 @@ import re
 import click
 
 from .. import __version__
-from ..errors import CorpError, SettingError, first_line
-from ..launch import OWN_MODULES, Interrupted
+from ..errors import OWN_MODULES, CorpError, SettingError, first_line
+from ..interrupts import Interrupted
 from ..outputs import noting_outputs
 
 #: The exit status of a run whose output is complete when a later step failed.

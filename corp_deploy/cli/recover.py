@@ -50,7 +50,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
       corp-deploy recover                                   # the latest artifact
       corp-deploy recover corp-deploy/deit_small-s0.5 --recover-steps 500 -o out/deit-rec
     """
-    from ..artifact import latest_artifact, read_config, record_latest
+    from ..artifact import Artifact, latest_artifact, record_latest
     from ..calibration import CalibrationSpec
     from ..engine import resolve_device
     from ..outputs import check_output_dir
@@ -62,7 +62,8 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
         click.echo(f"recovering the most recent artifact: {artifact}", err=True)
     else:
         artifact = input_dir(artifact, "ARTIFACT")
-    config = read_config(artifact)
+    artifact = Artifact.read(artifact)  # read once: recover_artifact is given it
+    config = artifact.config
     steps = config.get("settings", {}).get("recover_steps")
     if steps:
         click.echo(
@@ -73,7 +74,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     # the recovery's seed is the compression's, as compress --seed gives it to both
     seed = config.get("settings", {}).get("seed", 0)
     recovery = RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed})
-    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.name}-rec{recovery.steps}", "artifact")
+    out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.path.name}-rec{recovery.steps}", "artifact")
     calib = input_dir(calib, "--calib")
     check_apart([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
     resolve_device(device)

@@ -8,15 +8,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
 from ..blocks import BoundaryCache
 from ..families import blocks_of
-
-if TYPE_CHECKING:
-    from ..config import CompressConfig
+from ..parts import Part
 
 
 @dataclass
@@ -75,7 +73,7 @@ class MethodOptions:
         """The target these options call for when none is given (None: the method's default)."""
         return None
 
-    def check(self, config: CompressConfig) -> None:
+    def check(self, config: CompressSettings) -> None:
         """SettingError when these options contradict ``config``'s shared settings."""
 
     @classmethod
@@ -84,6 +82,52 @@ class MethodOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class CompressSettings(Protocol):
+    """What a method reads of the settings every method shares: a
+    :class:`~corp_deploy.config.CompressConfig`, which names the methods (:data:`~corp_deploy.methods.METHODS`
+    validates its method and options), so that they are told only what they read of it."""
+
+    @property
+    def s_mlp(self) -> float | None: ...
+
+    @property
+    def s_attn(self) -> float | None: ...
+
+    @property
+    def s_vo(self) -> float | None: ...
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def round_to(self) -> int: ...
+
+    @property
+    def compensation(self) -> bool: ...
+
+    @property
+    def options(self) -> MethodOptions: ...
+
+    @property
+    def has_budget(self) -> bool: ...
+
+    @property
+    def parts(self) -> tuple[str, ...]: ...
+
+    @property
+    def pruned_parts(self) -> tuple[Part, ...]: ...
+
+    @property
+    def prunes_mlp(self) -> bool: ...
+
+    @property
+    def prunes_attn(self) -> bool: ...
+
+    def sparsity_of(self, part: Part) -> float | None: ...
+
+    def sparsity_setting(self, part: Part) -> str: ...
 
 
 class Method(ABC):
@@ -115,12 +159,12 @@ class Method(ABC):
     runs_distributed: ClassVar[bool] = False
 
     @abstractmethod
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressSettings) -> list[dict]:
         """Compress every block of ``model`` in place and return one report dict per block
         (with at least ``"dims"``, the block's :class:`~corp_deploy.layers.BlockDims` as a dict).
         Called inside ``torch.no_grad()`` with ``model`` on the calibration device."""
 
-    def block_steps(self, model: nn.Module, config: CompressConfig) -> int:
+    def block_steps(self, model: nn.Module, config: CompressSettings) -> int:
         """How many times ``compress_blocks`` calls ``run.block_done`` (for the progress bar)."""
         return len(blocks_of(model))
 
@@ -128,5 +172,5 @@ class Method(ABC):
         """Rich tables of what this method added to the compress ``report`` (printed after the summary)."""
         return []
 
-    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+    def check_model(self, model: nn.Module, config: CompressSettings) -> None:
         """CorpError if ``model`` cannot be compressed this way (beyond the common structure checks)."""

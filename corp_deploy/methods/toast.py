@@ -14,7 +14,6 @@ replaceable and are removed; every head keeps the same ``d'`` of each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,10 +25,7 @@ from ..errors import CorpError, SettingError, check_setting_types
 from ..families import blocks_of, is_plain_attention, token_groups
 from ..layers import PrunedAttention, block_dims, head_dims
 from ..models import uses_class_token
-from .base import BlockRun, Method, MethodOptions, option
-
-if TYPE_CHECKING:
-    from ..config import CompressConfig
+from .base import BlockRun, CompressSettings, Method, MethodOptions, option
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class Toast(Method):
     options_class = ToastOptions
     has_compensation = False
 
-    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+    def check_model(self, model: nn.Module, config: CompressSettings) -> None:
         for groups in (token_groups(block) for block in blocks_of(model)):
             if not groups.in_place:
                 raise CorpError(
@@ -69,7 +65,7 @@ class Toast(Method):
                         f"which needs timm's plain Attention; this model has {type(block.attn).__name__}"
                     )
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressSettings) -> list[dict]:
         """FFN channels by token channel selection on the dense block's activations; query/key and
         value/proj dims by distance to each head's geometric median (weights only)."""
         class_token = uses_class_token(model)

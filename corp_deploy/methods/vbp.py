@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,10 +20,7 @@ from ..errors import SettingError, check_setting_types
 from ..families import blocks_of
 from ..layers import block_dims
 from ..parts import PARTS
-from .base import BlockRun, Method, MethodOptions, option
-
-if TYPE_CHECKING:
-    from ..config import CompressConfig
+from .base import BlockRun, CompressSettings, Method, MethodOptions, option
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ class Vbp(Method):
     per_layer_sparsity = False
     runs_distributed = True
 
-    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+    def check_model(self, model: nn.Module, config: CompressSettings) -> None:
         """SettingError, before any calibration, when the per-layer floor leaves fewer removable
         channels than the sparsity removes (the model would be labelled with a sparsity it does not
         have; a floor of 1 keeps every channel)."""
@@ -66,7 +62,7 @@ class Vbp(Method):
                 config.sparsity_setting(PARTS["mlp"]),
             )
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressSettings) -> list[dict]:
         """Hidden-channel moments of every dense MLP, one global variance ranking, mean fold."""
         moments = []
         with run.timer("block_statistics"):

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..calibration import model_transform
 from ..errors import SettingError, check_instance
 from ..families import standard_copy
+from ..models import model_transform
 from .config import SETTING_PREFIX, RecoveryConfig
 from .images import RecoveryImages, training_batches
 from .loss import check_teacher

@@ -12,20 +12,15 @@ statistics of :mod:`.qk_statistics`, value/output dims through :mod:`.value_prun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from ...families import blocks_of
-from ..base import BlockRun, Method
+from ..base import BlockRun, CompressSettings, Method
 from .budget import allocation_table, check_budget, plan_budget
 from .compress import compress_block, compress_block_sequential
 from .options import CorpOptions
 from .refit import REFIT_LAYERS, DriftRefit
 from .sizes import uniform_sizes
-
-if TYPE_CHECKING:
-    from ...config import CompressConfig
 
 
 class Corp(Method):
@@ -37,14 +32,14 @@ class Corp(Method):
     default_target = "both"
     options_class = CorpOptions
 
-    def block_steps(self, model: nn.Module, config: CompressConfig) -> int:
+    def block_steps(self, model: nn.Module, config: CompressSettings) -> int:
         return len(blocks_of(model)) * (2 if config.has_budget else 1)  # a budget first measures every block
 
-    def check_model(self, model: nn.Module, config: CompressConfig) -> None:
+    def check_model(self, model: nn.Module, config: CompressSettings) -> None:
         if config.has_budget:
             check_budget(model, config)
 
-    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressConfig) -> list[dict]:
+    def compress_blocks(self, model: nn.Module, run: BlockRun, config: CompressSettings) -> list[dict]:
         if config.has_budget:
             sizes, run.report["budget"] = plan_budget(model, run, config)
         else:

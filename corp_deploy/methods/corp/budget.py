@@ -4,24 +4,22 @@ and hand CORP the per-block sizes (docs/method.md §8)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ...blocks import embed_tokens
 from ...cost import count_macs
 from ...families import blocks_of
+from ...models import model_transform
 from ...parts import UNIT_PARTS
+from ..base import BlockRun, CompressSettings
 from .allocation import Unit, allocate, check_feasible
 from .curves import measure_curves, unit_shapes
 from .sizes import BlockSizes
 
-if TYPE_CHECKING:
-    from ...config import CompressConfig
-    from ..base import BlockRun
 
-
-def _budget(model: nn.Module, input_size: tuple[int, ...], tokens: int, config: CompressConfig):
+def _budget(model: nn.Module, input_size: tuple[int, ...], tokens: int, config: CompressSettings):
     """``(dense MACs, budget MACs, every unit's (total, MACs per dim), fixed MACs)`` of ``model`` at
     ``input_size`` (``tokens`` entering the first block) under ``config``'s budget."""
     dense_macs = count_macs(model, input_size)
@@ -30,12 +28,9 @@ def _budget(model: nn.Module, input_size: tuple[int, ...], tokens: int, config: 
     return dense_macs, math.floor(config.options.macs_fraction * dense_macs), shapes, fixed
 
 
-def check_budget(model: nn.Module, config: CompressConfig) -> None:
+def check_budget(model: nn.Module, config: CompressSettings) -> None:
     """CorpError, before any calibration, when ``config``'s MAC budget is below what ``model`` needs
     with every unit at its floor (:func:`~.allocation.check_feasible`), measured on a blank image."""
-    from ...calibration import model_transform
-    from ...engine import embed_tokens
-
     input_size = tuple(model_transform(model)[1]["input_size"])
     parameter = next(model.parameters())
     with torch.no_grad():
@@ -44,7 +39,7 @@ def check_budget(model: nn.Module, config: CompressConfig) -> None:
     check_feasible(shapes, fixed, budget_macs, config.round_to, config.options.unit_floor)
 
 
-def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tuple[list[BlockSizes], dict]:
+def plan_budget(model: nn.Module, run: BlockRun, config: CompressSettings) -> tuple[list[BlockSizes], dict]:
     """The kept sizes of every block under ``config``'s MAC budget (checked feasible before the
     calibration: :func:`check_budget`), and the budget's report (every unit's kept size, error and
     distortion). ``run.cache`` is left where it was."""
@@ -92,7 +87,7 @@ def plan_budget(model: nn.Module, run: BlockRun, config: CompressConfig) -> tupl
 
 
 def _whole_model(
-    model: nn.Module, run: BlockRun, config: CompressConfig, dense_macs: int, budget_macs: int
+    model: nn.Module, run: BlockRun, config: CompressSettings, dense_macs: int, budget_macs: int
 ) -> tuple[list[BlockSizes], dict]:
     """:func:`plan_budget`'s answer, at once, for a budget that the dense model fits (``--macs 1``,
     ``--speedup 1``): every unit keeps all its dims, with no error; no curve is measured."""

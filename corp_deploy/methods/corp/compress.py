@@ -11,8 +11,6 @@ the compressed block gives the next boundary.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -30,18 +28,15 @@ from ...blocks import (
 )
 from ...layers import block_dims
 from ...stats import MomentAccumulator
-from ..base import BlockRun
+from ..base import BlockRun, CompressSettings
 from . import qk_pruning, value_pruning
 from .qk_statistics import HeadGrams
 from .refit import DenseTargets
 from .sizes import BlockSizes
 
-if TYPE_CHECKING:
-    from ...config import CompressConfig
-
 
 def compress_block(
-    block: nn.Module, run: BlockRun, config: CompressConfig, sizes: BlockSizes, targets: DenseTargets | None = None
+    block: nn.Module, run: BlockRun, config: CompressSettings, sizes: BlockSizes, targets: DenseTargets | None = None
 ) -> dict:
     """Independent calibration: statistics of the dense block, then compress; ``run.cache``
     advances through the dense block. ``targets``: where to keep what the dense block
@@ -91,7 +86,7 @@ def compress_block(
     return info
 
 
-def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressConfig, sizes: BlockSizes) -> dict:
+def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressSettings, sizes: BlockSizes) -> dict:
     """Sequential calibration: each part is calibrated on the output of the parts compressed
     before it; ``run.cache`` advances through the compressed block."""
     info: dict = {}
@@ -133,13 +128,13 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressC
     return info
 
 
-def _mlp_moments(block: nn.Module, run: BlockRun, config: CompressConfig) -> MomentAccumulator:
+def _mlp_moments(block: nn.Module, run: BlockRun, config: CompressSettings) -> MomentAccumulator:
     return MomentAccumulator(
         block.mlp.fc1.out_features, run.cache.device, track_positive=config.options.ranker == "active"
     )
 
 
-def compress_attention(block: nn.Module, grams: HeadGrams, config: CompressConfig, kept: int) -> dict:
+def compress_attention(block: nn.Module, grams: HeadGrams, config: CompressSettings, kept: int) -> dict:
     """Rank, solve and fold the query/key dims of ``block.attn`` to ``kept`` per head (replaced
     by a :class:`~corp_deploy.layers.PrunedAttention`); returns its report."""
     sums = grams.heads()
@@ -175,7 +170,7 @@ def fold_solved_attention(block: nn.Module, kept: torch.Tensor, heads: list[qk_p
 def compress_values(
     block: nn.Module,
     proj_inputs: MomentAccumulator,
-    config: CompressConfig,
+    config: CompressSettings,
     kept: int,
     order: torch.Tensor | None = None,
 ) -> dict:
@@ -196,7 +191,7 @@ def compress_values(
 
 
 def compress_mlp(
-    block: nn.Module, moments: MomentAccumulator, config: CompressConfig, kept: int, order: torch.Tensor | None = None
+    block: nn.Module, moments: MomentAccumulator, config: CompressSettings, kept: int, order: torch.Tensor | None = None
 ) -> dict:
     """Select, solve and fold the hidden channels of ``block.mlp`` to ``kept`` (in place);
     returns its report. ``order``: the selection order, when already computed from these statistics."""

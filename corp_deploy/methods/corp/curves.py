@@ -26,7 +26,6 @@ gain of the norm that next reads the stream and takes the energy where that norm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,11 +37,9 @@ from ...families import blocks_of, token_groups
 from ...layers import GatedLinear, head_dims
 from ...parts import PARTS
 from ...stats import MomentAccumulator
+from ..base import CompressSettings
 from . import qk_pruning
 from .qk_statistics import HeadGrams, QKSums
-
-if TYPE_CHECKING:
-    from ...config import CompressConfig
 
 
 @dataclass
@@ -145,7 +142,7 @@ def qk_probe_sizes(head_dim: int) -> tuple[int, ...]:
 
 
 def measure_curves(
-    model: nn.Module, cache: BoundaryCache, config: CompressConfig, block_done=lambda: None
+    model: nn.Module, cache: BoundaryCache, config: CompressSettings, block_done=lambda: None
 ) -> list[UnitCurve]:
     """One pass of the dense ``model`` over ``cache`` (advanced to the model's output): the
     curves of every unit of the parts ``config`` prunes, in block order (``mlp``, ``qk``, ``vo``

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ... import channels
 from ...errors import SettingError, check_choice, check_setting_types
-from ..base import MethodOptions, option
+from ..base import CompressSettings, MethodOptions, option
 from .refit import REFIT_LAYERS
-
-if TYPE_CHECKING:
-    from ...config import CompressConfig
 
 RANKERS = channels.RANKERS
 CALIBRATION_MODES = ("independent", "sequential")
@@ -159,7 +155,7 @@ class CorpOptions(MethodOptions):
     def default_target(self) -> str | None:
         return "all" if self.has_budget else None
 
-    def check(self, config: CompressConfig) -> None:
+    def check(self, config: CompressSettings) -> None:
         """Resolve the refit's default (none with sequential calibration or without compensation:
         it refits compensated layers against the dense model) and refuse what contradicts ``config``."""
         if self.refit is None:

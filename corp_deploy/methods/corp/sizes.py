@@ -4,16 +4,13 @@ per block: :mod:`.budget`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ...dims import kept_count
+from ..base import CompressSettings
 from .qk_pruning import HeadSolution
-
-if TYPE_CHECKING:
-    from ...config import CompressConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +28,7 @@ class BlockSizes:
     qk_solutions: list[HeadSolution] | None = None
 
 
-def uniform_sizes(block: nn.Module, config: CompressConfig) -> BlockSizes:
+def uniform_sizes(block: nn.Module, config: CompressSettings) -> BlockSizes:
     """The kept dims of ``block`` at the config's sparsities, for the parts it prunes."""
     return BlockSizes(
         **{
