@@ -35,6 +35,7 @@ from pathlib import Path
 import click
 from PIL import ExifTags, Image, ImageFilter, ImageOps
 
+from corp_deploy.bundled_photos import HELD_OUT_PHOTOS
 from corp_deploy.documents import Document, DocumentFormat, Record, optional_entry
 from corp_deploy.errors import CorpError
 from corp_deploy.files import sha256_file, write_json
@@ -163,12 +164,10 @@ def read_manifest(path: str | Path = MANIFEST_PATH) -> Manifest:
 
 def draw_splits(files: Sequence[Source], seed: int, share: float = HELD_OUT_SHARE) -> dict[str, str]:
     """Each file's split by its id: ``unlike`` for :data:`UNLIKE_PACKAGE`; for scikit-image, the
-    bundled split (``held_out`` for :data:`~corp_deploy.calibration.HELD_OUT_PHOTOS`, ``train``
+    bundled split (``held_out`` for :data:`~corp_deploy.bundled_photos.HELD_OUT_PHOTOS`, ``train``
     otherwise); the rest drawn, ``round(share * n)`` of them ``held_out``, stratified by (kind,
     category): each stratum gets its share (largest remainders round it) drawn by a generator
     seeded from ``seed`` and the stratum, so that a file's split depends only on its stratum."""
-    from corp_deploy.calibration import HELD_OUT_PHOTOS  # here: it imports torch, which building does not need
-
     splits = {}
     strata = defaultdict(list)
     for f in files:

@@ -15,32 +15,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .bundled_photos import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS, builtin_photo_paths
 from .errors import CorpError, SettingError, check_setting_types, first_line
 from .files import existing_dir
 from .outputs import RECORD_FILE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-# Natural photos bundled inside scikit-image's package data (no download needed), split so
-# that evaluation (``corp-deploy bench``) can use photos calibration never saw.
-BUILTIN_PHOTOS = (
-    "astronaut.png",
-    "chelsea.png",
-    "coffee.png",
-    "rocket.jpg",
-    "motorcycle_left.png",
-    "motorcycle_right.png",
-    "hubble_deep_field.jpg",
-    "retina.jpg",
-    "ihc.png",
-    "camera.png",
-    "coins.png",
-    "moon.png",
-    "brick.png",
-    "grass.png",
-    "gravel.png",
-)
-HELD_OUT_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_right.png", "coins.png", "grass.png")
-CALIBRATION_PHOTOS = tuple(p for p in BUILTIN_PHOTOS if p not in HELD_OUT_PHOTOS)
 #: How many calibration images compress, sweep and an int8 export use unless told otherwise.
 DEFAULT_IMAGES = 256
 #: How many calibration images are preprocessed and run at once unless told otherwise.
@@ -124,18 +104,6 @@ def unreadable_reason(path: Path, exc: BaseException) -> str:
     else:
         why = first_line(exc, 120)
     return f"{path}: {why}"
-
-
-def builtin_photo_paths(names: Sequence[str] = BUILTIN_PHOTOS) -> list[Path]:
-    """Paths of scikit-image's bundled photos."""
-    import skimage.data
-
-    folder = Path(skimage.data.__file__).parent
-    paths = [folder / n for n in names]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise CorpError(f"scikit-image does not ship the photos {missing}; use --calib DIR")
-    return paths
 
 
 #: How much a calibration set must vary, across its images and within each, in units of the model's

@@ -19,7 +19,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from ..calibration import load_rgb
 from ..errors import CorpError
-from ..launch import INTERRUPTS
+from ..interrupts import INTERRUPTS
 from .config import RecoveryConfig
 
 #: The fewest validation views: each held-out source gives ``ceil(VALIDATION_VIEWS / sources)``
