@@ -1,9 +1,15 @@
 """What a recovery step costs on this machine: steps per second and peak memory, with and without
-activation checkpointing, on a model compressed uniformly (random weights: the cost does not
-depend on them).
+activation checkpointing and with a number of DataLoader workers making the views, on a model
+compressed uniformly (random weights: the cost does not depend on them; ``--model dinov2`` is the
+real DINOv2 ViT-S/14).
 
     python -m benchmarks.studies.recovery_cost --model deit_base_patch16_224 --steps 4 \\
         --out benchmarks/results/recovery_cost_deit_base.json
+    python -m benchmarks.studies.recovery_cost --model dinov2 --calib PHOTO_SET/train --images 195 \\
+        --workers-list 0,2 --checkpointings off --steps 20 --out benchmarks/results/recovery_cost_workers.json
+
+The images are crops of the bundled photos, or with ``--calib DIR`` up to ``--images`` files of a
+folder (then the views are made from the files, decoded once, as ``compress --calib DIR`` does).
 
 Each setting runs in its own process, so that one's freed memory is not counted in the next's
 peak. Peak memory is the process's resident peak (``VmHWM``) over the recovery alone: reset
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import platform
 import subprocess
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.real_weights import build_dinov2
 from corp_deploy import CompressConfig, compress, create_base_model, model_transform
 from corp_deploy.calibration import CalibrationImages
 from corp_deploy.files import write_json
@@ -49,8 +57,13 @@ def reset_peak(device: torch.device) -> None:
 def one_setting(args: argparse.Namespace) -> dict:
     """Compress, then time ``args.steps`` recovery steps with the setting asked; the row."""
     device = torch.device(args.device)
-    dense = create_base_model(args.model, pretrained=False, seed=0).to(device)
-    images = CalibrationImages.from_builtin(model_transform(dense)[0], count=args.images, batch_size=args.batch)
+    dense = build_dinov2() if args.model == "dinov2" else create_base_model(args.model, pretrained=False, seed=0)
+    dense = dense.to(device)
+    transform = model_transform(dense)[0]
+    if args.calib is None:
+        images = CalibrationImages.from_builtin(transform, count=args.images, batch_size=args.batch)
+    else:
+        images = CalibrationImages.from_directory(args.calib, transform, limit=args.images, batch_size=args.batch)
     student, _ = compress(dense, images, CompressConfig.from_settings(sparsity=args.s, device=args.device))
     student = student.to(device)  # compress returns its model on the CPU
     config = RecoveryConfig(
@@ -59,6 +72,7 @@ def one_setting(args: argparse.Namespace) -> dict:
         eval_every=args.steps,
         checkpointing=args.checkpointing,
         autocast_bf16=args.precision == "bf16",
+        workers=args.workers,
     )
     times = []
     reset_peak(device)
@@ -69,6 +83,7 @@ def one_setting(args: argparse.Namespace) -> dict:
     return {
         "checkpointing": args.checkpointing,
         "precision": args.precision,
+        "workers": args.workers,
         "seconds_per_step": round(seconds, 3),
         "steps_per_s": round(1 / seconds, 4),
         "peak_memory_mib": round(peak_bytes(device) / 2**20),
@@ -84,9 +99,13 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (bf16 autocast, CUDA only)")
+    parser.add_argument("--checkpointings", default="off,on", help="comma-separated: off, on")
+    parser.add_argument("--workers-list", default="2", help="comma-separated numbers of view workers")
+    parser.add_argument("--calib", type=Path, help="a folder of images (default: crops of the bundled photos)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -96,15 +115,18 @@ def main() -> None:
         parser.error("--out is required")
     common = [f"--model={args.model}", f"--s={args.s}", f"--steps={args.steps}", f"--batch={args.batch}"]
     common += [f"--images={args.images}", f"--device={args.device}", "--worker"]
+    common += [f"--calib={args.calib}"] if args.calib else []
     rows = []
-    for precision in args.precisions.split(","):
-        for checkpointing in (False, True):
-            command = [sys.executable, "-m", "benchmarks.studies.recovery_cost", *common, f"--precision={precision}"]
-            done = subprocess.run(command + ["--checkpointing"] * checkpointing, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(done.stderr)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+    for precision, checkpointing, workers in itertools.product(
+        args.precisions.split(","), args.checkpointings.split(","), args.workers_list.split(",")
+    ):
+        command = [sys.executable, "-m", "benchmarks.studies.recovery_cost", *common, f"--precision={precision}"]
+        command += [f"--workers={workers}"] + ["--checkpointing"] * (checkpointing == "on")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(done.stderr)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
     command = "python -m benchmarks.studies.recovery_cost " + " ".join(sys.argv[1:])
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     write_json(

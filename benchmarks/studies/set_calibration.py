@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.held_out import feature_cosine, unlike_images, write_dinov2_study
+from benchmarks.held_out import unlike_images, write_dinov2_study
 from benchmarks.real_weights import build_dinov2
 from benchmarks.set_images import calibration_images, evaluation_images
 from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
 from corp_deploy.calibration import CalibrationImages
+from exporters.metrics import tensor_cosine
 
 
 def uniform_macs_fraction(dense, sparsity: float, size: tuple[int, ...]) -> float:
@@ -48,23 +49,42 @@ def start_config(label: str, dense, size) -> CompressConfig:
     raise SystemExit(f"unknown start {label!r}")
 
 
-def evaluation_sets(set_root: Path, transform, views: int, unlike: int) -> dict[str, list[torch.Tensor]]:
-    """The sets every row is measured on: the set's held-out photos and unlike images, and the
-    synthetic unlike images of the earlier studies (benchmarks/held_out.py)."""
-    return {
-        "photos": list(evaluation_images(set_root, "held_out", transform, views)),
-        "unlike": list(evaluation_images(set_root, "unlike", transform, views)),
-        "synthetic": unlike_images(transform, unlike),
-    }
+class EvaluationSets:
+    """The sets every row is measured on, with the dense model's outputs on them computed once: the
+    set's held-out photos and unlike images, and the synthetic unlike images of the earlier studies
+    (benchmarks/held_out.py)."""
+
+    def __init__(self, dense, set_root: Path, transform, views: int, unlike: int) -> None:
+        self.batches = {
+            "photos": list(evaluation_images(set_root, "held_out", transform, views)),
+            "unlike": list(evaluation_images(set_root, "unlike", transform, views)),
+            "synthetic": unlike_images(transform, unlike),
+        }
+        self._dense = {name: [outputs(dense, x) for x in batches] for name, batches in self.batches.items()}
+
+    def counts(self) -> dict[str, int]:
+        return {name: sum(len(x) for x in batches) for name, batches in self.batches.items()}
+
+    @torch.no_grad()
+    def measure(self, model) -> dict:
+        """Per set, the mean cosine to the dense model of the pooled output and of all output tokens."""
+        row = {}
+        for name, batches in self.batches.items():
+            pooled, tokens = [], []
+            for x, (dense_pooled, dense_tokens) in zip(batches, self._dense[name]):
+                model_pooled, model_tokens = outputs(model, x)
+                pooled.append(tensor_cosine(dense_pooled, model_pooled))
+                tokens.append(tensor_cosine(dense_tokens, model_tokens))
+            row[f"{name}_output"] = float(torch.cat(pooled).mean())
+            row[f"{name}_tokens"] = float(torch.cat(tokens).mean())
+        return row
 
 
-def measure(dense, model, sets: dict) -> dict:
-    """Per evaluation set, the pooled-output and token cosines to the dense model."""
-    row = {}
-    for name, batches in sets.items():
-        cosines = feature_cosine(dense, model, batches)
-        row[f"{name}_output"], row[f"{name}_tokens"] = cosines["output_cosine"], cosines["token_cosine"]
-    return row
+@torch.no_grad()
+def outputs(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's pooled output and its final tokens flattened, as benchmarks.held_out.feature_cosine compares them."""
+    features = model.forward_features(x)
+    return model.forward_head(features), features.flatten(1)
 
 
 def main() -> None:
@@ -84,8 +104,8 @@ def main() -> None:
     dense = build_dinov2()
     transform, data_config = model_transform(dense)
     size = tuple(data_config["input_size"])
-    sets = evaluation_sets(args.set, transform, args.eval_views, args.unlike)
-    counts = {name: sum(len(b) for b in batches) for name, batches in sets.items()}
+    sets = EvaluationSets(dense, args.set, transform, args.eval_views, args.unlike)
+    counts = sets.counts()
     print(json.dumps({"evaluation_images": counts}), flush=True)
     rows = []
     for start in args.starts.split(","):
@@ -107,7 +127,7 @@ def main() -> None:
                     "calibration_images": report["calibration"]["images"],
                     "macs_fraction": report["macs"]["compressed"] / report["macs"]["dense"],
                     "compress_s": round(time.perf_counter() - began, 1),
-                    **measure(dense, compressed, sets),
+                    **sets.measure(compressed),
                 }
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
                 rows.append(row)

@@ -29,8 +29,8 @@ from benchmarks.held_out import write_dinov2_study
 from benchmarks.real_weights import build_dinov2
 from benchmarks.set_images import calibration_images
 from benchmarks.studies.recovery import parse_value
-from benchmarks.studies.set_calibration import evaluation_sets, measure, start_config
-from corp_deploy import compress, model_transform
+from benchmarks.studies.set_calibration import EvaluationSets, start_config
+from corp_deploy import compress, count_macs, load_compressed, model_transform, save_artifact
 from corp_deploy.recovery import RecoveryConfig, RecoveryImages, recover
 
 SETS = ("photos", "unlike", "synthetic")
@@ -50,6 +50,17 @@ def recipe_settings(recipe: str) -> dict:
 def closed_share(recovered: float, corp: float) -> float:
     """How much of what CORP alone leaves the recovery closes: ``(recovered - corp) / (1 - corp)``."""
     return (recovered - corp) / (1 - corp)
+
+
+def compressed(cache: Path | None, key: str, dense, images, config):
+    """``compress(dense, images, config)``'s model, kept as an artifact in ``cache/key`` (with a cache)
+    and read from there when it is there already: a budget's compression of the set takes minutes."""
+    if cache is not None and (cache / key / "config.json").is_file():
+        return load_compressed(cache / key)
+    model, _ = compress(dense, images, config)
+    if cache is not None:
+        save_artifact(model, cache / key, plots=False)
+    return model
 
 
 def rounded(value):
@@ -72,6 +83,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="measure the evaluation sets at every validation")
     parser.add_argument("--eval-views", type=int, default=3, help="images per evaluation file")
     parser.add_argument("--unlike", type=int, default=64, help="synthetic unlike images")
+    parser.add_argument("--cache", type=Path, help="keep the compressed models there and read them back")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     command = (
@@ -84,18 +96,19 @@ def main() -> None:
     dense = build_dinov2()
     transform, data_config = model_transform(dense)
     size = tuple(data_config["input_size"])
-    sets = evaluation_sets(args.set, transform, args.eval_views, args.unlike)
+    sets = EvaluationSets(dense, args.set, transform, args.eval_views, args.unlike)
     rows = []
     for start in args.starts.split(","):
         config = start_config(start, dense, size)
         for photos in args.photos.split(","):
             calib = calibration_images(args.set, transform, None if photos == "all" else int(photos), args.views)
             began = time.perf_counter()
-            corp, report = compress(dense, calib, config)
+            key = f"{start}-{photos}-views{args.views}"
+            corp = compressed(args.cache, key, dense, calib, config)
             base = {"start": start, "photos": photos, "views": args.views, "images": len(calib)}
-            corp_row = {**base, "recipe": None, "steps": 0, **measure(dense, corp, sets)}
+            corp_row = {**base, "recipe": None, "steps": 0, **sets.measure(corp)}
             corp_row["compress_s"] = round(time.perf_counter() - began, 1)
-            corp_row["macs_fraction"] = report["macs"]["compressed"] / report["macs"]["dense"]
+            corp_row["macs_fraction"] = count_macs(corp, size) / count_macs(dense, size)
             rows.append(corp_row)
             print(json.dumps(rounded(corp_row)), flush=True)
             fitted: dict[tuple, object] = {}  # the compression on the training sources, per split
@@ -105,11 +118,12 @@ def main() -> None:
                     images = RecoveryImages(calib, data_config, recovery)
                     split = (recovery.seed, recovery.validation)
                     if split not in fitted:
-                        fitted[split] = compress(dense, images.fit_batches(), config)[0]
+                        fit_key = f"{key}-fit-seed{recovery.seed}-validation{recovery.validation}"
+                        fitted[split] = compressed(args.cache, fit_key, dense, images.fit_batches(), config)
                     trace = []
 
                     def on_measure(step, model, trace=trace):
-                        trace.append({"step": step, **measure(dense, model, sets)})
+                        trace.append({"step": step, **sets.measure(model)})
                         print(json.dumps(rounded(trace[-1])), flush=True)
 
                     student = copy.deepcopy(fitted[split])
@@ -117,7 +131,7 @@ def main() -> None:
                     result = recover(student, dense, images, recovery, on_measure=on_measure if args.trace else None)
                     recover_s = time.perf_counter() - began
                     final = student if result["best_step"] else corp
-                    row = {**base, "recipe": recipe, "steps": steps, **measure(dense, final, sets)}
+                    row = {**base, "recipe": recipe, "steps": steps, **sets.measure(final)}
                     row["closed"] = {n: closed_share(row[f"{n}_output"], corp_row[f"{n}_output"]) for n in SETS}
                     row.update(
                         steps_run=result["steps_run"],
