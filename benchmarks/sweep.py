@@ -75,6 +75,7 @@ class SweepSpec:
     target: str | None = None
     calib: Path | None = None
     calib_samples: int = DEFAULT_IMAGES
+    calib_crops: bool = True
     data: Path | None = None
     data_samples: int = 256
     seed: int = 0
@@ -128,7 +129,7 @@ class SweepSpec:
     @property
     def calibration(self) -> CalibrationSpec:
         """The calibration images of every point."""
-        return CalibrationSpec(self.calib, self.calib_samples, seed=self.seed)
+        return CalibrationSpec(self.calib, self.calib_samples, seed=self.seed, crops=self.calib_crops)
 
     def config(self, label: str, point: float) -> CompressConfig:
         """The compression of the run ``label`` (one of :attr:`labels`) at ``point``."""

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 DEFAULT_IMAGES = 256
 #: How many calibration images are preprocessed and run at once unless told otherwise.
 DEFAULT_BATCH = 32
+#: The crops the bundled photos, and a directory of fewer files than the images asked for, are
+#: calibrated on (:func:`_random_crop_flip`).
+CROPS = "seeded random resized crops (scale 0.25-1) and horizontal flips"
 
 
 def find_images(directory: str | Path) -> list[Path]:
@@ -217,7 +221,9 @@ class CalibrationImages:
 
     Two sources:
     - ``from_directory``: up to ``limit`` readable files, a seeded random choice when the
-      directory holds more; unreadable files are skipped and counted.
+      directory holds more; unreadable files are skipped and counted. With ``crops``, a directory
+      of fewer files than ``limit`` gives each file whole and then seeded random crops and flips of
+      its files in turn (as the bundled photos are cropped) up to ``limit`` images.
     - ``from_builtin``: ``count`` seeded random crops (25-100 % of the area, aspect 3/4-4/3)
       and horizontal flips of a few bundled photos (by default the ten of
       ``CALIBRATION_PHOTOS``; ``HELD_OUT_PHOTOS`` are kept for evaluation).
@@ -238,6 +244,7 @@ class CalibrationImages:
         limit: int,
         crop_seed: int | None = None,
         purpose: str = "calibration",
+        fill: bool = False,
     ) -> None:
         if batch_size < 1:
             raise SettingError(f"{{setting}} must be >= 1, got {batch_size}", "batch_size")
@@ -248,6 +255,7 @@ class CalibrationImages:
         self._batch_size = batch_size
         self._limit = limit
         self._crop_seed = crop_seed
+        self._fill = fill  # after the sources whole, crops of them up to the limit
         self._description = description
         self.used = 0
         self.skipped: list[str] = []
@@ -265,19 +273,17 @@ class CalibrationImages:
         batch_size: int = DEFAULT_BATCH,
         seed: int = 0,
         purpose: str = "calibration",
+        crops: bool = False,
     ) -> CalibrationImages:
         paths = find_images(directory)
         if not paths:
             raise CorpError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {directory}")
         random.Random(seed).shuffle(paths)
-        return cls(
-            paths,
-            transform,
-            batch_size,
-            {"source": "directory", "path": str(Path(directory).resolve()), "files_found": len(paths)},
-            limit,
-            purpose=purpose,
-        )
+        description = {"source": "directory", "path": str(Path(directory).resolve()), "files_found": len(paths)}
+        if not crops or len(paths) >= limit:
+            return cls(paths, transform, batch_size, description, limit, purpose=purpose)
+        description["crops"] = f"each file whole, then {CROPS} of the readable files in turn up to the images asked for"
+        return cls(paths, transform, batch_size, description, limit, crop_seed=seed, purpose=purpose, fill=True)
 
     @classmethod
     def from_builtin(
@@ -298,38 +304,23 @@ class CalibrationImages:
             {
                 "source": "builtin",
                 "photos": list(photos),
-                "augmentation": "seeded random resized crops (scale 0.25-1) and horizontal flips",
+                "augmentation": CROPS,
             },
             count,
             crop_seed=seed,
         )
-
-    @classmethod
-    def from_source(
-        cls,
-        directory: str | Path | None,
-        transform: Callable,
-        *,
-        limit: int = DEFAULT_IMAGES,
-        batch_size: int = DEFAULT_BATCH,
-        seed: int = 0,
-    ) -> CalibrationImages:
-        """``from_directory`` when a directory is given, else ``from_builtin``."""
-        if directory is None:
-            return cls.from_builtin(transform, count=limit, batch_size=batch_size, seed=seed)
-        return cls.from_directory(directory, transform, limit=limit, batch_size=batch_size, seed=seed)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan(self.span.purpose)
         self._digests: list[str] = []
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
-        for path in self._sources:
+        for path, cropped in self._planned():
             if self.used + len(batch) >= self._limit:
                 break
             try:
                 im = load_rgb(path)
-                if self._crop_seed is not None:
+                if cropped:
                     im = _random_crop_flip(im, rng)
                 else:  # a directory's file: its digest, for the overlap with other image sets
                     self._digests.append(file_digest(path))
@@ -354,11 +345,21 @@ class CalibrationImages:
         for message in self.span.warnings():
             warnings.warn(message, stacklevel=1)
 
+    def _planned(self) -> Iterator[tuple[Path, bool]]:
+        """The files to read in order, each with whether a random crop of it is taken: every source
+        cropped (the bundled photos), every one whole (a directory), or every one whole and then
+        crops of those read so far in turn, without end (a directory filled with crops)."""
+        cropped = self._crop_seed is not None and not self._fill
+        yield from ((path, cropped) for path in self._sources)
+        readable = list(dict.fromkeys(self.image_sources))
+        while self._fill and readable:
+            yield from ((path, True) for path in readable)
+
     @property
     def most(self) -> int:
         """The most images an iteration gives: the limit, or fewer when there are fewer sources
-        (what memory and disk are checked for before they are read)."""
-        return min(self._limit, len(self._sources))
+        and no crops fill them up (what memory and disk are checked for before they are read)."""
+        return self._limit if self._fill else min(self._limit, len(self._sources))
 
     def _measured(self, batch: torch.Tensor) -> Iterator[torch.Tensor]:
         """``batch``, its span measured; counted as used once the consumer is done with it."""
@@ -412,13 +413,22 @@ class CalibrationSpec:
             (:data:`CALIBRATION_PHOTOS`).
         samples: how many images.
         batch_size: how many images are preprocessed and run at once.
-        seed: the seed of the choice of files and of the bundled photos' crops.
+        seed: the seed of the choice of files and of the crops.
+        crops: a directory of fewer files than ``samples`` is filled up to ``samples`` images with
+            seeded random crops and flips of its files, each file whole first (measured on the
+            photo set: 10 photos calibrate far better as 40 images than as 10; benchmarks/RESULTS.md,
+            "Calibration on the photo set"); False: the files alone.
     """
 
     source: Path | None = None
     samples: int = DEFAULT_IMAGES
     batch_size: int = DEFAULT_BATCH
     seed: int = 0
+    crops: bool = True
+
+    #: The settings of :meth:`settings` every artifact records (``calib_crops`` came later: an
+    #: artifact without it was calibrated on its folder's files alone, :meth:`recorded`).
+    ALWAYS_RECORDED: ClassVar[tuple[str, ...]] = ("calib_samples", "batch_size", "seed")
 
     def __post_init__(self) -> None:
         check_setting_types(self)
@@ -458,26 +468,32 @@ class CalibrationSpec:
                 settings.get("calib_samples", DEFAULT_IMAGES),
                 settings.get("batch_size", DEFAULT_BATCH),
                 settings.get("seed", 0),
+                settings.get("calib_crops", False),  # not recorded: calibrated on the folder's files alone
             )
         except SettingError as exc:
             raise CorpError(f"the artifact records calibration settings this corp-deploy cannot use: {exc}") from None
-        return cls(source, samples or kept.samples, batch_size or kept.batch_size, kept.seed)
-
-    def most_images(self) -> int:
-        """The most images it gives: ``samples``, or fewer when its directory holds fewer image
-        files (what memory and disk are checked for: "at most N" is how "all of them" is asked)."""
-        return self.samples if self.source is None else min(self.samples, len(find_images(self.source)))
+        return cls(source, samples or kept.samples, batch_size or kept.batch_size, kept.seed, kept.crops)
 
     def images(self, transform: Callable) -> CalibrationImages:
         """The images, preprocessed by ``transform`` (:func:`model_transform`)."""
-        return CalibrationImages.from_source(
-            self.source, transform, limit=self.samples, batch_size=self.batch_size, seed=self.seed
+        if self.source is None:
+            return CalibrationImages.from_builtin(
+                transform, count=self.samples, batch_size=self.batch_size, seed=self.seed
+            )
+        return CalibrationImages.from_directory(
+            self.source, transform, limit=self.samples, batch_size=self.batch_size, seed=self.seed, crops=self.crops
         )
 
     def settings(self) -> dict:
         """The settings an artifact records beside the compression's (``calib_samples``,
-        ``batch_size``, ``seed``); where the images came from is in the calibration summary."""
-        return {"calib_samples": self.samples, "batch_size": self.batch_size, "seed": self.seed}
+        ``batch_size``, ``seed``, ``calib_crops``); where the images came from is in the calibration
+        summary."""
+        return {
+            "calib_samples": self.samples,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "calib_crops": self.crops,
+        }
 
 
 def held_out_images(transform: Callable, count: int, batch_size: int = 32, seed: int = 0) -> CalibrationImages:

@@ -219,7 +219,7 @@ def recover_artifact(
     artifact = Artifact.of(artifact)
     artifact.verified_weights()  # not read here, but a damaged artifact is not recovered
     settings = artifact.config["settings"]
-    missing = [name for name in ("method", *CalibrationSpec().settings()) if name not in settings]
+    missing = [name for name in ("method", *CalibrationSpec.ALWAYS_RECORDED) if name not in settings]
     if missing:
         raise CorpError(
             f"{artifact} does not record the settings it was compressed with ({', '.join(missing)} missing: "

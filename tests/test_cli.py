@@ -51,6 +51,8 @@ def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
             "0.25",
             "--calib",
             str(calib_dir),
+            "--calib-samples",
+            "10",
             "--batch-size",
             "4",
             "-o",
@@ -58,9 +60,10 @@ def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
         ]
     )
     assert result.exit_code == 0, text
-    assert "skipped 1 unreadable" in text and "parameters (M)" in text
+    assert "skipped 1 unreadable" in text and "parameters (M)" in text and "fewer than" not in text
     cfg = read_config(out)
-    assert cfg["calibration"]["images_used"] == 6 and cfg["calibration"]["files_skipped"] == 1
+    assert cfg["calibration"]["images_used"] == 10 and cfg["calibration"]["files_skipped"] == 1  # 6 files, 4 crops
+    assert "crops" in cfg["calibration"] and cfg["settings"]["calib_crops"] is True
     assert cfg["settings"]["s_mlp"] == 0.5 and cfg["settings"]["s_attn"] == 0.25
     assert [b["qk_head_dim"] for b in cfg["blocks"]] == [12, 12]
     assert cfg["base_model"]["weights"]["source"] == "random"

@@ -46,7 +46,7 @@ def test_compress_to_artifact_writes_what_compress_computes(small_vit, spec, tmp
     for name, tensor in expected.state_dict().items():
         assert torch.equal(load_compressed(result.path).state_dict()[name], tensor), name
     settings = json.loads((tmp_path / "art" / "config.json").read_text())["settings"]
-    assert settings == {**config.to_dict(), "calib_samples": 8, "batch_size": 4, "seed": 3}
+    assert settings == {**config.to_dict(), "calib_samples": 8, "batch_size": 4, "seed": 3, "calib_crops": True}
     assert result.calibration == images.summary() and result.calibration["images_used"] == 8
     assert result.report["macs"] == report["macs"] and result.calibration_warnings() == []
 

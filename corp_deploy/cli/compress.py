@@ -109,6 +109,7 @@ def compress(
     target,
     calib,
     calib_samples,
+    calib_crops,
     model_args,
     checkpoint,
     no_pretrained,
@@ -172,7 +173,7 @@ def compress(
             "check; useful as a dense reference), not a compressed one"
         )
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
-    calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed)
+    calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed, calib_crops)
     check_apart([out_dir], {"--calib": calibration.source}, records_state=True)
     resolve_device(device)
     distributed.init_from_environment(device)

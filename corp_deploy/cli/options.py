@@ -190,6 +190,13 @@ model_source_options = options(
         help="Number of calibration images.",
     ),
     click.option(
+        "--calib-crops/--no-calib-crops",
+        default=True,
+        show_default=True,
+        help="Fill --calib-samples with seeded random crops and flips of the --calib images when the folder "
+        "holds fewer (each file whole first); --no-calib-crops: the files alone.",
+    ),
+    click.option(
         "--model-arg",
         "model_args",
         multiple=True,
