@@ -109,7 +109,7 @@ class TorchRunner(Runner):
     input shape of ``shapes`` (B, 3, H, W) on construction, and each call of that shape replays it:
     one launch for the whole forward instead of one per kernel. A call of another shape is refused.
     On CUDA ``infer`` copies from pinned memory when given it (:meth:`host_images`) and back into
-    pinned memory."""
+    pinned memory. A subclass readies its forward for ``shapes`` in :meth:`_prepare`."""
 
     name = "pytorch"
 
@@ -132,7 +132,14 @@ class TorchRunner(Runner):
         copied = device != "cpu" or precision != "fp32"
         self.model = (copy.deepcopy(model) if copied else model).eval().to(self.device, self.dtype)
         #: input shape -> (graph, its input, its output), the tensors the graph reads and writes
-        self.graphs = {tuple(shape): self._capture(tuple(shape)) for shape in shapes} if cuda_graphs else {}
+        self.graphs = {}
+        self._prepare(tuple(tuple(shape) for shape in shapes), cuda_graphs)
+
+    def _prepare(self, shapes: tuple[tuple[int, ...], ...], cuda_graphs: bool) -> None:
+        """Ready the forward for each input shape of ``shapes`` before any call is timed (here: with
+        ``cuda_graphs``, capture a graph of each); BackendUnavailable when it cannot be."""
+        if cuda_graphs:
+            self.graphs = {shape: self._capture(shape) for shape in shapes}
 
     @torch.no_grad()
     def _capture(self, shape: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:

@@ -14,7 +14,6 @@ import shutil
 import time
 
 import torch
-from torch import nn
 
 from .runners import BackendUnavailable, TorchRunner, first_line
 
@@ -54,24 +53,13 @@ class CompiledTorchRunner(TorchRunner):
 
     name = "torch-compile"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: str = "cpu",
-        precision: str = "fp32",
-        *,
-        cuda_graphs: bool = False,
-        shapes: tuple[tuple[int, ...], ...] = (),
-    ) -> None:
-        if cuda_graphs and device != "cuda":
-            raise BackendUnavailable("CUDA graphs run on CUDA only")
-        super().__init__(model, device, precision)
+    def _prepare(self, shapes: tuple[tuple[int, ...], ...], cuda_graphs: bool) -> None:
         missing = inductor_unavailable(self.device.type)
         if missing:
             raise BackendUnavailable(missing)
         mode = "reduce-overhead" if cuda_graphs else None
         self.compiled = torch.compile(self.model, backend="inductor", mode=mode, dynamic=False)
-        self.compile_s = {shape[0]: self._compile(tuple(shape)) for shape in shapes}
+        self.compile_s = {shape[0]: self._compile(shape) for shape in shapes}
 
     @torch.no_grad()
     def _compile(self, shape: tuple[int, ...]) -> float:
