@@ -20,7 +20,7 @@ from corp_deploy.outputs import (
     staged_output,
 )
 
-from .backends import ON_THE_CPU
+from .backends import ON_THE_CPU, TORCH_FAMILIES
 from .results import BENCH_FORMAT, BenchReport, Int8Result
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def _torch_precision(report: BenchReport, lead: str) -> str:
     """``lead`` and the precision the PyTorch backends ran in (and CUDA graphs, where they replayed
     them); empty when the run had none (a report from before the precision was recorded ran fp32)."""
     settings = report.settings
-    if settings is not None and not {"torch", "torch-compile"} & set(settings.backends):
+    if settings is not None and not set(TORCH_FAMILIES) & set(settings.backends):
         return ""
     graphs = " with CUDA graphs on CUDA" if settings is not None and settings.cuda_graphs else ""
     return lead + (settings.torch_precision if settings is not None else "fp32") + graphs
