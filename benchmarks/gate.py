@@ -17,7 +17,7 @@ from corp_deploy.errors import SettingError, check_setting_types, described
 from exporters.parity import below
 from exporters.precision import PRECISIONS
 
-from .backends import BACKENDS
+from .backends import BACKENDS, TORCH_FAMILIES, row_timings
 from .results import BenchReport, BenchSettings, Int8Result, Int8Row
 
 #: The int8 graph a baseline's int8 numbers are compared on (:mod:`benchmarks.int8`).
@@ -130,8 +130,10 @@ def check_comparable(
 ) -> None:
     """CorpError, before any timing, when ``baseline`` measured other things than this run will:
     another model (its parameters, MACs per image, precision, ONNX exporter or opset differ: another
-    artifact, dense model or export), other batch sizes, backends, thread counts or PyTorch
-    precision, or (where the fidelity it gates is compared) other evaluation images than ``data``
+    artifact, dense model or export), other batch sizes, backends, thread counts, PyTorch
+    precision or CUDA graphs, a latency row timed another way (device-resident or host to host:
+    :func:`~benchmarks.backends.row_timings`; the CPU's one measurement is both), or (where the
+    fidelity it gates is compared) other evaluation images than ``data``
     (:func:`check_same_data`); one message names every difference. What the baseline does not
     record (a report written by hand) is not compared.
     ``models``: this run's :class:`~benchmarks.results.ModelEntry` by model name."""
@@ -157,11 +159,16 @@ def check_comparable(
             ("backends", "--backends"),
             ("threads", "--threads"),
             ("torch_precision", "--torch-precision"),
+            ("cuda_graphs", "--cuda-graphs"),
         )
         for setting, option in settings_compared:
             was, now = getattr(old, setting), getattr(settings, setting)
             if _listed(was) != _listed(now):
                 differences.append(f"{option} {_listed(was)} in the baseline, {_listed(now)} here")
+    for backend, was in {row.backend: row.timing for row in baseline.latency}.items():
+        now = row_timings(backend, settings.timing)[0]
+        if was != now:
+            differences.append(f"{backend} timed {was} in the baseline, {now} here (--timing)")
     other_images = _data_differences(baseline, data, limits)
     if not differences:
         check_same_data(baseline, path, data, limits)
@@ -170,7 +177,7 @@ def check_comparable(
         f"baseline {path} measured other things than this run would "
         f"({'; '.join([*differences, *(f'fidelity on other images: {d}' for d in other_images)])}); a gate "
         "compares like with like: make the baseline from the same artifact and export with the same "
-        "--backends, --batch, --threads and --torch-precision"
+        "--backends, --batch, --threads, --torch-precision, --timing and --cuda-graphs"
         + (" and the same --data and --data-samples" if other_images else "")
     )
 
@@ -337,7 +344,7 @@ def parity_limit(report: BenchReport, model: str, backend: str, limits: GateLimi
     precision whose own export gate is looser (int8: 0.98), which the export already held them to."""
     limit = limits.min_parity_cosine
     precision = getattr(report.models.get(model), "precision", None)
-    if limits.parity_requested or BACKENDS[backend][0] == "torch" or precision not in PRECISIONS:
+    if limits.parity_requested or BACKENDS[backend].family in TORCH_FAMILIES or precision not in PRECISIONS:
         return limit, ""
     export_gate = PRECISIONS[precision].tolerance.min_cosine
     if export_gate is None or export_gate >= limit:

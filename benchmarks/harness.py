@@ -17,13 +17,25 @@ from corp_deploy.documents import Machine, timestamp
 from exporters.manifest import versions
 from exporters.parity import Comparison, compare_outputs
 from exporters.runners import TorchRunner
+from exporters.torch_compile import CompiledTorchRunner
 
 from .attention_kernels import attention_kernels, kernel_summary
-from .backends import ModelFiles, open_runners
+from .backends import DEVICE_RESIDENT, ModelFiles, RunnerSettings, open_runners, row_timings
 from .data import EvalImages
 from .fidelity import FidelityMeter, features_and_logits
 from .latency import interleaved, speedup, summarize
-from .results import MODELS, BackendStatus, BenchReport, BenchSettings, Fidelity, LatencyRow, ModelEntry, Ratio, Timing
+from .results import (
+    MODELS,
+    BackendStatus,
+    BenchReport,
+    BenchSettings,
+    Fidelity,
+    Figure,
+    LatencyRow,
+    ModelEntry,
+    Ratio,
+    Timing,
+)
 
 
 def run_bench(
@@ -38,10 +50,10 @@ def run_bench(
     """Measure ``compressed`` against ``dense`` and return the report (:class:`BenchReport`): the
     machine, versions and settings, both models' sizes, the MAC-ideal speedup, each backend's
     status (ran, or the reason it was skipped), parity (each model on each backend against PyTorch
-    on the CPU in float32), the attention kernels each PyTorch backend ran, a latency row per
-    backend and batch size, and the fidelity of ``compressed``
-    against ``dense`` on ``eval_set`` (``held_out`` says whether those images were kept out of
-    calibration).
+    on the CPU in float32), the attention kernels each eager PyTorch backend ran, a latency row per
+    backend and batch size (timed as :func:`~benchmarks.backends.row_timings` says), and the
+    fidelity of ``compressed`` against ``dense`` on ``eval_set`` (``held_out`` says whether those
+    images were kept out of calibration).
     """
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -53,7 +65,11 @@ def run_bench(
     ideal = entries["dense"].macs / entries["compressed"].macs
     parity_x = _first_images(eval_set, settings.parity_images)
     with ExitStack() as stack:
-        runners, skipped = open_runners(settings.backends, models, stack, settings.threads, settings.torch_precision)
+        shapes = tuple(dict.fromkeys([*((batch, *image_shape) for batch in settings.batches), parity_x.shape]))
+        opening = RunnerSettings(settings.threads, settings.torch_precision, settings.cuda_graphs, shapes)
+        if "torch-compile" in settings.backends:
+            log(f"torch-compile: compiling each model for each of {len(shapes)} input shapes (inductor) ...")
+        runners, skipped = open_runners(settings.backends, models, stack, opening)
         backends = {
             **{name: BackendStatus("ran") for name in runners},
             **{name: BackendStatus("skipped", why) for name, why in skipped.items()},
@@ -128,15 +144,16 @@ def _parity(
 
 
 def _attention(runners: dict, images: np.ndarray) -> dict[str, dict[str, str]]:
-    """``{backend: {model: kernels}}``: the attention kernels each PyTorch runner's model ran on
-    ``images`` (:func:`benchmarks.attention_kernels.kernel_summary`)."""
+    """``{backend: {model: kernels}}``: the attention kernels each eager PyTorch runner's model ran on
+    ``images`` (:func:`benchmarks.attention_kernels.kernel_summary`; a CUDA graph replays what its
+    capture ran; inductor writes kernels of its own, not recorded)."""
     return {
         name: {
             key: kernel_summary(attention_kernels(r.model, torch.from_numpy(images).to(r.device, r.dtype)))
             for key, r in group.items()
         }
         for name, group in runners.items()
-        if isinstance(next(iter(group.values())), TorchRunner)
+        if type(next(iter(group.values()))) is TorchRunner
     }
 
 
@@ -145,21 +162,43 @@ def _latency_row(
 ) -> LatencyRow:
     log(f"{backend}, batch {batch}: timing dense and compressed, interleaved ...")
     x = np.random.default_rng(0).standard_normal((batch, *image_shape), dtype=np.float32)
-    samples = interleaved(
-        {key: (lambda r=group[key]: r.infer(x)) for key in MODELS},
-        warmup=settings.warmup,
-        min_time=settings.min_time,
-        min_rounds=settings.min_rounds,
-    )
-    ratio = Ratio(**speedup(samples["dense"], samples["compressed"]))
+    main, *other = [_figure(timing, group, x, settings) for timing in row_timings(backend, settings.timing)]
+    compiled = {key: r.compile_s[batch] for key, r in group.items() if isinstance(r, CompiledTorchRunner)}
     return LatencyRow(
         backend=backend,
         batch=batch,
-        dense=Timing(**summarize(samples["dense"], batch)),
-        compressed=Timing(**summarize(samples["compressed"], batch)),
-        speedup=ratio,
+        timing=main.timing,
+        dense=main.dense,
+        compressed=main.compressed,
+        speedup=main.speedup,
         ideal_speedup=ideal,
-        efficiency=ratio.median / ideal,
+        efficiency=main.speedup.median / ideal,
+        second=other[0] if other else None,
+        compile_s=compiled or None,
+    )
+
+
+def _figure(timing: str, group: dict, x: np.ndarray, settings: BenchSettings) -> Figure:
+    """Dense and compressed timed interleaved on ``x`` one way: device-resident (each runner's
+    :meth:`~exporters.runners.Runner.device_call`, timed by its CUDA events), else host to host
+    (``infer`` on the images in the host memory the runners copy from fastest, wall-clock)."""
+    if timing == DEVICE_RESIDENT:
+        runs = {key: group[key].device_call(x) for key in MODELS}
+    else:
+        host = group[MODELS[0]].host_images(x)
+        runs = {key: (lambda r=group[key]: r.infer(host)) for key in MODELS}
+    samples = interleaved(
+        runs,
+        warmup=settings.warmup,
+        min_time=settings.min_time,
+        min_rounds=settings.min_rounds,
+        timed=timing == DEVICE_RESIDENT,
+    )
+    return Figure(
+        timing=timing,
+        dense=Timing(**summarize(samples["dense"], len(x))),
+        compressed=Timing(**summarize(samples["compressed"], len(x))),
+        speedup=Ratio(**speedup(samples["dense"], samples["compressed"])),
     )
 
 

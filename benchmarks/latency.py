@@ -20,8 +20,11 @@ def interleaved(
     min_time: float = 2.0,
     min_rounds: int = 5,
     max_rounds: int = 10_000,
+    timed: bool = False,
 ) -> dict[str, list[float]]:
-    """Wall times (s) of each callable, measured in rounds in which every callable runs once.
+    """Wall times (s) of each callable, measured in rounds in which every callable runs once; with
+    ``timed``, each callable times itself and returns its seconds (CUDA events around work left on
+    a GPU: :func:`exporters.runners.cuda_event_timer`), which are recorded instead.
 
     After ``warmup`` untimed rounds, rounds continue until every callable has been timed for
     ``min_time`` seconds in total and at least ``min_rounds`` times (at most ``max_rounds``).
@@ -36,8 +39,8 @@ def interleaved(
     while rounds < max_rounds and (rounds < min_rounds or min(sum(s) for s in samples.values()) < min_time):
         for name in names if rounds % 2 == 0 else reversed(names):
             start = time.perf_counter()
-            runs[name]()
-            samples[name].append(time.perf_counter() - start)
+            took = runs[name]()
+            samples[name].append(took if timed else time.perf_counter() - start)
         rounds += 1
     return samples
 

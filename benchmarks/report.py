@@ -20,6 +20,7 @@ from corp_deploy.outputs import (
     staged_output,
 )
 
+from .backends import ON_THE_CPU, TORCH_FAMILIES
 from .results import BENCH_FORMAT, BenchReport, Int8Result
 
 if TYPE_CHECKING:
@@ -39,11 +40,13 @@ def _spread(ratio, spec: str = ".3f") -> str:
 
 
 def latency_rows(report: BenchReport) -> list[list[str]]:
-    """One row per backend and batch size: latencies, throughputs, speedup with its spread."""
+    """One row per backend and batch size: how it was timed, latencies, throughputs, speedup with its
+    spread."""
     return [
         [
             r.backend,
             str(r.batch),
+            r.timing,
             f"{r.dense.p50_s * 1e3:.2f}",
             f"{r.compressed.p50_s * 1e3:.2f}",
             f"{r.compressed.p90_s * 1e3:.2f} / {r.compressed.p99_s * 1e3:.2f}",
@@ -60,6 +63,7 @@ def latency_rows(report: BenchReport) -> list[list[str]]:
 LATENCY_HEADER = [
     "backend",
     "batch",
+    "timing",
     "dense p50 (ms)",
     "compressed p50 (ms)",
     "compressed p90 / p99 (ms)",
@@ -107,6 +111,8 @@ def to_markdown(report: BenchReport) -> str:
         "|" + "---|" * len(LATENCY_HEADER),
         *["| " + " | ".join(row) + " |" for row in latency_rows(report)],
         "",
+        *[f"- {line}" for line in timing_lines(report)],
+        "",
     ]
     skipped = report.skipped_backends()
     if skipped:
@@ -142,12 +148,41 @@ def to_markdown(report: BenchReport) -> str:
 
 
 def _torch_precision(report: BenchReport, lead: str) -> str:
-    """``lead`` and the precision the PyTorch backends ran in; empty when the run had none (a
-    report from before the precision was recorded ran fp32)."""
+    """``lead`` and the precision the PyTorch backends ran in (and CUDA graphs, where they replayed
+    them); empty when the run had none (a report from before the precision was recorded ran fp32)."""
     settings = report.settings
-    if settings is not None and "torch" not in settings.backends:
+    if settings is not None and not set(TORCH_FAMILIES) & set(settings.backends):
         return ""
-    return lead + (settings.torch_precision if settings is not None else "fp32")
+    graphs = " with CUDA graphs on CUDA" if settings is not None and settings.cuda_graphs else ""
+    return lead + (settings.torch_precision if settings is not None else "fp32") + graphs
+
+
+#: What each row's ``timing`` means (:data:`benchmarks.backends.TIMINGS`, the CPU's one measurement).
+TIMING_MEANINGS = {
+    "device-resident": "images staged on the GPU once, outputs left there, CUDA events around each call",
+    "host-to-host": "host arrays in and out (pinned on CUDA), the copies included",
+    ON_THE_CPU: "on the CPU device-resident and host-to-host are one measurement, timed once",
+}
+
+
+def timing_lines(report: BenchReport) -> list[str]:
+    """What the rows' timings mean, and what a row measured beside the figure gates compare: on a
+    GPU the other timing (the second figure), with torch.compile the compile of each model."""
+    lines = [f"{timing}: {TIMING_MEANINGS[timing]}" for timing in dict.fromkeys(r.timing for r in report.latency)]
+    for r in report.latency:
+        where = f"{r.backend}, batch {r.batch}"
+        if r.second is not None:
+            other = r.second
+            lines.append(
+                f"{where}, {other.timing}: dense {other.dense.p50_s * 1e3:.2f} ms, compressed "
+                f"{other.compressed.p50_s * 1e3:.2f} ms, speedup {_spread(other.speedup)}"
+            )
+        if r.compile_s:
+            lines.append(
+                f"{where}: compiled in {r.compile_s['dense']:.1f} s (dense) and {r.compile_s['compressed']:.1f} s "
+                "(compressed), apart from the timed calls"
+            )
+    return lines
 
 
 def int8_markdown(int8: Int8Result | None) -> list[str]:
@@ -238,18 +273,21 @@ def print_terminal(report: BenchReport, console: Console | None = None) -> None:
     console = console or Console()
     torch_precision = _torch_precision(report, "; PyTorch ")
     table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x{torch_precision})")
-    for column in ("backend", "batch", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
-        table.add_column(column, justify="left" if column == "backend" else "right")
+    for column in ("backend", "batch", "timing", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
+        table.add_column(column, justify="left" if column in ("backend", "timing") else "right")
     for r in report.latency:
         table.add_row(
             r.backend,
             str(r.batch),
+            r.timing,
             f"{r.dense.p50_s * 1e3:.1f}",
             f"{r.compressed.p50_s * 1e3:.1f}",
             _spread(r.speedup, ".2f"),
             f"{r.efficiency * 100:.0f}%",
         )
     console.print(table)
+    for line in timing_lines(report):
+        console.print(line)
     for name, reason in report.skipped_backends().items():
         console.print(f"skipped {name}: {reason}", style="yellow")
     worst = [(n.cosine, f"{model} on {backend}") for model, b in report.parity.items() for backend, n in b.items()]

@@ -14,7 +14,7 @@ record is None, a missing table empty).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from corp_deploy.documents import (
@@ -30,10 +30,12 @@ from corp_deploy.errors import CorpError
 from exporters.parity import Comparison
 from exporters.runners import TORCH_PRECISIONS
 
-from .backends import FAMILIES
+from .backends import DEFAULT_FAMILIES, DEVICE_RESIDENT, HOST_TO_HOST, TIMINGS, row_timings
 
-#: 1: the only version so far; a report without ``format_version`` (a baseline written by hand) is read.
-BENCH_FORMAT = DocumentFormat("corp-deploy-bench", 1, "bench report", "run bench again", also_reads=(None,))
+#: 2: how each latency row was timed (``timing``, and on a GPU the other figure beside it), the timing
+#: and CUDA graphs settings, compile times. Version 1 (every row timed host to host) is still read, and
+#: a report without ``format_version`` (a baseline written by hand).
+BENCH_FORMAT = DocumentFormat("corp-deploy-bench", 2, "bench report", "run bench again", also_reads=(1, None))
 #: The two models every report compares, in the order they are timed and listed.
 MODELS = ("dense", "compressed")
 
@@ -45,9 +47,11 @@ class BenchSettings(Record):
     for PyTorch and ONNX Runtime (None: PyTorch's default); ``parity_images``: held-out
     images on which every backend is compared with PyTorch on the CPU in float32;
     ``torch_precision``: what the PyTorch backends run in (``fp32``, ``fp16``, ``bf16``; absent from
-    reports before it was recorded, which ran fp32)."""
+    reports before it was recorded, which ran fp32); ``timing``: the figure speedups and gates use
+    on a GPU (:data:`~benchmarks.backends.TIMINGS`; absent from reports before format 2, which timed
+    host to host); ``cuda_graphs``: the PyTorch backends on CUDA replay CUDA graphs."""
 
-    backends: tuple[str, ...] = FAMILIES
+    backends: tuple[str, ...] = DEFAULT_FAMILIES
     batches: tuple[int, ...] = (1, 8, 32)
     threads: int | None = None
     warmup: int = 3
@@ -55,10 +59,19 @@ class BenchSettings(Record):
     min_rounds: int = 5
     parity_images: int = 8
     torch_precision: str = "fp32"
+    timing: str = DEVICE_RESIDENT
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.torch_precision not in TORCH_PRECISIONS:
             raise CorpError(f"torch_precision is one of {', '.join(TORCH_PRECISIONS)}, not {self.torch_precision!r}")
+        if self.timing not in TIMINGS:
+            raise CorpError(f"timing is one of {', '.join(TIMINGS)}, not {self.timing!r}")
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> BenchSettings:
+        settings = fields_from_json(cls, value, where)
+        return settings if "timing" in value else replace(settings, timing=HOST_TO_HOST)
 
 
 @dataclass(kw_only=True)
@@ -89,17 +102,41 @@ class Ratio(Record):
 
 
 @dataclass(kw_only=True)
+class Figure(Record):
+    """Both models timed one way (``timing``) at one batch size, interleaved: their timings and the
+    speedup (dense / compressed, per round)."""
+
+    timing: str
+    dense: Timing
+    compressed: Timing
+    speedup: Ratio
+
+
+@dataclass(kw_only=True)
 class LatencyRow(Record):
-    """Both models on one backend at one batch size, timed interleaved: their timings, the speedup
-    (dense / compressed, per round), the MAC-ideal speedup and ``efficiency`` = measured / ideal."""
+    """Both models on one backend at one batch size, timed interleaved: how (``timing``,
+    :func:`benchmarks.backends.row_timings`), their timings, the speedup (dense / compressed, per
+    round), the MAC-ideal speedup and ``efficiency`` = measured / ideal: the figure gates compare.
+    ``second``: on a GPU, the same timed the other way (host to host beside device-resident, or the
+    reverse); ``compile_s``: with ``torch.compile``, each model's compile at this batch size in
+    seconds, apart from its timings. A row without ``timing`` (format 1) was timed host to host."""
 
     backend: str
     batch: int
+    timing: str
     dense: Timing | None = None
     compressed: Timing
     speedup: Ratio
     ideal_speedup: float | None = None
     efficiency: float | None = None
+    second: Figure | None = optional_entry()
+    compile_s: dict[str, float] | None = optional_entry()
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> LatencyRow:
+        if isinstance(value, dict) and "timing" not in value and isinstance(value.get("backend"), str):
+            value = {**value, "timing": row_timings(value["backend"], HOST_TO_HOST)[0]}
+        return fields_from_json(cls, value, where)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from corp_deploy.outputs import check_output_dir, staged_output
 from exporters import ExportOptions, export_artifact
 
 from .attention_kernels import lost_kernel_warnings
-from .backends import ModelFiles
+from .backends import ON_THE_CPU, ModelFiles
 from .data import EvalImages, eval_images, folders_overlap
 from .harness import run_bench
 from .report import fidelity_summary
@@ -406,11 +406,19 @@ def _backend_label(backend: str, result: SweepResult) -> str:
 
 
 def _timed_note(result: SweepResult, backends: list[str]) -> str:
-    """What sweep.md says of the timing: the precision PyTorch ran in, or that nothing was timed."""
+    """What sweep.md says of the timing: how the speedups were timed, the precision PyTorch ran in
+    (and CUDA graphs), or that nothing was timed."""
     if not backends:
         return "Nothing was timed: every backend asked for was skipped (sweep.json says why)."
-    torch_ran = any(backend.startswith("torch") for backend in backends)
-    return f"PyTorch timed in {result.spec.bench.torch_precision}." if torch_ran else ""
+    settings = result.spec.bench
+    timings = sorted({r.timing for row in result.rows for r in row.latency} - {ON_THE_CPU})
+    note = "On the CPU device-resident and host-to-host timing are one measurement."
+    if timings:
+        note = f"GPU speedups timed {' and '.join(timings)} (sweep.json has the other figure beside each)."
+    if any(backend.startswith("torch") for backend in backends):
+        graphs = ", CUDA graphs on CUDA" if settings.cuda_graphs else ""
+        note += f" PyTorch timed in {settings.torch_precision}{graphs}."
+    return note
 
 
 def to_markdown(result: SweepResult) -> str:

@@ -95,11 +95,16 @@ class PrunedAttention(nn.Module):
         embedding: what the logits see) and v ``(B, H, N, v_head_dim)``."""
         B, N, _ = x.shape
         H, dqk, dv = self.num_heads, self.qk_head_dim, self.v_head_dim
-        q, k, v = self.qkv(x).split([H * dqk, H * dqk, H * dv], dim=-1)
-        q, k = q.reshape(B, N, H, dqk).transpose(1, 2), k.reshape(B, N, H, dqk).transpose(1, 2)
+        qkv = self.qkv(x)  # a new (B, N, width) tensor: every split below is a view of it
+        if dqk == dv:  # timm's views: one view, permute and unbind for all three
+            q, k, v = qkv.view(B, N, 3, H, dv).permute(2, 0, 3, 1, 4).unbind(0)
+        else:  # the same for the queries and keys, and the values' own
+            qk, v = qkv.split([2 * H * dqk, H * dv], dim=-1)
+            q, k = qk.view(B, N, 2, H, dqk).permute(2, 0, 3, 1, 4).unbind(0)
+            v = v.view(B, N, H, dv).transpose(1, 2)
         if self.rope is not None:
             q, k = self._rotate(q).type_as(v), self._rotate(k).type_as(v)
-        return q, k, v.reshape(B, N, H, dv).transpose(1, 2)
+        return q, k, v
 
     def _rotate(self, t: torch.Tensor) -> torch.Tensor:
         npt = self.num_prefix_tokens

@@ -16,6 +16,7 @@ from benchmarks import latency
 from benchmarks.data import eval_images, folders_overlap
 from benchmarks.fidelity import FidelityMeter, features_and_logits
 from benchmarks.gate import GateLimits, regressions
+from benchmarks.report import to_markdown
 from benchmarks.results import BenchReport
 from benchmarks.targets import _export_preference, resolve_target
 from corp_deploy import CorpError, load_compressed, model_transform
@@ -51,7 +52,7 @@ def all_numbers(value):
 
 def test_report_schema_numbers_and_renderings(bench_run):
     report, out, text = bench_run
-    assert report["format"] == "corp-deploy-bench" and report["format_version"] == 1
+    assert report["format"] == "corp-deploy-bench" and report["format_version"] == 2
     assert {
         "machine",
         "versions",
@@ -314,3 +315,81 @@ def test_targets_and_bad_inputs(artifact, tmp_path, other_tiny_artifact, run_cli
     shutil.copytree(artifact / "export-fp32", other / "export-fp32")
     with pytest.raises(CorpError, match="different version"):
         resolve_target(other)
+
+
+def test_rows_say_how_they_were_timed(bench_run):
+    """On the CPU device-resident and host-to-host timing are one measurement: each row is timed once,
+    says so (``cpu``), and has no second figure; the reports say what the timing means."""
+    report, out, text = bench_run
+    assert report["settings"]["timing"] == "device-resident" and report["settings"]["cuda_graphs"] is False
+    assert {row["timing"] for row in report["latency"]} == {"cpu"}
+    assert not any("second" in row or "compile_s" in row for row in report["latency"])
+    meaning = "cpu: on the CPU device-resident and host-to-host are one measurement, timed once"
+    assert f"- {meaning}" in (out / "bench.md").read_text() and meaning in " ".join(text.split())
+    assert "| torch-cpu | 1 | cpu |" in (out / "bench.md").read_text()
+
+
+def test_a_format_1_report_still_reads_and_gates(bench_run):
+    """Reports from before the timing was recorded timed every row host to host (on the CPU, its one
+    measurement): they read, and gate a CPU run as before."""
+    report, _, _ = bench_run
+    old = copy.deepcopy(report)
+    old["format_version"] = 1
+    del old["settings"]["timing"], old["settings"]["cuda_graphs"]
+    for row in old["latency"]:
+        del row["timing"]
+    typed = BenchReport.from_dict(old, "baseline")
+    assert typed.settings.timing == "host-to-host"
+    assert {row.timing for row in typed.latency} == {"cpu"}
+    assert regressions(BenchReport.from_dict(report), GateLimits(max_regression=0.05), typed) == []
+    cuda = {**old["latency"][0], "backend": "torch-cuda"}
+    assert BenchReport.from_dict({**old, "latency": [cuda]}).latency[0].timing == "host-to-host"
+
+
+def test_a_baseline_timed_the_other_way_is_refused(bench_run, artifact, tmp_path, run_cli):
+    """A baseline whose GPU rows were timed host to host does not gate a device-resident run (and the
+    reverse), as a baseline of another precision does not; asked for the same timing, the rows it has
+    that this machine cannot measure fail the gate, never pass it."""
+    report, _, _ = bench_run
+    baseline = copy.deepcopy(report)
+    cuda_row = {**copy.deepcopy(baseline["latency"][0]), "backend": "torch-cuda", "timing": "host-to-host"}
+    baseline["latency"].append(cuda_row)
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(baseline))
+    result, text = run_cli(["bench", artifact, *FAST, "--baseline", path, "--json", tmp_path / "r.json"], tmp_path)
+    said = " ".join(text.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    assert "torch-cuda timed host-to-host in the baseline, device-resident here (--timing)" in said, text
+    assert not (tmp_path / "r.json").exists()
+    if not torch.cuda.is_available():
+        args = [*FAST, "--timing", "host-to-host", "--baseline", path, "--json", tmp_path / "r.json"]
+        result, text = run_cli(["bench", artifact, *args], tmp_path)
+        assert result.exit_code == 4, text
+        assert "latency: torch-cuda, batch 1 is in the baseline but was not measured" in " ".join(text.split())
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(artifact, tmp_path, run_cli):
+    cases = [(["--backends", "ort", "--cuda-graphs"], "--cuda-graphs applies only with the torch backends")]
+    if not torch.cuda.is_available():
+        cases.append((["--backends", "torch", "--cuda-graphs"], "--cuda-graphs replays CUDA graphs on a CUDA GPU"))
+    for args, message in cases:
+        for command in (["bench", artifact], ["sweep", "deit_tiny", "--no-pretrained"]):
+            result, text = run_cli([*command, *args, "-o", tmp_path / "out"], tmp_path)
+            assert result.exit_code == 2 and message in " ".join(text.split()) and "Traceback" not in text, text
+            assert not (tmp_path / "out").exists()
+
+
+def test_reports_show_the_second_figure_and_compile_times(bench_run):
+    """A GPU row: the figure gates use in the table, the other beside it, the compile apart."""
+    report, _, _ = bench_run
+    gpu = copy.deepcopy(report)
+    row = gpu["latency"][0]
+    second = {"timing": "host-to-host", **{key: copy.deepcopy(row[key]) for key in ("dense", "compressed", "speedup")}}
+    second["dense"]["p50_s"], second["compressed"]["p50_s"] = 0.01168, 0.01109
+    row.update(backend="torch-cuda", batch=64, timing="device-resident", second=second)
+    row["compile_s"] = {"dense": 15.0, "compressed": 7.0}
+    markdown = to_markdown(BenchReport.from_dict(gpu))
+    assert "| torch-cuda | 64 | device-resident |" in markdown
+    assert "- device-resident: images staged on the GPU once, outputs left there" in markdown
+    assert "- torch-cuda, batch 64, host-to-host: dense 11.68 ms, compressed 11.09 ms, speedup" in markdown
+    assert "- torch-cuda, batch 64: compiled in 15.0 s (dense) and 7.0 s (compressed)" in markdown

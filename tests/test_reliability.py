@@ -570,7 +570,9 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "--model-arg", "qkv_bias=no", "-o", w / "o"], 2, "write a yes/no value as true or false"
     ),
     "bench-backends-repeated": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"], 2, "subset of torch,ort,trt, each once"
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"],
+        2,
+        "subset of torch,torch-compile,ort,trt, each once",
     ),
     "bench-batch-empty-item": Refusal(
         lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,,2")], 2, "takes comma-separated positive"
@@ -1001,6 +1003,12 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["bench", w / "art", *BENCH, "--backends", "ort", "--torch-precision", "bf16"],
         2,
         "--torch-precision applies only with the torch backends",
+    ),
+    "bench-cuda-graphs-without-a-gpu": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch", "--cuda-graphs"],
+        2,
+        "--cuda-graphs replays CUDA graphs on a CUDA GPU, and PyTorch sees none here",
+        hide_cuda=True,
     ),
     "export-into-a-folder-named-for-another-precision": Refusal(
         lambda w: ["export", w / "art", "--precision", "fp16", "-o", w / "art" / "export-fp32"],

@@ -9,7 +9,7 @@ import click
 from benchmarks.gate import BASELINE_GATES
 
 from ..errors import BadUsage
-from .common import check_apart, given_on_command_line, input_dir, results_output, warn
+from .common import check_apart, check_torch_options_apply, given_on_command_line, input_dir, results_output, warn
 from .group import cli
 from .options import PATH, evaluation_options, timing_options
 
@@ -87,6 +87,8 @@ def bench(
     warmup,
     min_time,
     torch_precision,
+    timing,
+    cuda_graphs,
     data,
     data_samples,
     json_path,
@@ -139,6 +141,8 @@ def bench(
         warmup=warmup,
         min_time=min_time,
         torch_precision=torch_precision,
+        timing=timing,
+        cuda_graphs=cuda_graphs,
     )
     limits = GateLimits(
         max_regression=max_regression,
@@ -151,8 +155,7 @@ def bench(
         min_parity_cosine=min_parity_cosine,
         parity_requested=given_on_command_line("min_parity_cosine"),
     )
-    if given_on_command_line("torch_precision") and "torch" not in settings.backends:
-        raise BadUsage("--torch-precision applies only with the torch backends (--backends torch,...)")
+    check_torch_options_apply(settings.backends)
     _check_baseline_options_apply(baseline)
     files, folder = check_report_outputs(
         {"json": json_path, "markdown": markdown_path, "plot": plot_path}, output, baseline

@@ -50,6 +50,24 @@ def given_on_command_line(parameter: str) -> bool:
     return click.get_current_context().get_parameter_source(parameter) == click.core.ParameterSource.COMMANDLINE
 
 
+def check_torch_options_apply(families: tuple[str, ...]) -> None:
+    """BadUsage when ``--torch-precision`` or ``--cuda-graphs`` is given without a PyTorch backend
+    family among ``families`` (``torch``, ``torch-compile``): it would change nothing that is timed;
+    and when ``--cuda-graphs`` is given where PyTorch sees no CUDA GPU: nothing could replay them."""
+    options = {"torch_precision": "--torch-precision", "cuda_graphs": "--cuda-graphs"}
+    named = [option for name, option in options.items() if given_on_command_line(name)]
+    if named and not {"torch", "torch-compile"} & set(families):
+        raise BadUsage(
+            f"{' and '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with the torch backends "
+            "(--backends torch,... or torch-compile,...)"
+        )
+    if "--cuda-graphs" in named:
+        import torch  # loaded only here: the other commands' checks need no torch
+
+        if not torch.cuda.is_available():
+            raise BadUsage("--cuda-graphs replays CUDA graphs on a CUDA GPU, and PyTorch sees none here")
+
+
 def check_recovery_options_apply(steps: int) -> None:
     """BadUsage when ``--recover-*`` options are given while no recovery runs (``steps`` 0): they
     would do nothing."""

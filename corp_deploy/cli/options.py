@@ -279,7 +279,8 @@ timing_options = options(
         "--backends",
         default="torch,ort,trt",
         show_default=True,
-        help="Backend families: torch (CPU, CUDA), ort (CPU, CUDA and TensorRT providers), trt (engines).",
+        help="Backend families: torch (CPU, CUDA), torch-compile (torch.compile with inductor: CPU, CUDA), ort "
+        "(CPU, CUDA and TensorRT providers), trt (engines).",
     ),
     click.option(
         "--batch", "batches", type=BatchSizes(), default="1,8,32", show_default=True, help="Batch sizes to time."
@@ -301,6 +302,22 @@ timing_options = options(
         show_default=True,
         help="What the torch backends run in: fp16 on CUDA only, bf16 on CUDA and the CPU (the model "
         "and images cast; parity is still against fp32 on the CPU).",
+    ),
+    click.option(
+        "--timing",
+        type=click.Choice(["device-resident", "host-to-host"]),
+        default="device-resident",
+        show_default=True,
+        help="The figure speedups and gates use on a GPU: device-resident (images staged on the GPU once, "
+        "outputs left there, CUDA events: what the model costs) or host-to-host (pinned host arrays in and "
+        "out, the copies included: what a pipeline handing over host arrays pays); the other is reported "
+        "beside it. On the CPU the two are one measurement.",
+    ),
+    click.option(
+        "--cuda-graphs",
+        is_flag=True,
+        help="The torch backends on CUDA replay CUDA graphs, one per batch size (torch-compile: inductor's "
+        "reduce-overhead mode): small batches no longer wait for kernel launches.",
     ),
 )
 

@@ -7,13 +7,12 @@ from datetime import timedelta
 import click
 
 from ..config import CompressConfig
-from ..errors import BadUsage
 from .common import (
     DEFAULT_OUTPUT_ROOT,
     check_apart,
     check_recovery_options_apply,
+    check_torch_options_apply,
     dense_model,
-    given_on_command_line,
     input_dir,
     results_output,
     warn,
@@ -83,6 +82,8 @@ def sweep(
     threads,
     min_time,
     torch_precision,
+    timing,
+    cuda_graphs,
     output,
     **recovery_settings,
 ):
@@ -133,12 +134,13 @@ def sweep(
             threads=threads,
             min_time=min_time,
             torch_precision=torch_precision,
+            timing=timing,
+            cuda_graphs=cuda_graphs,
         ),
         recovery=RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed}),  # as compress --seed
     )
     check_recovery_options_apply(spec.recovery.steps)
-    if given_on_command_line("torch_precision") and "torch" not in spec.bench.backends:
-        raise BadUsage("--torch-precision applies only with the torch backends (--backends torch,...)")
+    check_torch_options_apply(spec.bench.backends)
     out_dir = check_output_dir(
         output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
     )
