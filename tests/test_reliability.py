@@ -15,6 +15,7 @@ import math
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -2371,7 +2372,10 @@ def test_concurrent_writers_of_one_output_all_succeed_and_leave_one_whole_output
 FAULT_RUNNER = """
 import os, signal, sys, importlib
 module = importlib.import_module(sys.argv[1])
-name, call, signum = sys.argv[2], int(sys.argv[3]), getattr(signal, sys.argv[4])
+name, call = sys.argv[2], int(sys.argv[3])
+base, _, offset = sys.argv[4].partition("+")  # SIGTERM, or a real-time signal: SIGRTMIN+2
+signum = getattr(signal, base) + int(offset or 0)
+signal.signal(signum, signal.SIG_DFL)  # as in a shell's foreground job, whatever this test was started with
 original, calls = getattr(module, name), [0]
 def patched(*args, **kwargs):
     calls[0] += 1
@@ -2439,6 +2443,17 @@ FAULTS = {
     ),
     "export-sigusr1-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGUSR1", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
+    "export-sigpwr-while-exporting-onnx": Fault(
+        "exporters.pipeline", "export_onnx", 2, "SIGPWR", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
+    "recover-sigrtmin-plus-2-while-recovering": Fault(
+        "corp_deploy.recovery.training",
+        "distillation_loss",
+        2,
+        "SIGRTMIN+2",
+        lambda w: ["recover", w / "art", "--recover-steps", 4, "--recover-batch-size", 2, "-o", w / "rec"],
+        "rec",
     ),
     "sweep-sigquit-once-its-first-artifact-is-complete": Fault(
         "corp_deploy.outputs",
@@ -2580,7 +2595,8 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         env=env,
         timeout=600,
     )
-    code = 128 + getattr(signal, fault.signal)
+    base, _, offset = fault.signal.partition("+")
+    code = 128 + getattr(signal, base) + int(offset or 0)
     assert done.returncode == code, done.stderr
     assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not debris(work) and {p.name for p in temp.iterdir()} <= import_leftovers
@@ -2603,6 +2619,115 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         assert load_compressed(work / "art") is not None
     else:
         assert after == before, f"{fault.output} changed"
+
+
+def _ends_the_process(signum: int) -> bool:
+    """Whether ``signum`` at its default action ends a process, measured: a forked child sends it
+    to itself (core dumps off); a child that stops or goes on is not ended by it."""
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the signal, then a plain exit
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+        os._exit(0)
+    _, status = os.waitpid(pid, os.WUNTRACED)
+    if os.WIFSTOPPED(status):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return False
+    return os.WIFSIGNALED(status)
+
+
+def test_every_signal_that_ends_a_process_by_default_is_an_interrupt():
+    """The interrupts are every signal of this platform whose default action ends a process (each
+    measured in a child), but SIGKILL, the faults a process raises on itself and SIGPIPE / SIGXFSZ,
+    which Python ignores: SIGPWR, SIGIO and every real-time signal among them on Linux."""
+    from corp_deploy.interrupts import INTERRUPTS, signal_name
+
+    kept_out = {
+        "SIGKILL",
+        "SIGSEGV",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGILL",
+        "SIGABRT",
+        "SIGTRAP",
+        "SIGSYS",
+        "SIGPIPE",
+        "SIGXFSZ",
+    }
+    others = [s for s in signal.valid_signals() if signal_name(s) not in kept_out]
+    ending = {signal_name(s) for s in others if _ends_the_process(s)}
+    assert {signal_name(s) for s in INTERRUPTS} == ending
+    assert {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"} <= ending
+    if sys.platform.startswith("linux"):
+        assert {"SIGPWR", "SIGIO", "SIGRTMIN+2", "SIGRTMAX"} <= ending
+
+
+INTERRUPT_EVERY_WAY = """
+import io, json, os, shutil, signal, sys, tempfile, time
+from pathlib import Path
+import click
+from corp_deploy import launch
+from corp_deploy.cli import cli
+from corp_deploy.interrupts import INTERRUPTS
+from corp_deploy.outputs import staged_output
+
+@cli.command("stage")
+@click.argument("dest")
+@click.argument("signum", type=int)
+def stage(dest, signum):
+    # an output being staged and a temporary folder, as export has them, when the signal comes
+    with staged_output(Path(dest), "bench") as tmp, tempfile.TemporaryDirectory(prefix="corp-deploy-export-"):
+        (tmp / "bench.json").write_text("{}")
+        os.kill(os.getpid(), signum)
+        time.sleep(1)
+
+dest, ignored = Path(sys.argv[1]), sys.argv[2:]
+for signum in INTERRUPTS:
+    for each in INTERRUPTS:  # a fresh process's dispositions (main ignores every one once it is done)
+        signal.signal(each, signal.SIG_IGN if str(int(each)) in ignored else signal.SIG_DFL)
+    sys.argv, sys.stderr = ["corp-deploy", "stage", str(dest), str(int(signum))], io.StringIO()
+    try:
+        launch.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    said, sys.stderr = sys.stderr.getvalue(), sys.__stderr__
+    print(json.dumps([int(signum), code, said, sorted(p.name for p in dest.parent.iterdir())]), flush=True)
+    shutil.rmtree(dest, ignore_errors=True)  # the next run starts without this one's output
+"""
+
+
+@pytest.mark.slow  # a subprocess runs the command once per signal
+def test_every_interrupt_leaves_no_staging_or_temporary_folder(tmp_path):
+    """Each interrupt in turn (every signal of :data:`corp_deploy.interrupts.INTERRUPTS`, real-time
+    ones included) stops a command that is staging an output and holds a temporary folder: 128 + N,
+    one line naming the signal, no staging folder and nothing in the temporary directory. A signal
+    the process was started ignoring (SIGHUP under ``nohup``) stays ignored: the command completes."""
+    from corp_deploy.interrupts import INTERRUPTS, signal_name
+
+    work, temp = tmp_path / "w", tmp_path / "temp"
+    work.mkdir(), temp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_EVERY_WAY, str(work / "out"), str(int(signal.SIGHUP))],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+        timeout=600,
+    )
+    runs = {signum: (code, said, left) for signum, code, said, left in map(json.loads, done.stdout.splitlines())}
+    assert sorted(runs) == sorted(map(int, INTERRUPTS)), done.stderr
+    for signum, (code, said, left) in runs.items():
+        if signum == signal.SIGHUP:  # ignored from the start: the output is written
+            assert code == 0 and left == ["out"], (said, left)
+            continue
+        assert code == 128 + signum and said.count("\n") == 2, said  # a blank line, then the message
+        assert f"stopped by {signal_name(signum)}; {work / 'out'} was not written" in said, said
+        assert left == [], (signal_name(signum), left)
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.parametrize("exporter", [["--exporter", "torchscript"], ["--opset", "17"]])
