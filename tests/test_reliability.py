@@ -1622,6 +1622,29 @@ def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
     assert "warning: could not record" in result.output and load_compressed(work / "o") is not None
 
 
+def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built, monkeypatch):
+    """``HOME`` empty, relative or unset (and no ``XDG_STATE_HOME`` or ``CORP_DEPLOY_STATE_DIR``):
+    no state folder (never ``/.local/state`` at the file system's root); compress warns that it
+    keeps no record and completes, a command without an artifact says why it has none."""
+    from corp_deploy.artifact import state_dir
+
+    monkeypatch.delenv("CORP_DEPLOY_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    for home in ("", "relative/home", None):
+        if home is None:
+            monkeypatch.delenv("HOME")
+        else:
+            monkeypatch.setenv("HOME", home)
+        assert state_dir() is None
+    unset = {"CORP_DEPLOY_STATE_DIR": None, "XDG_STATE_HOME": None, "HOME": ""}
+    result = CliRunner().invoke(cli, [str(a) for a in [*BASE, "-o", tmp_path / "art"]], env=unset)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0 and "keeps no record of the most recent artifact: pass" in said, result.output
+    result = CliRunner().invoke(cli, ["export"], env=unset)
+    assert_one_message(result.exit_code, result.output, result.exception, 1, "pass the artifact directory")
+    assert "keeps no record" in result.output
+
+
 def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):
     code, text, _ = invoke([*BASE, "--model-arg", "num_classes=0", "-o", work / "backbone"], work.parent / "state")
     assert code == 0, text
