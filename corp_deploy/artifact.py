@@ -26,7 +26,7 @@ from .cost import count_params
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of, in_standard_form, standard_copy
-from .files import json_text, sha256_file, write_json
+from .files import checked_path, json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .methods.corp.sizes import uniform_sizes
 from .models import (
@@ -246,8 +246,9 @@ def write_artifact(
 
 
 def read_config(path: str | Path) -> dict:
-    """The ``config.json`` of an artifact directory, checked against the artifact's record."""
-    path = Path(path)
+    """The ``config.json`` of an artifact directory, checked against the artifact's record (BadUsage
+    for what is not a path the tool can take: :func:`~corp_deploy.files.checked_path`)."""
+    path = checked_path(path, "path")
     if not path.is_dir():
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
@@ -308,8 +309,6 @@ def recorded_checksums(path: str | Path) -> dict[str, str] | None:
 def load_compressed(path: str | Path) -> nn.Module:
     """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
     weights file must match the artifact's record, and its weights must be finite."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise BadUsage(f"path must be a str or a pathlib.Path, not {type(path).__name__}")
     return Artifact.read(path).model
 
 

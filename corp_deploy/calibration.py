@@ -17,7 +17,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .bundled_photos import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS, builtin_photo_paths
 from .errors import CorpError, SettingError, check_setting_types, first_line
-from .files import existing_dir
+from .files import checked_path, existing_dir, shown
 from .outputs import RECORD_FILE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -103,7 +103,7 @@ def unreadable_reason(path: Path, exc: BaseException) -> str:
         why = "not an image Pillow can read"
     else:
         why = first_line(exc, 120)
-    return f"{path}: {why}"
+    return f"{shown(path)}: {why}"
 
 
 #: How much a calibration set must vary, across its images and within each, in units of the model's
@@ -429,7 +429,7 @@ class CalibrationSpec:
         if not 0 <= self.seed < 2**32:
             raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
         if self.source is not None:
-            object.__setattr__(self, "source", Path(self.source))
+            object.__setattr__(self, "source", checked_path(self.source, "source"))
 
     @classmethod
     def recorded(

@@ -394,6 +394,15 @@ def _latest(w: Path, text: str) -> None:
     (state / "latest.json").write_text(text)
 
 
+#: A name that is not valid UTF-8 (a Latin-1 "y" with diaeresis, as an older system writes it).
+NOT_UTF8 = os.fsdecode(b"caf\xff")
+
+
+def _renamed_not_utf8(w: Path) -> Path:
+    """A copy of the artifact under a name that is not valid UTF-8."""
+    return shutil.copytree(w / "art", w / NOT_UTF8)
+
+
 def _broken_images(w: Path) -> Path:
     folder = w / "broken"
     folder.mkdir()
@@ -475,6 +484,10 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "compress-calib-empty-string": Refusal(lambda w: [*BASE, "--calib", "", "-o", w / "o"], 2, "an empty path"),
     "compress-o-empty-string": Refusal(lambda w: [*BASE, "-o", ""], 2, "an empty path"),
+    "compress-o-not-utf-8": Refusal(lambda w: [*BASE, "-o", w / NOT_UTF8], 2, "caf\\xff is not valid UTF-8"),
+    "compress-calib-not-utf-8": Refusal(
+        lambda w: [*BASE, "--calib", image_folder(w / NOT_UTF8), "-o", w / "o"], 2, "caf\\xff is not valid UTF-8"
+    ),
     "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2**70, "-o", w / "o"], 2, "--seed"),
     "compress-zero-calibration-samples": Refusal(
         lambda w: [*setting(BASE, "--calib-samples", 0), "-o", w / "o"], 2, "--calib-samples"
@@ -792,6 +805,14 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "export-artifact-is-a-file": Refusal(
         lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1, "is not a corp-deploy artifact (not a directory)"
+    ),
+    "export-artifact-not-utf-8": Refusal(
+        lambda w: ["export", _renamed_not_utf8(w), "-o", w / "o"], 2, "caf\\xff is not valid UTF-8"
+    ),
+    "recover-latest-record-of-an-artifact-not-utf-8": Refusal(
+        lambda w: _latest(w, json.dumps({"artifact": str(_renamed_not_utf8(w))})) or ["recover", "-o", w / "o"],
+        1,
+        "records it) cannot be used: path {w}/caf\\xff is not valid UTF-8",
     ),
     "export-latest-record-malformed": Refusal(
         lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"],
@@ -1643,6 +1664,34 @@ def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built
     result = CliRunner().invoke(cli, ["export"], env=unset)
     assert_one_message(result.exit_code, result.output, result.exception, 1, "pass the artifact directory")
     assert "keeps no record" in result.output
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_any_work(work, monkeypatch):
+    """A default output in a folder whose name is not valid UTF-8 (relative to such a current
+    directory) and the library's paths alike: refused before anything is built or written, not
+    written as an artifact that no command can read back; an unreadable image of such a name inside
+    ``--calib`` is named with the byte written out (every record stays valid UTF-8)."""
+    from corp_deploy import CalibrationSpec, CompressConfig, compress_to_artifact
+    from corp_deploy.errors import BadUsage
+
+    folder = work / NOT_UTF8
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    code, text, exception = invoke(BASE, work.parent / "state")
+    assert_one_message(code, text, exception, 2, f"{work}/caf\\xff/corp-deploy/deit_tiny-s0.5 is not valid UTF-8")
+    assert "building" not in text and list(folder.iterdir()) == []
+    for call in (
+        lambda: compress_to_artifact(build_small_vit(), CompressConfig(), CalibrationSpec(samples=4), "out"),
+        lambda: load_compressed(work / NOT_UTF8),
+        lambda: CalibrationSpec(work / NOT_UTF8),
+    ):
+        with pytest.raises(BadUsage, match=r"caf\\xff(/out)? is not valid UTF-8"):
+            call()
+    calib = image_folder(work / "calib", count=2)
+    (calib / f"{NOT_UTF8}.png").write_bytes(b"not a picture")
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", work / "calibrated"], work.parent / "state")
+    assert code == 0 and "caf\\xff.png: not an image" in text, text
+    assert "\\udc" not in (work / "calibrated" / "config.json").read_text()
 
 
 def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):

@@ -13,6 +13,7 @@ import click
 
 from ..calibration import DEFAULT_IMAGES
 from ..errors import BadUsage
+from ..files import checked_path
 from ..methods import METHODS
 from ..parts import TARGETS
 from ..recovery import MAX_STEPS, SETTING_PREFIX, RecoveryConfig
@@ -34,12 +35,15 @@ class FiniteFloatRange(click.FloatRange):
 
 
 class GivenPath(click.Path):
-    """A path that names something: an empty value (``--calib ""``, an unset shell variable) is
-    refused, not read as the current directory."""
+    """A path that names something the tool can use (:func:`corp_deploy.files.checked_path`): an
+    empty value (``--calib ""``, an unset shell variable) is refused, not read as the current
+    directory, and so is a path that is not valid UTF-8."""
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and not value:
-            self.fail("an empty path names no file or folder", param, ctx)
+        try:
+            checked_path(value, "the path")
+        except BadUsage as exc:
+            self.fail(str(exc), param, ctx)
         return super().convert(value, param, ctx)
 
 
