@@ -16,7 +16,6 @@ from pathlib import Path
 
 from torch import nn
 
-from corp_deploy.errors import SettingError
 from exporters import tensorrt as trt_backend
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
@@ -73,17 +72,6 @@ BACKENDS: dict[str, tuple[str, MakeRunner]] = {
     "ort-tensorrt": ("ort", _onnxruntime("tensorrt")),
     "trt": ("trt", _tensorrt),
 }
-
-
-def parse_families(text: str) -> tuple[str, ...]:
-    """``"torch,ort,trt"`` -> the families, validated: each known, each once, no empty item."""
-    families = tuple(f.strip() for f in text.split(","))
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown or len(set(families)) < len(families):
-        raise SettingError(
-            f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}, each once; got {text!r}", "backends"
-        )
-    return families
 
 
 def open_runners(

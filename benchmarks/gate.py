@@ -382,14 +382,16 @@ def _rows_against_baseline(report: BenchReport, baseline: BenchReport, limits: G
 
 def _fidelity_against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
     """Top-1 agreement, feature cosine and accuracy against ``baseline``: each may shrink by at most
-    ``tolerance``, and each the baseline has must be measured again."""
+    ``tolerance``, each the baseline has must be measured again, and each measured must be in the
+    baseline (a null or missing number there compares nothing: never a pass)."""
     found = []
     new_f, old_f = report.fidelity, baseline.fidelity
     for number, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
         new, old = getattr(new_f, number), getattr(old_f, number)
         if old is None:
-            continue
-        if new is None:
+            if new is not None:
+                found.append(f"fidelity: {label} was measured but the baseline has none (null or missing)")
+        elif new is None:
             found.append(f"fidelity: {label} is in the baseline but was not measured")
         elif not new >= old * (1 - tolerance):
             found.append(f"fidelity: {label} {new:.4f} vs baseline {old:.4f}")

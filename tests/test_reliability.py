@@ -594,6 +594,39 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--macs applies to --methods corp and uncompensated only, not vbp",
     ),
+    "bench-gate-trailing-comma": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", "speedup,"],
+        2,
+        "takes comma-separated gate names (e.g. speedup,fidelity); got 'speedup,': an empty item is refused",
+    ),
+    "bench-gate-leading-comma": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", ",speedup"],
+        2,
+        "an empty item is refused, not dropped",
+    ),
+    "bench-backends-empty-item": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,"], 2, "an empty item is refused, not dropped"
+    ),
+    "sweep-methods-empty-item": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--methods", "corp,,vbp", "-o", w / "o"],
+        2,
+        "takes comma-separated method names (e.g. corp,vbp); got 'corp,,vbp'",
+    ),
+    "bench-baseline-without-the-feature-cosine-it-gates": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "ort",
+            "--baseline",
+            _baseline(w, lambda r: r["fidelity"].update(feature_cosine=None)),
+            "--gate",
+            "fidelity",
+        ],
+        4,
+        "fidelity: feature cosine was measured but the baseline has none (null or missing)",
+    ),
     "sweep-sparsity-trailing-comma": Refusal(
         lambda w: ["sweep", *BASE[1:], "--s", "0.5,", "-o", w / "o"], 2, "takes comma-separated numbers"
     ),
