@@ -13,7 +13,7 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.documents import read_json
-from corp_deploy.errors import SettingError, check_setting_types, described
+from corp_deploy.errors import SettingError, check_choices, check_setting_types
 from exporters.parity import below
 from exporters.precision import PRECISIONS
 
@@ -70,14 +70,8 @@ class GateLimits:
 
     def __post_init__(self) -> None:
         check_setting_types(self)
-        gates = self.gates
-        named = isinstance(gates, tuple) and all(isinstance(gate, str) for gate in gates)
-        if not (named and gates and set(gates) <= set(BASELINE_GATES) and len(set(gates)) == len(gates)):
-            got = repr(",".join(gates)) if named else described(gates)
-            raise SettingError(
-                f"{{setting}} takes one or more of {','.join(BASELINE_GATES)}, each once; got {got}", "gates"
-            )
-        if self.max_latency_regression is not None and "latency" not in gates:
+        check_choices("gates", self.gates, BASELINE_GATES)
+        if self.max_latency_regression is not None and "latency" not in self.gates:
             raise SettingError(
                 "{setting} is the latency gate's tolerance; it applies only when {setting} names latency",
                 "max_latency_regression",

@@ -26,7 +26,7 @@ from corp_deploy.documents import (
     from_json,
     optional_entry,
 )
-from corp_deploy.errors import CorpError, SettingError, described
+from corp_deploy.errors import CorpError, check_choices
 from exporters.parity import Comparison
 from exporters.runners import TORCH_PRECISIONS
 
@@ -57,13 +57,7 @@ class BenchSettings(Record):
     torch_precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        families = self.backends
-        named = isinstance(families, tuple) and all(isinstance(family, str) for family in families)
-        if not (named and families and set(families) <= set(FAMILIES) and len(set(families)) == len(families)):
-            got = repr(",".join(families)) if named else described(families)
-            raise SettingError(
-                f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}, each once; got {got}", "backends"
-            )
+        check_choices("backends", self.backends, FAMILIES)
         if self.torch_precision not in TORCH_PRECISIONS:
             raise CorpError(f"torch_precision is one of {', '.join(TORCH_PRECISIONS)}, not {self.torch_precision!r}")
 

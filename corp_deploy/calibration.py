@@ -95,6 +95,23 @@ def file_digest(path: str | Path) -> str:
     return hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
 
 
+#: What compression and recovery take as their images, as messages name it.
+BATCHES = "an iterable of preprocessed image batches, tensors (B, 3, H, W)"
+
+
+def check_batch(images: object) -> None:
+    """CorpError unless ``images`` is a batch of preprocessed images, as compression and recovery take
+    them: a floating-point ``(B, 3, H, W)`` tensor (normalised pixels, not uint8), every value finite."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4:
+        raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
+    if not images.is_floating_point():
+        raise CorpError(
+            f"calibration batches must be preprocessed (normalised, floating-point) images; got {images.dtype}"
+        )
+    if not torch.isfinite(images).all():
+        raise CorpError("calibration batch contains NaN or infinite values")
+
+
 def unreadable_reason(path: Path, exc: BaseException) -> str:
     """``name: why`` for a skipped image file, in one line."""
     if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):

@@ -55,8 +55,18 @@ class CompressedArtifact:
     calibration: dict
 
     def calibration_warnings(self) -> list[str]:
-        """What the user should hear about the calibration (:func:`~corp_deploy.calibration.summary_warnings`)."""
-        return summary_warnings(self.calibration)
+        """What the user should hear about the calibration (:func:`~corp_deploy.calibration.summary_warnings`)
+        and, after a recovery, about the sources it found to be copies of another."""
+        copies = self.report.get("recovery", {}).get("images", {}).get("duplicate_sources", 0)
+        duplicates = (
+            [
+                f"recovery: {copies} calibration source{'s were' if copies != 1 else ' was'} a byte-identical copy "
+                "of another: counted once, on the same side of the split (validation holds no copy of a training image)"
+            ]
+            if copies
+            else []
+        )
+        return summary_warnings(self.calibration) + duplicates
 
 
 class HeldImages:

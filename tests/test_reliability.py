@@ -9,6 +9,7 @@ the temporary directory. docs/reliability.md lists every case; a test keeps the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -584,7 +585,9 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: [*BASE, "--model-arg", "qkv_bias=no", "-o", w / "o"], 2, "write a yes/no value as true or false"
     ),
     "bench-backends-repeated": Refusal(
-        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"], 2, "subset of torch,ort,trt, each once"
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"],
+        2,
+        "takes one or more of torch,ort,trt, each once",
     ),
     "bench-batch-empty-item": Refusal(
         lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,,2")], 2, "takes comma-separated positive"
@@ -1405,12 +1408,36 @@ def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command
 
 def test_evaluation_images_of_one_colour_are_warned_about_not_refused_as_calibration(work):
     """bench --data of black images: nothing is calibrated on them, so they are not refused for
-    singular calibration statistics; the warning names them as evaluation images."""
-    data = plain(work / "black", ((0, 0, 0),) * 2)
-    args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", data]
-    with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what is"):
-        code, text, exception = invoke(args, work.parent / "state")
-    assert code == 0 and exception is None and "calibration images" not in text, text
+    singular calibration statistics; the warning names them as evaluation images, on stderr and in
+    the reports a CI job reads (JSON ``fidelity.data.warnings``, Markdown), labelled folder or not."""
+    data = plain(work.parent / "black", ((0, 0, 0),) * 2)
+    labelled = plain(work.parent / "labelled" / "a", ((0, 0, 0),) * 2).parent
+    (labelled / "class_index.json").write_text('{"a": 0}')
+    for folder in (data, labelled):
+        reports = ["--json", work / "r.json", "--markdown", work / "r.md"]
+        args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", folder, *reports]
+        with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what"):
+            code, text, exception = invoke(args, work.parent / "state")
+        assert code == 0 and exception is None and "calibration images" not in text, text
+        said = json.loads((work / "r.json").read_text())["fidelity"]["data"]["warnings"]
+        assert said[0].startswith("all 2 evaluation images are of one colour (e.g. all black): what is measured")
+        assert said[1].startswith("the 2 evaluation images are near-identical: they vary by 0 across images")
+        assert f"- warning: {said[0]}" in (work / "r.md").read_text()
+
+
+def test_byte_identical_calibration_files_are_one_source_of_recovery_and_said(work):
+    """A --calib folder holding each photo twice (under other names): recovery counts each once and
+    keeps its copies on one side of the split (validation holds no copy of a training image), says
+    how many copies it found on stderr and records it in the report's ``images``."""
+    calib = image_folder(work.parent / "calib", 4)
+    for i in range(4):
+        shutil.copyfile(calib / f"{i}.png", calib / f"copy{i}.png")
+    quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1, "--calib-samples", 8]
+    code, text, _ = invoke([*BASE[:-2], *quick, "--calib", calib, "-o", work / "o"], work.parent / "state")
+    said = " ".join(text.split())
+    assert code == 0 and "recovery: 4 calibration sources were a byte-identical copy of another: counted once" in said
+    images = json.loads((work / "o" / "report.json").read_text())["recovery"]["images"]
+    assert images["duplicate_sources"] == 4 and images["training_sources"] + images["validation_sources"] == 4, images
 
 
 def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
@@ -1697,6 +1724,49 @@ def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built
     result = CliRunner().invoke(cli, ["export"], env=unset)
     assert_one_message(result.exit_code, result.output, result.exception, 1, "pass the artifact directory")
     assert "keeps no record" in result.output
+
+
+def test_the_library_names_wrong_types_and_values_before_any_work():
+    """The public functions check what they are given, as the CLI does, with one message naming
+    the argument (never a raw TypeError, an overflow after compression, or the wrong cause): no
+    calibration batches, a seed no generator takes, recovery of 0 steps, raw uint8 pixels and NaN
+    (compress's message), a float16 model (its dtype, not "not the weights it was compressed from")."""
+    import corp_deploy
+    from corp_deploy.recovery import RecoveryConfig, recover
+
+    dense = build_small_vit()
+    batches = [torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))]
+    student, _ = corp_deploy.compress(dense, batches, corp_deploy.CompressConfig(sparsity=0.5))
+    quick = RecoveryConfig(steps=1, batch_size=2, eval_every=1, workers=0)
+    refused = {
+        "calibration_batches must be an iterable of preprocessed image batches, tensors (B, 3, H, W), not NoneType": (
+            lambda: corp_deploy.compress(dense, None)
+        ),
+        "recover_seed must be an integer from 0 to 4,294,967,295, got 18446744073709551616": (
+            lambda: RecoveryConfig(steps=1, seed=2**64)
+        ),
+        "recover_steps must be at least 1 to recover (0 is off: nothing would train)": (
+            lambda: recover(student, dense, batches, RecoveryConfig(steps=0, lr=1e-3))
+        ),
+        "images must be an iterable of preprocessed image batches": lambda: recover(student, dense, None, quick),
+        "student must be a timm ViT (torch.nn.Module), not NoneType": lambda: recover(None, dense, batches, quick),
+        "calibration batches must be preprocessed (normalised, floating-point) images; got torch.uint8": (
+            lambda: recover(student, dense, [batches[0].clamp(0, 1).mul(255).to(torch.uint8)], quick)
+        ),
+        "calibration batch contains NaN or infinite values": (
+            lambda: recover(student, dense, [torch.full_like(batches[0], float("nan"))], quick)
+        ),
+        "the compressed model's weights are float16: recovery trains float32 models": (
+            lambda: recover(copy.deepcopy(student).half(), dense, batches, quick)
+        ),
+        "the dense model's weights are bfloat16": lambda: recover(
+            student, copy.deepcopy(dense).bfloat16(), batches, quick
+        ),
+    }
+    for message, call in refused.items():
+        with pytest.raises(corp_deploy.CorpError) as raised:
+            call()
+        assert message in str(raised.value), (message, str(raised.value))
 
 
 def test_a_path_that_is_not_utf8_is_refused_before_any_work(work, monkeypatch):
