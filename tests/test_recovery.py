@@ -372,11 +372,14 @@ def test_byte_identical_sources_are_one_source_on_one_side_of_the_split(tmp_path
         ((torch.rand(4, 3, 8, 8) * 255).to(torch.uint8), "must be preprocessed .*floating-point.* got torch.uint8"),
         (torch.full((4, 3, 8, 8), float("nan")), "NaN or infinite"),
         (torch.zeros(3, 8, 8), r"image tensors of shape \(B, 3, H, W\)"),
+        (torch.zeros(4, 1, 8, 8), r"images of the model's input shape \(3, 8, 8\); got \(1, 8, 8\)"),
+        (torch.zeros(4, 3, 16, 16), r"images of the model's input shape \(3, 8, 8\); got \(3, 16, 16\)"),
     ],
 )
 def test_recovery_refuses_the_batches_compress_refuses(batch, message):
-    """Raw uint8 pixels (not preprocessed), NaN and a batch that is not (B, 3, H, W): the message
-    compress gives, before any training (it trained on them before, or blamed the learning rate)."""
+    """Raw uint8 pixels (not preprocessed), NaN, a batch that is not (B, 3, H, W) or not of the
+    model's input shape (one channel was broadcast to three): refused as compress refuses them,
+    before any training (it trained on them before, or blamed the learning rate)."""
     with pytest.raises(CorpError, match=message):
         RecoveryImages([batch], DATA_CONFIG, RecoveryConfig())
 

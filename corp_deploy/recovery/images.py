@@ -61,6 +61,11 @@ class RecoveryImages:
 
     def __init__(self, batches: Iterable[torch.Tensor], data_config: dict, config: RecoveryConfig) -> None:
         listed, images, keys, first, duplicates = _read(batches)
+        shape = tuple(data_config["input_size"])
+        if tuple(images.shape[1:]) != shape:  # a view would broadcast or resize it: compress refuses it
+            raise CorpError(
+                f"calibration batches must be images of the model's input shape {shape}; got {tuple(images.shape[1:])}"
+            )
         distinct = list(first)
         held = _held_out(len(distinct), duplicates, config)
         order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(config.seed)).tolist()
