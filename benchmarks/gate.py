@@ -14,6 +14,7 @@ from pathlib import Path
 from corp_deploy import CorpError
 from corp_deploy.documents import read_json
 from corp_deploy.errors import SettingError, check_choices, check_setting_types
+from corp_deploy.files import checked_path
 from exporters.parity import below
 from exporters.precision import PRECISIONS
 
@@ -111,7 +112,7 @@ class GateLimits:
 def read_baseline(path: str | Path) -> BenchReport:
     """A bench JSON report to compare with (:class:`~benchmarks.results.BenchReport`), checked:
     every number the gate reads is there and usable, and the run it records passed its own gate."""
-    path = Path(path)
+    path = checked_path(path, "baseline")
     report = BenchReport.from_dict(read_json(path, "baseline", "a bench JSON report"), f"baseline {path}")
     problem = _baseline_problem(report)
     if problem is not None:

@@ -217,7 +217,7 @@ def write_artifact(
     or None."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
+    out_dir = checked_path(out_dir, "out_dir")
     config = {
         **CONFIG_FORMAT.header(),
         "base_model": base_model,

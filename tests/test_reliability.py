@@ -1726,13 +1726,17 @@ def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built
     assert "keeps no record" in result.output
 
 
-def test_the_library_names_wrong_types_and_values_before_any_work():
+def test_the_library_names_wrong_types_and_values_before_any_work(tiny_artifact):
     """The public functions check what they are given, as the CLI does, with one message naming
     the argument (never a raw TypeError, an overflow after compression, or the wrong cause): no
     calibration batches, a seed no generator takes, recovery of 0 steps, raw uint8 pixels and NaN
-    (compress's message), a float16 model (its dtype, not "not the weights it was compressed from")."""
+    (compress's message), a float16 model (its dtype, not "not the weights it was compressed from");
+    bench's settings out of range and paths given as bytes."""
     import corp_deploy
+    from benchmarks.gate import read_baseline
+    from benchmarks.results import BenchSettings
     from corp_deploy.recovery import RecoveryConfig, recover
+    from exporters import ExportOptions, export_artifact
 
     dense = build_small_vit()
     batches = [torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))]
@@ -1762,6 +1766,14 @@ def test_the_library_names_wrong_types_and_values_before_any_work():
         "the dense model's weights are bfloat16": lambda: recover(
             student, copy.deepcopy(dense).bfloat16(), batches, quick
         ),
+        "batches takes one or more batch sizes from 1 to 65,536, each once; got tuple (0,)": (
+            lambda: BenchSettings(batches=(0,))
+        ),
+        "min_time must be a finite number of seconds > 0, got nan": lambda: BenchSettings(min_time=math.nan),
+        "out_dir must be a str or a pathlib.Path, not bytes": (
+            lambda: export_artifact(tiny_artifact, b"export", ExportOptions())
+        ),
+        "baseline must be a str or a pathlib.Path, not bytes": lambda: read_baseline(b"main.json"),
     }
     for message, call in refused.items():
         with pytest.raises(corp_deploy.CorpError) as raised:
