@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 from torch import nn
 
-from corp_deploy.errors import SettingError
 from exporters import tensorrt as trt_backend
 from exporters.runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 from exporters.torch_compile import CompiledTorchRunner
@@ -126,17 +125,6 @@ def row_timings(backend: str, timing: str) -> tuple[str, ...]:
     report written by hand) is taken as timed host to host."""
     timings = BACKENDS[backend].timings if backend in BACKENDS else (HOST_TO_HOST,)
     return (timing, *(t for t in timings if t != timing)) if timing in timings else timings
-
-
-def parse_families(text: str) -> tuple[str, ...]:
-    """``"torch,ort,trt"`` -> the families, validated: each known, each once, no empty item."""
-    families = tuple(f.strip() for f in text.split(","))
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown or len(set(families)) < len(families):
-        raise SettingError(
-            f"{{setting}} takes a comma-separated subset of {','.join(FAMILIES)}, each once; got {text!r}", "backends"
-        )
-    return families
 
 
 def open_runners(

@@ -8,13 +8,17 @@ class sub-folder name to the model's output index (ImageFolder layout)::
     val/n01443537/*.JPEG
 
 Otherwise every image under it (recursively) is used without labels. Either way, files that
-cannot be read as images are skipped and counted (``description["files_skipped"]``).
+cannot be read as images are skipped and counted (``description["files_skipped"]``), and what
+makes the images a poor measure (images of one colour, near-identical images, images without
+detail: :meth:`~corp_deploy.calibration.ImageSpan.warnings`) is said on stderr and recorded in
+``description["warnings"]``, so that the report a CI job reads says it too.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,7 @@ from corp_deploy import CalibrationImages, CorpError
 from corp_deploy.calibration import (
     HELD_OUT_PHOTOS,
     UNREADABLE,
+    ImageSpan,
     file_digest,
     find_images,
     held_out_images,
@@ -151,13 +156,14 @@ def _described(images: CalibrationImages, description: dict, digests: set[str]):
         images=summary["images_used"],
         files_skipped=summary["files_skipped"],
         skipped_examples=summary["skipped_examples"],
+        warnings=images.span.warnings(),
     )
 
 
 def _labelled_batches(
     samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict, digests: set[str]
 ):
-    images, labels, skipped = [], [], []
+    images, labels, skipped, span = [], [], [], ImageSpan("evaluation")
     for path, label in samples:
         try:
             image, digest = transform(load_rgb(path)), file_digest(path)
@@ -168,13 +174,26 @@ def _labelled_batches(
         digests.add(digest)
         labels.append(label)
         if len(images) == batch_size:
-            yield torch.stack(images), torch.tensor(labels)
+            yield _spanned(torch.stack(images), span), torch.tensor(labels)
             images, labels = [], []
     if images:
-        yield torch.stack(images), torch.tensor(labels)
+        yield _spanned(torch.stack(images), span), torch.tensor(labels)
     if len(skipped) == len(samples):
         raise CorpError(f"none of the {len(samples)} evaluation images could be read (e.g. {skipped[0]})")
-    description.update(images=len(samples) - len(skipped), files_skipped=len(skipped), skipped_examples=skipped[:5])
+    for message in span.warnings():
+        warnings.warn(message, stacklevel=1)
+    description.update(
+        images=len(samples) - len(skipped),
+        files_skipped=len(skipped),
+        skipped_examples=skipped[:5],
+        warnings=span.warnings(),
+    )
+
+
+def _spanned(batch: torch.Tensor, span: ImageSpan) -> torch.Tensor:
+    """``batch``, added to ``span``."""
+    span.add(batch)
+    return batch
 
 
 def folders_overlap(first: str | Path, second: str | Path) -> bool:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.documents import read_json
-from corp_deploy.errors import SettingError, check_setting_types, described
+from corp_deploy.errors import SettingError, check_choices, check_setting_types
+from corp_deploy.files import checked_path
 from exporters.parity import below
 from exporters.precision import PRECISIONS
 
@@ -70,14 +71,8 @@ class GateLimits:
 
     def __post_init__(self) -> None:
         check_setting_types(self)
-        gates = self.gates
-        named = isinstance(gates, tuple) and all(isinstance(gate, str) for gate in gates)
-        if not (named and gates and set(gates) <= set(BASELINE_GATES) and len(set(gates)) == len(gates)):
-            got = repr(",".join(gates)) if named else described(gates)
-            raise SettingError(
-                f"{{setting}} takes one or more of {','.join(BASELINE_GATES)}, each once; got {got}", "gates"
-            )
-        if self.max_latency_regression is not None and "latency" not in gates:
+        check_choices("gates", self.gates, BASELINE_GATES)
+        if self.max_latency_regression is not None and "latency" not in self.gates:
             raise SettingError(
                 "{setting} is the latency gate's tolerance; it applies only when {setting} names latency",
                 "max_latency_regression",
@@ -117,7 +112,7 @@ class GateLimits:
 def read_baseline(path: str | Path) -> BenchReport:
     """A bench JSON report to compare with (:class:`~benchmarks.results.BenchReport`), checked:
     every number the gate reads is there and usable, and the run it records passed its own gate."""
-    path = Path(path)
+    path = checked_path(path, "baseline")
     report = BenchReport.from_dict(read_json(path, "baseline", "a bench JSON report"), f"baseline {path}")
     problem = _baseline_problem(report)
     if problem is not None:
@@ -389,14 +384,16 @@ def _rows_against_baseline(report: BenchReport, baseline: BenchReport, limits: G
 
 def _fidelity_against_baseline(report: BenchReport, baseline: BenchReport, tolerance: float) -> list[str]:
     """Top-1 agreement, feature cosine and accuracy against ``baseline``: each may shrink by at most
-    ``tolerance``, and each the baseline has must be measured again."""
+    ``tolerance``, each the baseline has must be measured again, and each measured must be in the
+    baseline (a null or missing number there compares nothing: never a pass)."""
     found = []
     new_f, old_f = report.fidelity, baseline.fidelity
     for number, label in (("top1_agreement", "top-1 agreement"), ("feature_cosine", "feature cosine")):
         new, old = getattr(new_f, number), getattr(old_f, number)
         if old is None:
-            continue
-        if new is None:
+            if new is not None:
+                found.append(f"fidelity: {label} was measured but the baseline has none (null or missing)")
+        elif new is None:
             found.append(f"fidelity: {label} is in the baseline but was not measured")
         elif not new >= old * (1 - tolerance):
             found.append(f"fidelity: {label} {new:.4f} vs baseline {old:.4f}")

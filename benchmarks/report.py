@@ -133,6 +133,8 @@ def to_markdown(report: BenchReport) -> str:
         lines += ["", "## Attention kernels PyTorch ran", "", "| backend | dense | compressed |", "|---|---|---|"]
         lines += [f"| {backend} | {k['dense']} | {k['compressed']} |" for backend, k in report.attention.items()]
     lines += ["", "## Fidelity of the compressed model against the dense one", "", fidelity_summary(report), ""]
+    said = (report.fidelity.data or {}).get("warnings") or []
+    lines += [*(f"- warning: {message}" for message in said), *([""] if said else [])]
     lines += int8_markdown(report.int8)
     if report.gate:
         gate = report.gate

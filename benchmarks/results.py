@@ -14,6 +14,7 @@ record is None, a missing table empty).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,11 +27,12 @@ from corp_deploy.documents import (
     from_json,
     optional_entry,
 )
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, SettingError, check_choices, check_setting_types, described
+from corp_deploy.resources import MAX_BATCH
 from exporters.parity import Comparison
 from exporters.runners import TORCH_PRECISIONS
 
-from .backends import DEFAULT_FAMILIES, DEVICE_RESIDENT, HOST_TO_HOST, TIMINGS, row_timings
+from .backends import DEFAULT_FAMILIES, DEVICE_RESIDENT, FAMILIES, HOST_TO_HOST, TIMINGS, row_timings
 
 #: 2: how each latency row was timed (``timing``, and on a GPU the other figure beside it), the timing
 #: and CUDA graphs settings, compile times. Version 1 (every row timed host to host) is still read, and
@@ -63,6 +65,22 @@ class BenchSettings(Record):
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        check_choices("backends", self.backends, FAMILIES)
+        batches = self.batches
+        sizes = isinstance(batches, tuple) and all(type(size) is int and 1 <= size <= MAX_BATCH for size in batches)
+        if not (sizes and batches and len(set(batches)) == len(batches)):
+            raise SettingError(
+                f"{{setting}} takes one or more batch sizes from 1 to {MAX_BATCH:,}, each once; "
+                f"got {described(batches)}",
+                "batches",
+            )
+        check_setting_types(self)
+        for name, least in (("threads", 1), ("warmup", 0), ("min_rounds", 1), ("parity_images", 0)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise SettingError(f"{{setting}} must be an integer >= {least}, got {value}", name)
+        if not (math.isfinite(self.min_time) and self.min_time > 0):
+            raise SettingError(f"{{setting}} must be a finite number of seconds > 0, got {self.min_time}", "min_time")
         if self.torch_precision not in TORCH_PRECISIONS:
             raise CorpError(f"torch_precision is one of {', '.join(TORCH_PRECISIONS)}, not {self.torch_precision!r}")
         if self.timing not in TIMINGS:

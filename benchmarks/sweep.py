@@ -34,6 +34,7 @@ from corp_deploy.documents import Document, DocumentFormat, Machine, Record, opt
 from corp_deploy.errors import BadUsage, SettingError
 from corp_deploy.files import write_json
 from corp_deploy.outputs import check_output_dir, staged_output
+from corp_deploy.recovery import check_sources
 from exporters import ExportOptions, export_artifact
 
 from .attention_kernels import lost_kernel_warnings
@@ -159,7 +160,8 @@ class PerModel(Record):
 class SweepRow(Record):
     """One run of a sweep: the ``method`` at a ``sparsity`` or a MAC ``budget`` (the other None), the
     artifact's folder name in the sweep, the target it pruned, both models' parameters and MACs, the
-    MAC-ideal speedup, and its bench report (whose latency rows and fidelity the row repeats)."""
+    MAC-ideal speedup, and its bench report (whose latency rows and fidelity the row repeats);
+    for a recovered run (``<method>+rec<N>``) what recovery did (:func:`recovery_outcome`)."""
 
     method: str
     sparsity: float | None
@@ -172,6 +174,7 @@ class SweepRow(Record):
     latency: list[LatencyRow]
     fidelity: Fidelity
     bench: BenchReport
+    recovery: dict | None = optional_entry()
 
     @property
     def point(self) -> float:
@@ -226,6 +229,8 @@ def run_sweep(
     first = distributed.rank() == 0
     transform, _ = model_transform(dense)
     calibration = HeldImages(spec.calibration.images(transform))  # read once for every point
+    if spec.recovery.enabled:  # before the first point, which does not recover
+        check_sources(calibration, spec.recovery)
     measure = _Measure(dense, spec, transform, log, warn) if first else None
     rows = []
     with staged_output(out_dir, "sweep") if first else contextlib.nullcontext() as tmp:
@@ -241,6 +246,7 @@ def run_sweep(
                     tmp / name if first else None,
                     base_model=base_model,
                     images=calibration,
+                    progress=first and config.recovery.enabled,  # recovery's progress: minutes
                 )
                 if first:
                     rows.append(measure.row(tmp, name, method, point, config, compressed))
@@ -326,9 +332,20 @@ class _Measure:
             latency=bench.latency,
             fidelity=bench.fidelity,
             bench=bench,
+            recovery=recovery_outcome(report),
         )
         log(f"{name}: " + fidelity_summary(bench))
         return row
+
+
+def recovery_outcome(report: dict) -> dict | None:
+    """What the recovery in a compress ``report`` did, as a sweep row records it (None: none ran):
+    the steps run, why it stopped, the step whose weights were kept (0: none, the model is the one
+    compress gives without recovery) and the validation output cosine before and after."""
+    recovery = report.get("recovery")
+    if recovery is None:
+        return None
+    return {key: recovery[key] for key in ("steps_run", "stopped", "best_step", "validation_cosine")}
 
 
 @contextlib.contextmanager
@@ -492,6 +509,7 @@ def to_markdown(result: SweepResult) -> str:
         macs = row.macs.compressed
         cells = [at_macs(fidelity_curve(groups[m]), macs) for m in methods]
         lines.append(f"| {macs / 1e9:.4g} | " + " | ".join("-" if c is None else f"{c:.4f}" for c in cells) + " |")
+    lines += _recovery_lines(result)
     first = result.rows[0]
     lines += [
         "",
@@ -501,6 +519,24 @@ def to_markdown(result: SweepResult) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _recovery_lines(result: SweepResult) -> list[str]:
+    """sweep.md's lines on the recovered runs: per run, the step kept (or none) and the validation cosine."""
+    lines = []
+    for row in result.rows:
+        outcome = row.recovery
+        if outcome is None:
+            continue
+        cosine = outcome["validation_cosine"]
+        kept = (
+            f"kept the weights of step {outcome['best_step']} (validation cosine {cosine['compressed']:.4f} -> "
+            f"{cosine['recovered']:.4f})"
+            if outcome["best_step"]
+            else f"kept no step: no measurement beat compression's (validation cosine {cosine['compressed']:.4f})"
+        )
+        lines.append(f"- {row.artifact}: {outcome['steps_run']} steps ({outcome['stopped']}), {kept}")
+    return ["", "## Recovery", "", *lines] if lines else []
 
 
 def plot(result: SweepResult, path: str | Path) -> None:

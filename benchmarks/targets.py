@@ -6,6 +6,7 @@ from pathlib import Path
 
 from corp_deploy import CorpError, latest_artifact
 from corp_deploy.artifact import CONFIG_FILE, Artifact
+from corp_deploy.files import checked_path
 from corp_deploy.outputs import read_record
 from exporters.manifest import MANIFEST, model_files, read_manifest
 from exporters.precision import PRECISIONS
@@ -30,7 +31,7 @@ def find_target(path: str | Path | None) -> tuple[Artifact, Path | None]:
     weights have the SHA-256s the manifest recorded)."""
     if path is None:
         path = latest_artifact()
-    path = Path(path)
+    path = checked_path(path, "the artifact or export")
     if (path / MANIFEST).is_file():
         manifest = read_manifest(path)
         # an export inside an artifact belongs to it (also after both were moved or copied)

@@ -26,7 +26,7 @@ from .cost import count_params
 from .documents import DocumentFormat, library_versions, timestamp
 from .errors import BadUsage, CorpError, first_line
 from .families import blocks_of, in_standard_form, standard_copy
-from .files import json_text, sha256_file, write_json
+from .files import checked_path, json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
 from .methods.corp.sizes import uniform_sizes
 from .models import (
@@ -217,7 +217,7 @@ def write_artifact(
     or None."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
+    out_dir = checked_path(out_dir, "out_dir")
     config = {
         **CONFIG_FORMAT.header(),
         "base_model": base_model,
@@ -246,8 +246,9 @@ def write_artifact(
 
 
 def read_config(path: str | Path) -> dict:
-    """The ``config.json`` of an artifact directory, checked against the artifact's record."""
-    path = Path(path)
+    """The ``config.json`` of an artifact directory, checked against the artifact's record (BadUsage
+    for what is not a path the tool can take: :func:`~corp_deploy.files.checked_path`)."""
+    path = checked_path(path, "path")
     if not path.is_dir():
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
     if not (path / CONFIG_FILE).is_file():
@@ -308,8 +309,6 @@ def recorded_checksums(path: str | Path) -> dict[str, str] | None:
 def load_compressed(path: str | Path) -> nn.Module:
     """Rebuild a compressed model from its artifact: no network, no calibration, strict load; the
     weights file must match the artifact's record, and its weights must be finite."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise BadUsage(f"path must be a str or a pathlib.Path, not {type(path).__name__}")
     return Artifact.read(path).model
 
 
@@ -545,16 +544,26 @@ def check_dense_weights(base_model: dict[str, Any], dense: nn.Module) -> None:
         )
 
 
-def state_dir() -> Path:
-    """Where corp-deploy remembers the most recent artifact (``$CORP_DEPLOY_STATE_DIR``,
-    else ``$XDG_STATE_HOME/corp-deploy``, else ``~/.local/state/corp-deploy``). A relative
-    ``$XDG_STATE_HOME`` is ignored, as the XDG Base Directory specification says: it would move with
-    the current directory."""
+def state_dir() -> Path | None:
+    """Where corp-deploy remembers the most recent artifact: ``$CORP_DEPLOY_STATE_DIR``, else
+    ``$XDG_STATE_HOME/corp-deploy``, else ``$HOME/.local/state/corp-deploy``; None (no state is kept)
+    when none of them is set. An empty or relative ``$XDG_STATE_HOME`` or ``$HOME`` counts as unset,
+    as the XDG Base Directory specification says of the first (it would move with the current
+    directory; an empty ``$HOME`` would put the state at the file system's root)."""
     if os.environ.get("CORP_DEPLOY_STATE_DIR"):
         return Path(os.environ["CORP_DEPLOY_STATE_DIR"])
-    xdg = os.environ.get("XDG_STATE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
-    return base / "corp-deploy"
+    for variable, below in (("XDG_STATE_HOME", ()), ("HOME", (".local", "state"))):
+        base = os.environ.get(variable, "")
+        if os.path.isabs(base):
+            return Path(base, *below, "corp-deploy")
+    return None
+
+
+#: Why there is no state folder (:func:`state_dir` is None), for messages.
+NO_STATE = (
+    "none of CORP_DEPLOY_STATE_DIR, XDG_STATE_HOME and HOME is set to an absolute path, so corp-deploy keeps "
+    "no record of the most recent artifact"
+)
 
 
 def record_latest(path: str | Path) -> str | None:
@@ -563,18 +572,23 @@ def record_latest(path: str | Path) -> str | None:
     Atomic, under a unique temporary name, so concurrent runs never lose the record: the last
     writer wins. Returns None, or why the record could not be written (the run itself is not
     failed for that)."""
+    folder = state_dir()
+    if folder is None:
+        return f"{NO_STATE}: pass {path} to the commands that follow"
     try:
-        folder = state_dir()
         folder.mkdir(parents=True, exist_ok=True)
         write_json(folder / LATEST_FILE, {"artifact": str(Path(path).resolve()), "time": timestamp()})
     except OSError as exc:
-        return f"could not record {path} as the latest artifact in {state_dir() / LATEST_FILE}: {exc}"
+        return f"could not record {path} as the latest artifact in {folder / LATEST_FILE}: {exc}"
     return None
 
 
 def latest_artifact() -> Path:
     """The most recent artifact written by ``compress``; CorpError if none is known."""
-    record = state_dir() / LATEST_FILE
+    folder = state_dir()
+    if folder is None:
+        raise CorpError(f"no artifact given, and {NO_STATE}; pass the artifact directory")
+    record = folder / LATEST_FILE
     try:
         text = record.read_text()
     except FileNotFoundError:

@@ -18,7 +18,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .bundled_photos import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS, builtin_photo_paths
 from .errors import CorpError, SettingError, check_setting_types, first_line
-from .files import existing_dir
+from .files import checked_path, existing_dir, shown
 from .outputs import RECORD_FILE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -99,6 +99,23 @@ def file_digest(path: str | Path) -> str:
     return hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
 
 
+#: What compression and recovery take as their images, as messages name it.
+BATCHES = "an iterable of preprocessed image batches, tensors (B, 3, H, W)"
+
+
+def check_batch(images: object) -> None:
+    """CorpError unless ``images`` is a batch of preprocessed images, as compression and recovery take
+    them: a floating-point ``(B, 3, H, W)`` tensor (normalised pixels, not uint8), every value finite."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4:
+        raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
+    if not images.is_floating_point():
+        raise CorpError(
+            f"calibration batches must be preprocessed (normalised, floating-point) images; got {images.dtype}"
+        )
+    if not torch.isfinite(images).all():
+        raise CorpError("calibration batch contains NaN or infinite values")
+
+
 def unreadable_reason(path: Path, exc: BaseException) -> str:
     """``name: why`` for a skipped image file, in one line."""
     if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
@@ -107,7 +124,7 @@ def unreadable_reason(path: Path, exc: BaseException) -> str:
         why = "not an image Pillow can read"
     else:
         why = first_line(exc, 120)
-    return f"{path}: {why}"
+    return f"{shown(path)}: {why}"
 
 
 #: How much a calibration set must vary, across its images and within each, in units of the model's
@@ -439,7 +456,7 @@ class CalibrationSpec:
         if not 0 <= self.seed < 2**32:
             raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
         if self.source is not None:
-            object.__setattr__(self, "source", Path(self.source))
+            object.__setattr__(self, "source", checked_path(self.source, "source"))
 
     @classmethod
     def recorded(

@@ -59,7 +59,11 @@ def _signals_end_the_process():
     in which Python's own handlers (:mod:`corp_deploy.launch`) would run only once it returns: when
     another rank died before joining, torchrun's SIGTERM went unanswered for its 30 s grace period
     and the process was then killed. Nothing is being written while a process joins."""
-    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in INTERRUPTS}
+    previous = {
+        signum: signal.signal(signum, signal.SIG_DFL)
+        for signum in INTERRUPTS
+        if signal.getsignal(signum) != signal.SIG_IGN  # ignored from the start (nohup's SIGHUP): left so
+    }
     try:
         yield
     finally:

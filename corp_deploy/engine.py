@@ -35,6 +35,7 @@ from torch import nn
 
 from . import distributed
 from .blocks import BoundaryCache, embed_tokens
+from .calibration import BATCHES, check_batch
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
@@ -76,6 +77,7 @@ def compress(
         the method, per-layer diagnostics, parameter/MAC counts, timings and peak memory.
     """
     check_instance("config", config, CompressConfig)
+    check_instance("calibration_batches", calibration_batches, Iterable, BATCHES)
     check_vit(model)
     check_finite(model, "the model to compress")
     if config.recovery.enabled:
@@ -243,14 +245,7 @@ def _embed_all(
     cache = BoundaryCache()
     n = seen = 0
     for index, images in enumerate(batches):
-        if not isinstance(images, torch.Tensor) or images.ndim != 4:
-            raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
-        if not images.is_floating_point():
-            raise CorpError(
-                f"calibration batches must be preprocessed (normalised, floating-point) images; got {images.dtype}"
-            )
-        if not torch.isfinite(images).all():
-            raise CorpError("calibration batch contains NaN or infinite values")
+        check_batch(images)
         if cache.input_size and tuple(images.shape[1:]) != cache.input_size:
             raise CorpError(
                 f"calibration batches differ in image size: {tuple(images.shape[1:])} after {cache.input_size}"

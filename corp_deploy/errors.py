@@ -65,11 +65,21 @@ def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
         raise SettingError(f"{SETTING} must be one of {', '.join(choices)}; got {got}", setting)
 
 
-def check_instance(name: str, value: object, kind: type) -> None:
-    """CorpError naming a wrong type as such: ``config must be a CompressConfig, not dict``."""
+def check_choices(setting: str, values: object, choices: tuple[str, ...]) -> None:
+    """SettingError unless ``values`` is a tuple of one or more of ``choices``, each once."""
+    named = isinstance(values, tuple) and all(isinstance(value, str) for value in values)
+    if not (named and values and set(values) <= set(choices) and len(set(values)) == len(values)):
+        got = repr(",".join(values)) if named else described(values)
+        raise SettingError(f"{{setting}} takes one or more of {','.join(choices)}, each once; got {got}", setting)
+
+
+def check_instance(name: str, value: object, kind: type | tuple[type, ...], what: str | None = None) -> None:
+    """CorpError naming a wrong type as such: ``config must be a CompressConfig, not dict``; ``what``
+    says what is expected where the type's name would not (required for a tuple of types)."""
     if not isinstance(value, kind):
-        article = "an" if kind.__name__[0] in "AEIOU" else "a"
-        raise BadUsage(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
+        if what is None:
+            what = f"{'an' if kind.__name__[0] in 'AEIOU' else 'a'} {kind.__name__}"
+        raise BadUsage(f"{name} must be {what}, not {type(value).__name__}")
 
 
 def check_setting_types(settings: object, setting: typing.Callable[[str], str] = str) -> None:

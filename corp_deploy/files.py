@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import CorpError
+from .errors import BadUsage, CorpError
 from .interrupts import signals_deferred
 
 #: Temporary names carry at most this much of the final name, so that a name near the file
@@ -78,10 +78,37 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
+def checked_path(value: object, name: str) -> Path:
+    """``value``, a path the tool takes, as a :class:`Path`; BadUsage naming it as ``name`` when it
+    is not a str or an ``os.PathLike`` of one (bytes neither), is empty (it would name the current
+    directory), or is not valid UTF-8 once made absolute (a relative path in a folder whose name is
+    not): every path is recorded as text (JSON, Markdown, the latest-artifact state), and safetensors
+    and ONNX Runtime take UTF-8 paths only, so such an output could not be read back."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise BadUsage(f"{name} must be a str or a pathlib.Path, not {type(value).__name__}")
+    if not text:
+        raise BadUsage(f"{name} is empty: an empty path names no file or folder")
+    path = Path(text)
+    if shown(path.absolute()) != str(path.absolute()):
+        raise BadUsage(
+            f"{name} {shown(path.absolute())} is not valid UTF-8: corp-deploy records paths as text, and the "
+            "libraries it runs (safetensors, ONNX Runtime) take UTF-8 paths only; rename the folder or file"
+        )
+    return path
+
+
+def shown(path: str | Path) -> str:
+    """``path`` as text that any output can hold: the bytes of a name that is not valid UTF-8 (which
+    Python holds as lone surrogates) written as ``\\xff``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def existing_dir(path: str | Path, what: str) -> Path:
     """``path`` made absolute (so that what is recorded resolves the same from anywhere), or
-    CorpError ``WHAT PATH: not found`` or ``not a directory``."""
-    path = Path(path)
+    CorpError ``WHAT PATH: not found`` or ``not a directory`` (BadUsage for what is not a path the
+    tool can take: :func:`checked_path`)."""
+    path = checked_path(path, what)
     if not path.is_dir():
         raise CorpError(f"{what} {path}: {'not a directory' if path.exists() else 'not found'}")
     return path.resolve()

@@ -1,16 +1,18 @@
 """The ``corp-deploy`` entry point: interrupts and what reaches the terminal, set up before the
 heavy imports (torch, timm, ONNX) so that even an interrupt during them ends cleanly.
 
-Every signal that ends a process by default and is sent from outside, not raised by a fault of the
-process itself such as SIGSEGV (:data:`INTERRUPTS`: SIGINT from Ctrl-C, SIGTERM from ``kill`` or a
-job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\\, the timers and
-user signals other tools send, SIGXCPU and SIGXFSZ at resource limits) raises :class:`Interrupted`
-in the main thread, so every ``with`` block on the way out removes what it was writing
-(:mod:`corp_deploy.outputs`); the command then exits with 128 + the signal's number (130, 143, 129,
-131, ...) and one line saying which outputs were completed and which were not written. Only SIGKILL, which
-no process can catch, can leave a staging folder behind (SIGPIPE is ignored by Python: a closed pipe
-is an error of the write, handled as such). Library
-warnings and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
+Every signal of the platform that ends a process by default and is sent from outside, not raised by
+a fault of the process itself such as SIGSEGV (:data:`INTERRUPTS`: SIGINT from Ctrl-C, SIGTERM from
+``kill`` or a job scheduler, SIGHUP when the terminal closes or ssh drops, SIGQUIT from Ctrl-\\, the
+timers, user and real-time signals other tools send, SIGXCPU at its resource limit, SIGPWR, ...)
+raises :class:`Interrupted` in the main thread, so every ``with`` block on the way out removes what
+it was writing (:mod:`corp_deploy.outputs`) and every temporary folder; the command then exits with
+128 + the signal's number (130, 143, 129, 131, ...) and one line saying which outputs were completed
+and which were not written. A signal the process was started ignoring stays ignored (SIGHUP under
+``nohup``; SIGINT and SIGQUIT in a script's background job), as do SIGPIPE and SIGXFSZ, which Python
+ignores (a write to a closed pipe or beyond the file size limit is an error of the write, handled as
+such). Only SIGKILL, which no process can catch, can leave a staging folder behind. Library warnings
+and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def main() -> None:
     if sys.stderr is not None:  # progress and warnings that cannot be written must not stop the work
         sys.stderr = _Diagnostics(sys.stderr)
     for signum in INTERRUPTS:
-        signal.signal(signum, _raise_interrupted)
+        if signal.getsignal(signum) != signal.SIG_IGN:  # ignored from the start (nohup's SIGHUP): left so
+            signal.signal(signum, _raise_interrupted)
     try:
         from .cli import cli  # after the handlers: an interrupt while torch and timm load ends cleanly
 

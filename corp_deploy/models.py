@@ -17,6 +17,7 @@ from .bundled_weights import bundled_model
 from .cost import forward_blank_image
 from .errors import BadUsage, CorpError, check_instance, first_line
 from .families import standard_form, structure_problem, supported_summary
+from .files import checked_path
 
 ALIASES = {
     "deit_tiny": "deit_tiny_patch16_224",
@@ -231,7 +232,7 @@ def _is_torch_file(path: Path) -> bool:
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     """Load a local state dict strictly: safetensors (told by its content, whatever the file's
     name), or a torch file read with weights_only=True."""
-    path = Path(path)
+    path = checked_path(path, "checkpoint")
     if not path.is_file():
         raise CorpError(f"checkpoint not found: {path}")
     safetensors = _is_safetensors(path)

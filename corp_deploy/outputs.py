@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .documents import DocumentFormat, timestamp
-from .errors import BadUsage, CorpError
-from .files import NAME_IN_TEMP, current_umask, sha256_file, write_json
+from .errors import CorpError
+from .files import NAME_IN_TEMP, checked_path, current_umask, sha256_file, write_json
 from .interrupts import signals_deferred
 from .resources import check_disk
 
@@ -67,9 +67,7 @@ def check_output_dir(dest: str | Path, kind: str, made_from: str | Path | None =
     """
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
-    if str(dest) == "":  # Path("") is the current directory: an empty setting, not a choice of it
-        raise BadUsage(f"the output path of {KINDS[kind]} is empty: an empty path names no folder")
-    given = Path(dest)
+    given = checked_path(dest, f"the output path of {KINDS[kind]}")  # not "" (the current directory), UTF-8
     path = resolve(given)
     if path == Path(path.anchor):
         raise CorpError(f"output directory {given} is the file system root; choose a folder for the output")

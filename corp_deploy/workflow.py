@@ -29,6 +29,7 @@ from .calibration import CalibrationImages, CalibrationSpec, summary_warnings
 from .config import CompressConfig
 from .engine import compress, compress_bytes
 from .errors import BadUsage, CorpError, SettingError, check_instance
+from .files import checked_path
 from .models import model_transform
 from .outputs import check_apart, check_output_dir
 from .recovery import SETTING_PREFIX, RecoveryConfig
@@ -54,8 +55,18 @@ class CompressedArtifact:
     calibration: dict
 
     def calibration_warnings(self) -> list[str]:
-        """What the user should hear about the calibration (:func:`~corp_deploy.calibration.summary_warnings`)."""
-        return summary_warnings(self.calibration)
+        """What the user should hear about the calibration (:func:`~corp_deploy.calibration.summary_warnings`)
+        and, after a recovery, about the sources it found to be copies of another."""
+        copies = self.report.get("recovery", {}).get("images", {}).get("duplicate_sources", 0)
+        duplicates = (
+            [
+                f"recovery: {copies} calibration source{'s were' if copies != 1 else ' was'} a byte-identical copy "
+                "of another: counted once, on the same side of the split (validation holds no copy of a training image)"
+            ]
+            if copies
+            else []
+        )
+        return summary_warnings(self.calibration) + duplicates
 
 
 class HeldImages:
@@ -110,6 +121,7 @@ def compress_to_artifact(
             "out_dir is None: give the artifact's folder (None only on the processes of torchrun but the first)"
         )
     if out_dir is not None:
+        checked_path(out_dir, "out_dir")
         check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
         check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
@@ -208,6 +220,9 @@ def recover_artifact(
     (``corp-deploy recover`` gives the artifact's recorded seed, as ``compress --seed`` gives its seed
     to both). An artifact that was recovered already is compressed again the same way and recovered
     anew with ``recovery``: its recovery is replaced, not continued."""
+    if not isinstance(artifact, Artifact):
+        checked_path(artifact, "artifact")
+    checked_path(out_dir, "out_dir")
     check_instance("recovery", recovery, RecoveryConfig)
     if not recovery.enabled:
         raise SettingError(

@@ -24,7 +24,7 @@ from corp_deploy.artifact import Artifact, recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
 from corp_deploy.errors import BadUsage, check_instance
-from corp_deploy.files import sha256_file, write_json
+from corp_deploy.files import checked_path, sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
 from corp_deploy.recovery import check_teacher
 from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_bytes, release_freed_memory, weight_bytes
@@ -86,7 +86,9 @@ def export_artifact(
     precision = PRECISIONS[options.precision]
     artifact = Artifact.of(artifact)
     made_from = artifact.checksums  # before the model is loaded (and checked against it)
-    out_dir = Path(out_dir) if out_dir is not None else default_export_dir(artifact, options.precision)
+    out_dir = (
+        checked_path(out_dir, "out_dir") if out_dir is not None else default_export_dir(artifact, options.precision)
+    )
     check_output_dir(out_dir, "export", made_from=artifact.path)  # before any work
     _check_named_precision(out_dir, options.precision)
     _check_timing_cache_outside_outputs(options.timing_cache, out_dir)

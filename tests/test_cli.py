@@ -257,3 +257,5 @@ def test_the_state_folder_follows_the_environment_and_ignores_a_relative_xdg_sta
     assert state_dir() == tmp_path / "xdg" / "corp-deploy"
     monkeypatch.setenv("XDG_STATE_HOME", "relstate")
     assert state_dir() == tmp_path / "home" / ".local" / "state" / "corp-deploy"
+    monkeypatch.setenv("HOME", "")  # not the file system's root: no state at all
+    assert state_dir() is None

@@ -75,9 +75,12 @@ def test_recovery_keeps_the_structure_and_improves_validation(small_vit, images)
     cosine = recovery["validation_cosine"]
     assert recovery["best_step"] > 0 and cosine["recovered"] > cosine["compressed"]
     assert f"{cosine['compressed']:.4f} -> {cosine['recovered']:.4f}" in table_text(recovery)
-    assert recovery["images"] == {"training_sources": 28, "validation_sources": 4, "validation_views": 32} and report[
-        "params"
-    ]["compressed"] == sum(p.numel() for p in model.parameters())
+    assert recovery["images"] == {
+        "training_sources": 28,
+        "validation_sources": 4,
+        "validation_views": 32,
+        "duplicate_sources": 0,
+    } and report["params"]["compressed"] == sum(p.numel() for p in model.parameters())
     # never trained; nor is the final norm by default (no final-features term in the loss)
     for name in ("patch_embed.proj.weight", "pos_embed", "cls_token", "head.weight", "norm.weight", "norm.bias"):
         assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
@@ -332,9 +335,53 @@ def test_bare_tensors_are_their_own_sources_and_one_is_too_few():
 
     held = values(images.validation)
     assert len(held) == 10 and values(images.training[1]) == set(range(40)) - held  # one step, one epoch
-    with pytest.raises(CorpError, match="at least 2 sources"):
+    with pytest.raises(CorpError, match="at least 2 distinct sources"):
         RecoveryImages([x[:1]], DATA_CONFIG, RecoveryConfig())
     assert RecoveryImages([x[:3]], DATA_CONFIG, RecoveryConfig(validation=0.5)).sources == (2, 1)  # half at most
+
+
+def test_byte_identical_sources_are_one_source_on_one_side_of_the_split(tmp_path):
+    """Copies of a file under other names, and repeated bare images, are counted once and held out
+    or trained on whole: no image compression fits on (the training side) equals a held-out one."""
+    from PIL import Image
+
+    paths = []
+    for i in range(12):  # 4 distinct greys, each in 3 files of other names
+        paths.append(tmp_path / f"{i}.png")
+        Image.new("RGB", (16, 12), (60 * (i % 4),) * 3).save(paths[-1])
+
+    class Batches(list):
+        image_sources = paths
+
+    x = torch.arange(12.0).remainder(4).view(12, 1, 1, 1).expand(12, 3, 8, 8).contiguous() / 4  # image i: i mod 4
+    for batches in (Batches([x]), [x[:5], x[5:]]):
+        for seed in range(5):
+            images = RecoveryImages(batches, DATA_CONFIG, RecoveryConfig(validation=0.5, seed=seed, batch_size=4))
+            assert images.duplicates == 8 and images.sources == (2, 2)  # 4 distinct sources, counted once
+            fit = torch.cat(images.fit_batches())
+            assert len(fit) == 6  # the 3 copies of each of the 2 training sources
+            held = [image for image in x if not any(torch.equal(image, seen) for seen in fit)]
+            assert len(held) == 6  # every copy of the 2 held-out sources, none beside a copy in training
+    with pytest.raises(CorpError, match=r"at least 2 distinct sources .*; got 1 and 2 byte-identical copies"):
+        RecoveryImages([x[:1].expand(3, 3, 8, 8)], DATA_CONFIG, RecoveryConfig())
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        ((torch.rand(4, 3, 8, 8) * 255).to(torch.uint8), "must be preprocessed .*floating-point.* got torch.uint8"),
+        (torch.full((4, 3, 8, 8), float("nan")), "NaN or infinite"),
+        (torch.zeros(3, 8, 8), r"image tensors of shape \(B, 3, H, W\)"),
+        (torch.zeros(4, 1, 8, 8), r"images of the model's input shape \(3, 8, 8\); got \(1, 8, 8\)"),
+        (torch.zeros(4, 3, 16, 16), r"images of the model's input shape \(3, 8, 8\); got \(3, 16, 16\)"),
+    ],
+)
+def test_recovery_refuses_the_batches_compress_refuses(batch, message):
+    """Raw uint8 pixels (not preprocessed), NaN, a batch that is not (B, 3, H, W) or not of the
+    model's input shape (one channel was broadcast to three): refused as compress refuses them,
+    before any training (it trained on them before, or blamed the learning rate)."""
+    with pytest.raises(CorpError, match=message):
+        RecoveryImages([batch], DATA_CONFIG, RecoveryConfig())
 
 
 def test_only_the_blocks_and_the_final_norm_learn(small_vit):

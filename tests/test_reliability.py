@@ -9,12 +9,14 @@ the temporary directory. docs/reliability.md lists every case; a test keeps the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -393,6 +395,15 @@ def _latest(w: Path, text: str) -> None:
     (state / "latest.json").write_text(text)
 
 
+#: A name that is not valid UTF-8 (a Latin-1 "y" with diaeresis, as an older system writes it).
+NOT_UTF8 = os.fsdecode(b"caf\xff")
+
+
+def _renamed_not_utf8(w: Path) -> Path:
+    """A copy of the artifact under a name that is not valid UTF-8."""
+    return shutil.copytree(w / "art", w / NOT_UTF8)
+
+
 def _broken_images(w: Path) -> Path:
     folder = w / "broken"
     folder.mkdir()
@@ -474,6 +485,10 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "compress-calib-empty-string": Refusal(lambda w: [*BASE, "--calib", "", "-o", w / "o"], 2, "an empty path"),
     "compress-o-empty-string": Refusal(lambda w: [*BASE, "-o", ""], 2, "an empty path"),
+    "compress-o-not-utf-8": Refusal(lambda w: [*BASE, "-o", w / NOT_UTF8], 2, "caf\\xff is not valid UTF-8"),
+    "compress-calib-not-utf-8": Refusal(
+        lambda w: [*BASE, "--calib", image_folder(w / NOT_UTF8), "-o", w / "o"], 2, "caf\\xff is not valid UTF-8"
+    ),
     "compress-seed-too-large": Refusal(lambda w: [*BASE, "--seed", 2**70, "-o", w / "o"], 2, "--seed"),
     "compress-zero-calibration-samples": Refusal(
         lambda w: [*setting(BASE, "--calib-samples", 0), "-o", w / "o"], 2, "--calib-samples"
@@ -572,7 +587,7 @@ REFUSALS: dict[str, Refusal] = {
     "bench-backends-repeated": Refusal(
         lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,torch"],
         2,
-        "subset of torch,torch-compile,ort,trt, each once",
+        "takes one or more of torch,torch-compile,ort,trt, each once",
     ),
     "bench-batch-empty-item": Refusal(
         lambda w: ["bench", w / "art", *setting(BENCH, "--batch", "1,,2")], 2, "takes comma-separated positive"
@@ -581,6 +596,39 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["sweep", *BASE[1:], "--macs", 0.6, "--methods", "corp,vbp", "-o", w / "o"],
         2,
         "--macs applies to --methods corp and uncompensated only, not vbp",
+    ),
+    "bench-gate-trailing-comma": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", "speedup,"],
+        2,
+        "takes comma-separated gate names (e.g. speedup,fidelity); got 'speedup,': an empty item is refused",
+    ),
+    "bench-gate-leading-comma": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--baseline", _baseline(w), "--gate", ",speedup"],
+        2,
+        "an empty item is refused, not dropped",
+    ),
+    "bench-backends-empty-item": Refusal(
+        lambda w: ["bench", w / "art", *BENCH, "--backends", "torch,"], 2, "an empty item is refused, not dropped"
+    ),
+    "sweep-methods-empty-item": Refusal(
+        lambda w: ["sweep", *BASE[1:], "--methods", "corp,,vbp", "-o", w / "o"],
+        2,
+        "takes comma-separated method names (e.g. corp,vbp); got 'corp,,vbp'",
+    ),
+    "bench-baseline-without-the-feature-cosine-it-gates": Refusal(
+        lambda w: [
+            "bench",
+            w / "art",
+            *BENCH,
+            "--backends",
+            "ort",
+            "--baseline",
+            _baseline(w, lambda r: r["fidelity"].update(feature_cosine=None)),
+            "--gate",
+            "fidelity",
+        ],
+        4,
+        "fidelity: feature cosine was measured but the baseline has none (null or missing)",
     ),
     "sweep-sparsity-trailing-comma": Refusal(
         lambda w: ["sweep", *BASE[1:], "--s", "0.5,", "-o", w / "o"], 2, "takes comma-separated numbers"
@@ -793,6 +841,14 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "export-artifact-is-a-file": Refusal(
         lambda w: ["export", png(w / "a.png"), "-o", w / "o"], 1, "is not a corp-deploy artifact (not a directory)"
+    ),
+    "export-artifact-not-utf-8": Refusal(
+        lambda w: ["export", _renamed_not_utf8(w), "-o", w / "o"], 2, "caf\\xff is not valid UTF-8"
+    ),
+    "recover-latest-record-of-an-artifact-not-utf-8": Refusal(
+        lambda w: _latest(w, json.dumps({"artifact": str(_renamed_not_utf8(w))})) or ["recover", "-o", w / "o"],
+        1,
+        "records it) cannot be used: path {w}/caf\\xff is not valid UTF-8",
     ),
     "export-latest-record-malformed": Refusal(
         lambda w: _latest(w, "{oops") or ["export", "-o", w / "o"],
@@ -1358,12 +1414,36 @@ def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command
 
 def test_evaluation_images_of_one_colour_are_warned_about_not_refused_as_calibration(work):
     """bench --data of black images: nothing is calibrated on them, so they are not refused for
-    singular calibration statistics; the warning names them as evaluation images."""
-    data = plain(work / "black", ((0, 0, 0),) * 2)
-    args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", data]
-    with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what is"):
-        code, text, exception = invoke(args, work.parent / "state")
-    assert code == 0 and exception is None and "calibration images" not in text, text
+    singular calibration statistics; the warning names them as evaluation images, on stderr and in
+    the reports a CI job reads (JSON ``fidelity.data.warnings``, Markdown), labelled folder or not."""
+    data = plain(work.parent / "black", ((0, 0, 0),) * 2)
+    labelled = plain(work.parent / "labelled" / "a", ((0, 0, 0),) * 2).parent
+    (labelled / "class_index.json").write_text('{"a": 0}')
+    for folder in (data, labelled):
+        reports = ["--json", work / "r.json", "--markdown", work / "r.md"]
+        args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", folder, *reports]
+        with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what"):
+            code, text, exception = invoke(args, work.parent / "state")
+        assert code == 0 and exception is None and "calibration images" not in text, text
+        said = json.loads((work / "r.json").read_text())["fidelity"]["data"]["warnings"]
+        assert said[0].startswith("all 2 evaluation images are of one colour (e.g. all black): what is measured")
+        assert said[1].startswith("the 2 evaluation images are near-identical: they vary by 0 across images")
+        assert f"- warning: {said[0]}" in (work / "r.md").read_text()
+
+
+def test_byte_identical_calibration_files_are_one_source_of_recovery_and_said(work):
+    """A --calib folder holding each photo twice (under other names): recovery counts each once and
+    keeps its copies on one side of the split (validation holds no copy of a training image), says
+    how many copies it found on stderr and records it in the report's ``images``."""
+    calib = image_folder(work.parent / "calib", 4)
+    for i in range(4):
+        shutil.copyfile(calib / f"{i}.png", calib / f"copy{i}.png")
+    quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1, "--calib-samples", 8]
+    code, text, _ = invoke([*BASE[:-2], *quick, "--calib", calib, "-o", work / "o"], work.parent / "state")
+    said = " ".join(text.split())
+    assert code == 0 and "recovery: 4 calibration sources were a byte-identical copy of another: counted once" in said
+    images = json.loads((work / "o" / "report.json").read_text())["recovery"]["images"]
+    assert images["duplicate_sources"] == 4 and images["training_sources"] + images["validation_sources"] == 4, images
 
 
 def test_a_decompression_bomb_and_unreadable_files_are_skipped_and_counted(work):
@@ -1627,6 +1707,112 @@ def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
     )
     assert result.exit_code == 0, result.output
     assert "warning: could not record" in result.output and load_compressed(work / "o") is not None
+
+
+def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built, monkeypatch):
+    """``HOME`` empty, relative or unset (and no ``XDG_STATE_HOME`` or ``CORP_DEPLOY_STATE_DIR``):
+    no state folder (never ``/.local/state`` at the file system's root); compress warns that it
+    keeps no record and completes, a command without an artifact says why it has none."""
+    from corp_deploy.artifact import state_dir
+
+    monkeypatch.delenv("CORP_DEPLOY_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    for home in ("", "relative/home", None):
+        if home is None:
+            monkeypatch.delenv("HOME")
+        else:
+            monkeypatch.setenv("HOME", home)
+        assert state_dir() is None
+    unset = {"CORP_DEPLOY_STATE_DIR": None, "XDG_STATE_HOME": None, "HOME": ""}
+    result = CliRunner().invoke(cli, [str(a) for a in [*BASE, "-o", tmp_path / "art"]], env=unset)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0 and "keeps no record of the most recent artifact: pass" in said, result.output
+    result = CliRunner().invoke(cli, ["export"], env=unset)
+    assert_one_message(result.exit_code, result.output, result.exception, 1, "pass the artifact directory")
+    assert "keeps no record" in result.output
+
+
+def test_the_library_names_wrong_types_and_values_before_any_work(tiny_artifact):
+    """The public functions check what they are given, as the CLI does, with one message naming
+    the argument (never a raw TypeError, an overflow after compression, or the wrong cause): no
+    calibration batches, a seed no generator takes, recovery of 0 steps, raw uint8 pixels and NaN
+    (compress's message), a float16 model (its dtype, not "not the weights it was compressed from");
+    bench's settings out of range and paths given as bytes."""
+    import corp_deploy
+    from benchmarks.gate import read_baseline
+    from benchmarks.results import BenchSettings
+    from corp_deploy.recovery import RecoveryConfig, recover
+    from exporters import ExportOptions, export_artifact
+
+    dense = build_small_vit()
+    batches = [torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))]
+    student, _ = corp_deploy.compress(dense, batches, corp_deploy.CompressConfig(sparsity=0.5))
+    quick = RecoveryConfig(steps=1, batch_size=2, eval_every=1, workers=0)
+    refused = {
+        "calibration_batches must be an iterable of preprocessed image batches, tensors (B, 3, H, W), not NoneType": (
+            lambda: corp_deploy.compress(dense, None)
+        ),
+        "recover_seed must be an integer from 0 to 4,294,967,295, got 18446744073709551616": (
+            lambda: RecoveryConfig(steps=1, seed=2**64)
+        ),
+        "recover_steps must be at least 1 to recover (0 is off: nothing would train)": (
+            lambda: recover(student, dense, batches, RecoveryConfig(steps=0, lr=1e-3))
+        ),
+        "images must be an iterable of preprocessed image batches": lambda: recover(student, dense, None, quick),
+        "student must be a timm ViT (torch.nn.Module), not NoneType": lambda: recover(None, dense, batches, quick),
+        "calibration batches must be preprocessed (normalised, floating-point) images; got torch.uint8": (
+            lambda: recover(student, dense, [batches[0].clamp(0, 1).mul(255).to(torch.uint8)], quick)
+        ),
+        "calibration batch contains NaN or infinite values": (
+            lambda: recover(student, dense, [torch.full_like(batches[0], float("nan"))], quick)
+        ),
+        "the compressed model's weights are float16: recovery trains float32 models": (
+            lambda: recover(copy.deepcopy(student).half(), dense, batches, quick)
+        ),
+        "the dense model's weights are bfloat16": lambda: recover(
+            student, copy.deepcopy(dense).bfloat16(), batches, quick
+        ),
+        "batches takes one or more batch sizes from 1 to 65,536, each once; got tuple (0,)": (
+            lambda: BenchSettings(batches=(0,))
+        ),
+        "min_time must be a finite number of seconds > 0, got nan": lambda: BenchSettings(min_time=math.nan),
+        "out_dir must be a str or a pathlib.Path, not bytes": (
+            lambda: export_artifact(tiny_artifact, b"export", ExportOptions())
+        ),
+        "baseline must be a str or a pathlib.Path, not bytes": lambda: read_baseline(b"main.json"),
+    }
+    for message, call in refused.items():
+        with pytest.raises(corp_deploy.CorpError) as raised:
+            call()
+        assert message in str(raised.value), (message, str(raised.value))
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_any_work(work, monkeypatch):
+    """A default output in a folder whose name is not valid UTF-8 (relative to such a current
+    directory) and the library's paths alike: refused before anything is built or written, not
+    written as an artifact that no command can read back; an unreadable image of such a name inside
+    ``--calib`` is named with the byte written out (every record stays valid UTF-8)."""
+    from corp_deploy import CalibrationSpec, CompressConfig, compress_to_artifact
+    from corp_deploy.errors import BadUsage
+
+    folder = work / NOT_UTF8
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    code, text, exception = invoke(BASE, work.parent / "state")
+    assert_one_message(code, text, exception, 2, f"{work}/caf\\xff/corp-deploy/deit_tiny-s0.5 is not valid UTF-8")
+    assert "building" not in text and list(folder.iterdir()) == []
+    for call in (
+        lambda: compress_to_artifact(build_small_vit(), CompressConfig(), CalibrationSpec(samples=4), "out"),
+        lambda: load_compressed(work / NOT_UTF8),
+        lambda: CalibrationSpec(work / NOT_UTF8),
+    ):
+        with pytest.raises(BadUsage, match=r"caf\\xff(/out)? is not valid UTF-8"):
+            call()
+    calib = image_folder(work / "calib", count=2)
+    (calib / f"{NOT_UTF8}.png").write_bytes(b"not a picture")
+    code, text, _ = invoke([*BASE, "--calib", calib, "-o", work / "calibrated"], work.parent / "state")
+    assert code == 0 and "caf\\xff.png: not an image" in text, text
+    assert "\\udc" not in (work / "calibrated" / "config.json").read_text()
 
 
 def test_a_gate_on_unmeasured_fidelity_of_a_backbone_fails(work):
@@ -2379,7 +2565,10 @@ def test_concurrent_writers_of_one_output_all_succeed_and_leave_one_whole_output
 FAULT_RUNNER = """
 import os, signal, sys, importlib
 module = importlib.import_module(sys.argv[1])
-name, call, signum = sys.argv[2], int(sys.argv[3]), getattr(signal, sys.argv[4])
+name, call = sys.argv[2], int(sys.argv[3])
+base, _, offset = sys.argv[4].partition("+")  # SIGTERM, or a real-time signal: SIGRTMIN+2
+signum = getattr(signal, base) + int(offset or 0)
+signal.signal(signum, signal.SIG_DFL)  # as in a shell's foreground job, whatever this test was started with
 original, calls = getattr(module, name), [0]
 def patched(*args, **kwargs):
     calls[0] += 1
@@ -2447,6 +2636,17 @@ FAULTS = {
     ),
     "export-sigusr1-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGUSR1", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
+    "export-sigpwr-while-exporting-onnx": Fault(
+        "exporters.pipeline", "export_onnx", 2, "SIGPWR", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
+    ),
+    "recover-sigrtmin-plus-2-while-recovering": Fault(
+        "corp_deploy.recovery.training",
+        "distillation_loss",
+        2,
+        "SIGRTMIN+2",
+        lambda w: ["recover", w / "art", "--recover-steps", 4, "--recover-batch-size", 2, "-o", w / "rec"],
+        "rec",
     ),
     "sweep-sigquit-once-its-first-artifact-is-complete": Fault(
         "corp_deploy.outputs",
@@ -2588,7 +2788,8 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         env=env,
         timeout=600,
     )
-    code = 128 + getattr(signal, fault.signal)
+    base, _, offset = fault.signal.partition("+")
+    code = 128 + getattr(signal, base) + int(offset or 0)
     assert done.returncode == code, done.stderr
     assert f"stopped by {fault.signal}" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not debris(work) and {p.name for p in temp.iterdir()} <= import_leftovers
@@ -2611,6 +2812,115 @@ def test_an_interrupted_run_leaves_the_previous_output_intact_and_no_debris(name
         assert load_compressed(work / "art") is not None
     else:
         assert after == before, f"{fault.output} changed"
+
+
+def _ends_the_process(signum: int) -> bool:
+    """Whether ``signum`` at its default action ends a process, measured: a forked child sends it
+    to itself (core dumps off); a child that stops or goes on is not ended by it."""
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the signal, then a plain exit
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+        os._exit(0)
+    _, status = os.waitpid(pid, os.WUNTRACED)
+    if os.WIFSTOPPED(status):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return False
+    return os.WIFSIGNALED(status)
+
+
+def test_every_signal_that_ends_a_process_by_default_is_an_interrupt():
+    """The interrupts are every signal of this platform whose default action ends a process (each
+    measured in a child), but SIGKILL, the faults a process raises on itself and SIGPIPE / SIGXFSZ,
+    which Python ignores: SIGPWR, SIGIO and every real-time signal among them on Linux."""
+    from corp_deploy.interrupts import INTERRUPTS, signal_name
+
+    kept_out = {
+        "SIGKILL",
+        "SIGSEGV",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGILL",
+        "SIGABRT",
+        "SIGTRAP",
+        "SIGSYS",
+        "SIGPIPE",
+        "SIGXFSZ",
+    }
+    others = [s for s in signal.valid_signals() if signal_name(s) not in kept_out]
+    ending = {signal_name(s) for s in others if _ends_the_process(s)}
+    assert {signal_name(s) for s in INTERRUPTS} == ending
+    assert {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"} <= ending
+    if sys.platform.startswith("linux"):
+        assert {"SIGPWR", "SIGIO", "SIGRTMIN+2", "SIGRTMAX"} <= ending
+
+
+INTERRUPT_EVERY_WAY = """
+import io, json, os, shutil, signal, sys, tempfile, time
+from pathlib import Path
+import click
+from corp_deploy import launch
+from corp_deploy.cli import cli
+from corp_deploy.interrupts import INTERRUPTS
+from corp_deploy.outputs import staged_output
+
+@cli.command("stage")
+@click.argument("dest")
+@click.argument("signum", type=int)
+def stage(dest, signum):
+    # an output being staged and a temporary folder, as export has them, when the signal comes
+    with staged_output(Path(dest), "bench") as tmp, tempfile.TemporaryDirectory(prefix="corp-deploy-export-"):
+        (tmp / "bench.json").write_text("{}")
+        os.kill(os.getpid(), signum)
+        time.sleep(1)
+
+dest, ignored = Path(sys.argv[1]), sys.argv[2:]
+for signum in INTERRUPTS:
+    for each in INTERRUPTS:  # a fresh process's dispositions (main ignores every one once it is done)
+        signal.signal(each, signal.SIG_IGN if str(int(each)) in ignored else signal.SIG_DFL)
+    sys.argv, sys.stderr = ["corp-deploy", "stage", str(dest), str(int(signum))], io.StringIO()
+    try:
+        launch.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    said, sys.stderr = sys.stderr.getvalue(), sys.__stderr__
+    print(json.dumps([int(signum), code, said, sorted(p.name for p in dest.parent.iterdir())]), flush=True)
+    shutil.rmtree(dest, ignore_errors=True)  # the next run starts without this one's output
+"""
+
+
+@pytest.mark.slow  # a subprocess runs the command once per signal
+def test_every_interrupt_leaves_no_staging_or_temporary_folder(tmp_path):
+    """Each interrupt in turn (every signal of :data:`corp_deploy.interrupts.INTERRUPTS`, real-time
+    ones included) stops a command that is staging an output and holds a temporary folder: 128 + N,
+    one line naming the signal, no staging folder and nothing in the temporary directory. A signal
+    the process was started ignoring (SIGHUP under ``nohup``) stays ignored: the command completes."""
+    from corp_deploy.interrupts import INTERRUPTS, signal_name
+
+    work, temp = tmp_path / "w", tmp_path / "temp"
+    work.mkdir(), temp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_EVERY_WAY, str(work / "out"), str(int(signal.SIGHUP))],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp), "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+        timeout=600,
+    )
+    runs = {signum: (code, said, left) for signum, code, said, left in map(json.loads, done.stdout.splitlines())}
+    assert sorted(runs) == sorted(map(int, INTERRUPTS)), done.stderr
+    for signum, (code, said, left) in runs.items():
+        if signum == signal.SIGHUP:  # ignored from the start: the output is written
+            assert code == 0 and left == ["out"], (said, left)
+            continue
+        assert code == 128 + signum and said.count("\n") == 2, said  # a blank line, then the message
+        assert f"stopped by {signal_name(signum)}; {work / 'out'} was not written" in said, said
+        assert left == [], (signal_name(signum), left)
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.parametrize("exporter", [["--exporter", "torchscript"], ["--opset", "17"]])

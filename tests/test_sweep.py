@@ -4,7 +4,9 @@ the tables at matched sparsity and matched MACs, the plot, and bad requests."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.sweep import at_macs
@@ -178,6 +180,32 @@ def test_a_sweep_with_recovery_runs_every_point_also_recovered(tmp_path, run_cli
     assert "recover_steps" not in plain and recovered["recover_steps"] == 2
     assert recovered["recover_seed"] == recovered["seed"] == 3  # the recovery's seed is the sweep's, as in compress
     assert (out / "corp+rec2-s0.5" / "report.json").exists() and "| s | corp | corp+rec2 |" in text
+    outcome = sweep.rows[1].recovery  # whether a step was kept, in sweep.json and sweep.md
+    assert sweep.rows[0].recovery is None and outcome["steps_run"] <= 2 and outcome["best_step"] in (0, 1, 2)
+    assert f"- corp+rec2-s0.5: {outcome['steps_run']} steps ({outcome['stopped']}), kept " in text
+    assert "recovering: step 1/2, loss" in text  # recovery's progress (the CLI's stderr is no terminal here)
+
+
+def test_a_recovering_sweep_refuses_too_few_sources_before_the_first_point(tmp_path, run_cli, monkeypatch):
+    """One calibration image cannot be split for recovery: refused before anything is compressed,
+    as compress refuses it (the sweep compressed, exported and timed its first, plain, point before)."""
+    import benchmarks.sweep
+
+    def compressed(*args, **kwargs):
+        raise AssertionError("a point was compressed before the refusal")
+
+    monkeypatch.setattr(benchmarks.sweep, "compress_to_artifact", compressed)
+    (tmp_path / "calib").mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(
+        tmp_path / "calib" / "one.png"
+    )
+    result, text = run_cli(
+        ["sweep", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--s", "0.5", "--calib", tmp_path / "calib"]
+        + ["--recover-steps", 2, "-o", tmp_path / "sweep"],
+        tmp_path / "state",
+    )
+    assert result.exit_code == 1 and "at least 2 distinct sources (one to train on, one to validate); got 1" in text
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_methods_without_shared_calibration_are_refused_under_torchrun(tmp_path, monkeypatch, small_vit):

@@ -140,7 +140,7 @@ def test_uniform_sizes_set_the_fields_of_the_pruned_parts_only(small_vit):
 def test_an_empty_output_path_is_refused_as_such_not_taken_for_the_current_directory(small_vit, spec):
     from corp_deploy.errors import BadUsage
 
-    with pytest.raises(BadUsage, match="the output path of an artifact is empty"):
+    with pytest.raises(BadUsage, match="out_dir is empty: an empty path names no file or folder"):
         compress_to_artifact(small_vit(), CompressConfig(), spec, "", base_model=BASE_MODEL)
 
 

@@ -11,7 +11,7 @@ from benchmarks.gate import BASELINE_GATES
 from ..errors import BadUsage
 from .common import check_apart, check_torch_options_apply, given_on_command_line, input_dir, results_output, warn
 from .group import cli
-from .options import PATH, evaluation_options, timing_options
+from .options import PATH, CommaList, evaluation_options, timing_options
 
 #: What configures the comparison with --baseline, by parameter: refused without it.
 _BASELINE_OPTIONS = {
@@ -48,6 +48,7 @@ _BASELINE_OPTIONS = {
 @click.option(
     "--gate",
     "gates",
+    type=CommaList(str, "gate names", "speedup,fidelity"),
     default=",".join(BASELINE_GATES),
     show_default=True,
     metavar="NAMES",
@@ -128,14 +129,13 @@ def bench(
       corp-deploy bench corp-deploy/deit_base-s0.5 --data val/ --json new.json --baseline main.json
       corp-deploy bench ART --baseline main.json --gate speedup,fidelity --max-regression 0.1
     """
-    from benchmarks.backends import parse_families
     from benchmarks.gate import GateLimits
     from benchmarks.pipeline import bench_target
     from benchmarks.report import check_report_outputs, print_terminal, write_outputs
     from benchmarks.results import BenchSettings
 
     settings = BenchSettings(
-        backends=parse_families(backends),
+        backends=backends,
         batches=batches,
         threads=threads,
         warmup=warmup,
@@ -147,7 +147,7 @@ def bench(
     limits = GateLimits(
         max_regression=max_regression,
         max_latency_regression=max_latency_regression,
-        gates=tuple(gate.strip() for gate in gates.split(",") if gate.strip()),
+        gates=gates,
         gates_requested=given_on_command_line("gates"),
         min_agreement=min_agreement,
         max_kl=max_kl,

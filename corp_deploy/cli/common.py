@@ -114,9 +114,12 @@ def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_
     from ..outputs import check_apart as check_outputs_apart
 
     check_outputs_apart(outputs, inputs)
-    state = state_dir().resolve()
+    state = state_dir() if records_state else None
+    if state is None:
+        return
+    state = state.resolve()
     for output in outputs:
-        if records_state and (state == output or output in state.parents):
+        if state == output or output in state.parents:
             raise CorpError(
                 f"the state folder {state} lies inside {output}; choose another -o (or set "
                 "CORP_DEPLOY_STATE_DIR elsewhere)"

@@ -2,7 +2,8 @@
 
 Every failure reaches the user as one message and an exit status (:data:`EXIT_CODES`), never a
 traceback: bad input and refusals are :class:`CorpError`, running out of memory is handled here,
-and interrupts (SIGINT, SIGTERM, SIGHUP, SIGQUIT) by the entry point, :mod:`corp_deploy.launch`.
+and interrupts (SIGINT, SIGTERM and every other signal that ends a process) by the entry point,
+:mod:`corp_deploy.launch`.
 """
 
 from __future__ import annotations

@@ -7,12 +7,15 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..calibration import DEFAULT_IMAGES
 from ..errors import BadUsage
+from ..files import checked_path
 from ..methods import METHODS
 from ..parts import TARGETS
 from ..recovery import MAX_STEPS, SETTING_PREFIX, RecoveryConfig
@@ -34,28 +37,49 @@ class FiniteFloatRange(click.FloatRange):
 
 
 class GivenPath(click.Path):
-    """A path that names something: an empty value (``--calib ""``, an unset shell variable) is
-    refused, not read as the current directory."""
+    """A path that names something the tool can use (:func:`corp_deploy.files.checked_path`): an
+    empty value (``--calib ""``, an unset shell variable) is refused, not read as the current
+    directory, and so is a path that is not valid UTF-8."""
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and not value:
-            self.fail("an empty path names no file or folder", param, ctx)
+        try:
+            checked_path(value, "the path")
+        except BadUsage as exc:
+            self.fail(str(exc), param, ctx)
         return super().convert(value, param, ctx)
 
 
-class BatchSizes(click.ParamType):
-    """Comma-separated batch sizes (``1,8,32``): positive integers, each once."""
+class CommaList(click.ParamType):
+    """Comma-separated items (``1,8,32``, ``speedup,fidelity``), each converted by ``item``: the one
+    parser of every list option. An empty item (``1,,2``, ``0.5,``, ``,speedup``) is refused, not
+    dropped. ``what`` names the items and ``example`` shows the form in messages; what the items may
+    be (names of backends or gates, ...) is checked where they are used. ``name``: the metavar in --help."""
 
-    name = "SIZES"
+    def __init__(self, item: Callable[[str], Any], what: str, example: str, name: str = "NAMES") -> None:
+        self.item, self.what, self.example, self.name = item, what, example, name
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
+        items = [text.strip() for text in value.split(",")]
         try:
-            sizes = tuple(int(v) for v in value.split(","))
+            if "" in items:
+                raise ValueError("an empty item")
+            return tuple(self.item(text) for text in items)
         except ValueError:
-            sizes = ()
-        if not sizes or min(sizes) < 1:
+            empty = ": an empty item is refused, not dropped" if "" in items else ""
+            self.fail(f"takes comma-separated {self.what} (e.g. {self.example}); got {value!r}{empty}", param, ctx)
+
+
+class BatchSizes(CommaList):
+    """Comma-separated batch sizes (``1,8,32``): positive integers, each once."""
+
+    def __init__(self) -> None:
+        super().__init__(int, "positive integers", "1,8,32", "SIZES")
+
+    def convert(self, value, param, ctx):
+        sizes = super().convert(value, param, ctx)
+        if min(sizes) < 1:
             self.fail(f"takes comma-separated positive integers (e.g. 1,8,32); got {value!r}", param, ctx)
         if max(sizes) > MAX_BATCH:
             self.fail(
@@ -68,26 +92,6 @@ class BatchSizes(click.ParamType):
         if repeated:
             self.fail(f"gives batch size {', '.join(map(str, repeated))} more than once: {value!r}", param, ctx)
         return sizes
-
-
-class Numbers(click.ParamType):
-    """Comma-separated numbers (``0.1,0.3,0.5``), at least one; ``example`` shows the form."""
-
-    name = "NUMBERS"
-
-    def __init__(self, example: str) -> None:
-        self.example = example
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            values = tuple(float(v) for v in value.split(","))
-        except ValueError:  # also an empty item: "0.5," or "0.1,,0.5"
-            values = ()
-        if not values:
-            self.fail(f"takes comma-separated numbers (e.g. {self.example}); got {value!r}", param, ctx)
-        return values
 
 
 #: Every path option and argument.
@@ -277,6 +281,7 @@ _TRUTH_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false", "t", "f"}
 timing_options = options(
     click.option(
         "--backends",
+        type=CommaList(str, "backend families", "torch,ort"),
         default="torch,ort,trt",
         show_default=True,
         help="Backend families: torch (CPU, CUDA), torch-compile (torch.compile with inductor: CPU, CUDA), ort "

@@ -19,7 +19,7 @@ from .common import (
     warn_builtin_calibration,
 )
 from .group import cli
-from .options import PATH, Numbers, evaluation_options, model_source_options, recovery_options, timing_options
+from .options import PATH, CommaList, evaluation_options, model_source_options, recovery_options, timing_options
 
 #: The sparsities of a sweep given neither --s nor --macs.
 DEFAULT_SPARSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -32,7 +32,7 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "--s",
     "sparsities",
-    type=Numbers("0.1,0.3,0.5"),
+    type=CommaList(float, "numbers", "0.1,0.3,0.5", "NUMBERS"),
     default=None,
     help="Comma-separated sparsities (applied to the parts chosen by --target). [default: "
     "0.1,0.3,0.5,0.7 without --macs]",
@@ -40,13 +40,14 @@ FIRST_RANK_WAIT = timedelta(hours=24)
 @click.option(
     "--macs",
     "budgets",
-    type=Numbers("0.8,0.6,0.4"),
+    type=CommaList(float, "numbers", "0.8,0.6,0.4", "NUMBERS"),
     default=None,
     help="Comma-separated MAC budgets (fractions of the dense MACs, e.g. 0.8,0.6,0.4) instead of "
     "sparsities; methods corp and uncompensated.",
 )
 @click.option(
     "--methods",
+    type=CommaList(str, "method names", "corp,vbp"),
     default=CompressConfig.method,
     show_default=True,
     help="Comma-separated: corp, vbp, toast, uncompensated (CORP's channels, only sliced). The "
@@ -107,7 +108,6 @@ def sweep(
       corp-deploy sweep deit_small --s 0.3,0.5 --recover-steps 100 --calib train/ --data val/
       torchrun --nproc-per-node 4 --no-python -- corp-deploy sweep deit_base --s 0.3,0.5 -o sweep-deit
     """
-    from benchmarks.backends import parse_families
     from benchmarks.results import BenchSettings
     from benchmarks.sweep import SweepSpec, run_sweep
 
@@ -121,7 +121,7 @@ def sweep(
         sparsities=() if budgets is not None else sparsities or DEFAULT_SPARSITIES,
         budgets=budgets or (),
         target=target,
-        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        methods=methods,
         calib=input_dir(calib, "--calib"),
         calib_samples=calib_samples,
         calib_crops=calib_crops,
@@ -129,7 +129,7 @@ def sweep(
         data_samples=data_samples,
         seed=seed,
         bench=BenchSettings(
-            backends=parse_families(backends),
+            backends=backends,
             batches=batches,
             threads=threads,
             min_time=min_time,

@@ -33,7 +33,7 @@ one process's up to the order of float sums.
 """
 
 from .config import MAX_BATCH, MAX_STEPS, SETTING_PREFIX, TRAINED, RecoveryConfig
-from .images import DECODED_BYTES, VALIDATION_VIEWS, RecoveryImages
+from .images import DECODED_BYTES, VALIDATION_VIEWS, RecoveryImages, check_sources
 from .loop import recover
 from .loss import Outputs, check_teacher, distillation_loss
 from .report import recovery_table
@@ -52,6 +52,7 @@ __all__ = [
     "Outputs",
     "RecoveryConfig",
     "RecoveryImages",
+    "check_sources",
     "check_teacher",
     "distillation_loss",
     "recover",

@@ -118,7 +118,7 @@ class RecoveryConfig:
             "batch_size": (1, MAX_BATCH),
             "eval_every": (1, None),
             "patience": (1, None),
-            "seed": (0, None),
+            "seed": (0, 2**32 - 1),  # as compress's seed (every random generator used takes it)
             "workers": (0, MAX_WORKERS),
         }
         for name, (least, most) in integers.items():

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from ..calibration import load_rgb
+from ..calibration import check_batch, file_digest, load_rgb
 from ..errors import CorpError
 from ..interrupts import INTERRUPTS
 from .config import RecoveryConfig
@@ -40,7 +40,9 @@ class RecoveryImages:
 
     The images' sources (the file each came from, when the batches say so with an
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
-    image is its own source) are split, seeded: a ``validation`` share of the sources (rounded;
+    image is its own source) are told apart by content (:func:`source_keys`: byte-identical files, or
+    identical bare images, are one source, counted once, :attr:`duplicates` the copies found) and
+    split, seeded: a ``validation`` share of the sources (rounded;
     at least one, at most half of them and 256) is held out. Its validation images are views of the
     held-out sources that training does not see (random resized crops, mirrored or not, seeded;
     ``ceil(VALIDATION_VIEWS / sources)`` of each), and the same views distorted once in colour
@@ -52,37 +54,32 @@ class RecoveryImages:
     the image itself for a bare tensor), its files decoded once here.
 
     Args:
-        batches: preprocessed images ``(B, 3, H, W)``.
+        batches: preprocessed images ``(B, 3, H, W)``, floating-point and finite
+            (:func:`~corp_deploy.calibration.check_batch`).
         data_config: the model's timm data config (``mean``, ``std``, ``input_size``).
     """
 
     def __init__(self, batches: Iterable[torch.Tensor], data_config: dict, config: RecoveryConfig) -> None:
-        listed = list(batches)
-        if not listed:
-            raise CorpError("the calibration set is empty")
-        if not all(isinstance(batch, torch.Tensor) and batch.dim() == 4 for batch in listed):
-            raise CorpError("calibration batches must be image tensors of shape (B, 3, H, W)")
-        images = torch.cat([batch.to(torch.float32) for batch in listed])
-        sources = list(getattr(batches, "image_sources", None) or range(len(images)))  # known once read
-        distinct = list(dict.fromkeys(sources))
-        held = min(256, len(distinct) // 2, max(1, round(config.validation * len(distinct))))  # half train
-        if held < 1:
+        listed, images, keys, first, duplicates = _read(batches)
+        shape = tuple(data_config["input_size"])
+        if tuple(images.shape[1:]) != shape:  # a view would broadcast or resize it: compress refuses it
             raise CorpError(
-                f"recovery needs calibration images from at least 2 sources (one to train on, one to "
-                f"validate); got {len(distinct)}"
+                f"calibration batches must be images of the model's input shape {shape}; got {tuple(images.shape[1:])}"
             )
+        distinct = list(first)
+        held = _held_out(len(distinct), duplicates, config)
         order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(config.seed)).tolist()
         self.mean = torch.tensor(data_config["mean"]).view(3, 1, 1)
         self.std = torch.tensor(data_config["std"]).view(3, 1, 1)
         kept = [
             source if isinstance(source, Path) else (images[source] * self.std + self.mean).clamp(0, 1)
-            for source in (distinct[i] for i in order)
+            for source in (first[distinct[i]] for i in order)
         ]
         self.batches = listed
         trained = {distinct[i] for i in order[held:]}
         self._images, self._batch = images, len(listed[0])
-        self._fit = [i for i, source in enumerate(sources) if source in trained]
-        self._held = held
+        self._fit = [i for i, key in enumerate(keys) if key in trained]
+        self._held, self.duplicates = held, duplicates
         size = tuple(data_config["input_size"][1:])
         crop, distort = _augmentations(size, config)
         with torch.random.fork_rng(devices=[]):
@@ -103,6 +100,61 @@ class RecoveryImages:
     def sources(self) -> tuple[int, int]:
         """``(training, validation)`` source counts."""
         return len(self.training.sources), self._held
+
+
+def check_sources(batches: Iterable[torch.Tensor], config: RecoveryConfig) -> None:
+    """CorpError, before any work, unless ``batches`` (as :class:`RecoveryImages` takes them) hold
+    the distinct sources a recovery with ``config`` needs: one to validate on, one to train on."""
+    _, _, _, first, duplicates = _read(batches)
+    _held_out(len(first), duplicates, config)
+
+
+def source_keys(images: torch.Tensor, sources: list[Path | int]) -> list[str]:
+    """Each image's source as recovery's split tells them apart: the digest of its file's bytes
+    (:func:`~corp_deploy.calibration.file_digest`), or for a bare image (its index in ``images``,
+    ``(N, 3, H, W)``) the digest of its own values; byte-identical copies have one key."""
+    digests: dict[Path, str] = {}
+    keys = []
+    for source in sources:
+        if isinstance(source, Path):
+            if source not in digests:
+                digests[source] = file_digest(source)
+            keys.append(digests[source])
+        else:
+            values = images[source].detach().cpu().contiguous().numpy().tobytes()
+            keys.append(hashlib.blake2b(values, digest_size=8).hexdigest())
+    return keys
+
+
+def _read(batches: Iterable[torch.Tensor]) -> tuple[list, torch.Tensor, list[str], dict, int]:
+    """``batches`` checked and listed, their images in one float32 tensor, each image's source key
+    (:func:`source_keys`), the first source of each key (in the order first seen) and how many
+    sources were copies of another."""
+    listed = list(batches)
+    if not listed:
+        raise CorpError("the calibration set is empty")
+    for batch in listed:
+        check_batch(batch)
+    images = torch.cat([batch.to(torch.float32) for batch in listed])
+    sources = list(getattr(batches, "image_sources", None) or range(len(images)))  # known once read
+    keys = source_keys(images, sources)
+    first: dict[str, Path | int] = {}
+    for key, source in zip(keys, sources, strict=True):
+        first.setdefault(key, source)
+    return listed, images, keys, first, len(set(sources)) - len(first)
+
+
+def _held_out(sources: int, duplicates: int, config: RecoveryConfig) -> int:
+    """How many of ``sources`` distinct sources validation holds out: a ``config.validation`` share
+    (rounded; at least one, at most half and 256). CorpError when there are fewer than 2."""
+    held = min(256, sources // 2, max(1, round(config.validation * sources)))
+    if held < 1:
+        copies = f" and {duplicates} byte-identical cop{'y' if duplicates == 1 else 'ies'}" if duplicates else ""
+        raise CorpError(
+            f"recovery needs calibration images from at least 2 distinct sources (one to train on, one to "
+            f"validate); got {sources}{copies}"
+        )
+    return held
 
 
 class TrainingViews(Dataset):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..calibration import BATCHES
 from ..errors import SettingError, check_instance
 from ..families import standard_copy
 from ..models import model_transform
@@ -45,6 +46,13 @@ def recover(
     weights measured, the blended ones (for studies and logging; it must not train). ``progress``:
     show progress on stderr (a bar on a terminal, else one line per validation measurement)."""
     check_instance("config", config, RecoveryConfig)
+    check_instance("student", student, nn.Module, "a timm ViT (torch.nn.Module)")
+    check_instance("teacher", teacher, nn.Module, "a timm ViT (torch.nn.Module)")
+    check_instance("images", images, (Iterable, RecoveryImages), f"{BATCHES}, or RecoveryImages")
+    if not config.enabled:
+        raise SettingError(
+            "{setting} must be at least 1 to recover (0 is off: nothing would train)", SETTING_PREFIX + "steps"
+        )
     check_teacher(student, teacher)
     world = distributed.world_size()
     if config.batch_size % world:
@@ -89,6 +97,7 @@ def recover(
             "training_sources": images.sources[0],
             "validation_sources": images.sources[1],
             "validation_views": len(images.validation),
+            "duplicate_sources": images.duplicates,
         },
         "steps_run": step,
         "stopped": stop,

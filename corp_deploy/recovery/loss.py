@@ -61,7 +61,8 @@ def distillation_loss(student: Outputs, teacher: Outputs, final_weight: float, p
 
 def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
     """CorpError unless ``teacher`` can be the dense model ``student`` was compressed from: the same
-    number of blocks and classes and the same patch embedding (which compression never changes)."""
+    number of blocks and classes and the same patch embedding (which compression never changes),
+    both in float32 (recovery trains in float32; on CUDA its forward passes may autocast)."""
     if family_of(teacher) is None or not isinstance(getattr(teacher, "patch_embed", None), nn.Module):
         raise CorpError(
             f"the dense model ({type(teacher).__name__}) is not a timm ViT this one could be compressed from"
@@ -76,6 +77,13 @@ def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
             f"the dense model has {len(blocks_of(teacher))} blocks and the compressed one "
             f"{len(blocks_of(student))}: it is not the model this one was compressed from"
         )
+    for model, which in ((student, "compressed"), (teacher, "dense")):
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+        if dtypes != ["float32"]:
+            raise CorpError(
+                f"the {which} model's weights are {', '.join(dtypes) or 'none'}: recovery trains float32 models "
+                "(convert it with model.float() first)"
+            )
     ours, theirs = student.patch_embed.state_dict(), teacher.patch_embed.state_dict()
     if ours.keys() != theirs.keys() or any(not torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours):
         raise CorpError(
