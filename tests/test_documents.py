@@ -137,6 +137,7 @@ def bench_report(**changes) -> dict:
             {
                 "backend": "ort-cpu",
                 "batch": 1,
+                "timing": "cpu",
                 "dense": timing,
                 "compressed": timing,
                 "speedup": ratio,
@@ -200,7 +201,7 @@ def test_a_baseline_needs_only_what_the_gate_compares(tmp_path):
         (bench_report(latency=[{**row, "batch": "1"}]), "latency row 0.batch must be an integer, not a string"),
         (bench_report(fidelity={"feature_cosine": "high"}), "fidelity.feature_cosine must be a number, not a string"),
         (bench_report(machine={"cpu": "x"}), "machine lacks platform"),
-        (bench_report(format_version=2), "bench report format version 2 is not supported"),
+        (bench_report(format_version=3), "bench report format version 3 is not supported"),
         (bench_report(int8={"latency": []}), "int8 needs latency rows with a batch and the compressed-int8 speedup"),
     ]
     for data, message in cases:
