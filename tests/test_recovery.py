@@ -448,10 +448,10 @@ def test_a_gain_within_float_rounding_is_not_kept(small_vit, images, monkeypatch
 
 
 def test_training_the_vectors_changes_only_them_with_their_own_defaults(small_vit, images):
-    """``train="vectors"``: the matrices keep compression's values; the learning rate and the blend
-    default to the vectors' own (``TRAINED``) unless given."""
+    """``train="vectors"``: the matrices keep compression's values; the learning rate defaults to
+    the vectors' own (``TRAINED``) unless given."""
     assert (RecoveryConfig(train="vectors").lr, RecoveryConfig(train="vectors").blend) == (5e-4, 1.0)
-    assert (RecoveryConfig().lr, RecoveryConfig().blend) == (2e-5, 0.5)
+    assert (RecoveryConfig().lr, RecoveryConfig().blend) == (2e-5, 1.0)
     assert RecoveryConfig(train="vectors", lr=1e-3, blend=0.25).to_settings()["recover_lr"] == 1e-3
     start, _ = compressed(small_vit(), images, compensation=False)
     model = copy.deepcopy(start)

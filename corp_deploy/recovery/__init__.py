@@ -8,12 +8,12 @@ for the final features (``forward_features``; 0 by default: measured, the blocks
 better). Only the blocks learn, and the final norm when the final features are in the loss; the
 embeddings and the head stay as they are (so the teacher can be checked against the student: their
 patch embeddings must be equal). AdamW, a linear warmup and a cosine decay. Each step trains on
-fresh augmented views of the calibration images' files (:class:`RecoveryImages`: crops, flips,
-colour distortions, mixup): the images compression was fitted on are matched closely already, and
-views it has not seen carry the signal. The weights measured and kept are a blend, ``blend`` of the
-trained change added to compression's (as WiSE-FT interpolates fine-tuned weights): trained on a
-few images, the student gains on images like them and loses on others, and the blend keeps most of
-the first and gives back the second.
+fresh augmented views of the calibration images' files (:class:`RecoveryImages`: crops and flips;
+colour distortions and mixup where asked for): the images compression was fitted on are matched
+closely already, and views it has not seen carry the signal. The weights measured and kept are a
+blend, ``blend`` of the trained change added to compression's (as WiSE-FT interpolates fine-tuned
+weights; 1 by default: all of it): trained on a few images, the student gains on images like them
+and loses on others, and a blend below 1 keeps most of the first and gives back the second.
 
 A share of the images' sources is held out for validation, from training and from compression
 (:meth:`RecoveryImages.fit_batches`): unseen views of them (at least :data:`VALIDATION_VIEWS` in

@@ -21,12 +21,11 @@ MAX_STEPS = 1_000_000
 MAX_WORKERS = 64
 
 
-#: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate and blend
-#: when those are not given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the
-#: blocks (and of the final norm, where the loss has the final features), or only their vectors
-#: (norm weights and biases, every bias, layer scales: under 1 % of them, which needs a higher rate
-#: and little blending to move).
-TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5, "blend": 0.5}, "vectors": {"lr": 5e-4, "blend": 1.0}}
+#: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate when none is
+#: given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the blocks (and of the
+#: final norm, where the loss has the final features), or only their vectors (norm weights and
+#: biases, every bias, layer scales: under 1 % of them, which needs a higher rate to move).
+TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5}, "vectors": {"lr": 5e-4}}
 
 
 @dataclass(frozen=True)
@@ -49,12 +48,16 @@ class RecoveryConfig:
             torchvision's and timm's default: measured, small crops generalise to images unlike
             the training views better than crops of at least a quarter).
         color: the fraction of training views also distorted in colour and sharpness (colour
-            jitter, greyscale, blur; :class:`RecoveryImages`).
+            jitter, greyscale, blur; :class:`RecoveryImages`). 0 by default: on the photo set's
+            171 training sources the plain views (no colour, no mixup, blend 1) gained more than
+            half distorted and all mixed (benchmarks/RESULTS.md, "Recovery on the photo set"); on
+            9 photos the distortions had helped on images unlike them.
         mix: the fraction of training views mixed with another view of the batch (mixup: a
             convex combination with a uniform weight; teacher and student see the same mixture).
         blend: the share of the trained change of the weights that is kept: the recovered weights
-            are ``compressed + blend * (trained - compressed)`` (1: the trained weights; measured,
-            validated and kept as such, as WiSE-FT does for fine-tuned models; None: ``train``'s).
+            are ``compressed + blend * (trained - compressed)`` (1: the trained weights, the
+            default; 0.5, as WiSE-FT does for fine-tuned models, served 9 training photos better,
+            and many sources less).
         final_weight: the weight of the final features' term beside the blocks' mean (0: the blocks
             alone, and the final norm does not train).
         pooled_weight: the weight of the pooled output's term beside the blocks' mean (the class
@@ -90,14 +93,9 @@ class RecoveryConfig:
     eval_every: int = option(25, "recovery: steps between two validation measurements.")
     patience: int = option(4, "recovery: stop after this many measurements without improvement.")
     crop_scale: float = option(0.08, "recovery: smallest random crop, as a fraction of the image.")
-    color: float = 0.5
-    mix: float = 1.0
-    blend: float | None = option(
-        None,
-        "recovery: share of the trained weight change kept (1: all of it).",
-        value_type=float,
-        default_help="0.5 (all), 1 (vectors)",
-    )
+    color: float = 0.0
+    mix: float = 0.0
+    blend: float = option(1.0, "recovery: share of the trained weight change kept (1: all of it).")
     final_weight: float = 0.0
     pooled_weight: float = 0.0
     seed: int = 0
