@@ -2006,12 +2006,16 @@ def test_a_bench_refuses_an_artifact_replaced_while_it_was_benchmarked(work, mon
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
     monkeypatch.setattr("corp_deploy.resources.available_bytes", lambda: 1024)  # a machine with 1 KiB free
-    image_folder(work.parent / "three", 3)  # at most 10**7 asked for: the 3 there are counted
+    three = image_folder(work.parent / "three", 3)
     for args, what in (
         ([*BASE, "-o", work / "o"], "compressing deit_tiny_patch16_224 on 4 images"),
-        (
-            [*BASE[:-2], "--calib", work.parent / "three", "--calib-samples", 10**7, "-o", work / "o"],
+        (  # the files alone: at most 10**7 asked for, the 3 there are counted
+            [*BASE[:-2], "--calib", three, "--calib-samples", 10**7, "--no-calib-crops", "-o", work / "o"],
             "compressing deit_tiny_patch16_224 on 3 images",
+        ),
+        (  # filled with crops of the 3: every image asked for is counted
+            [*BASE[:-2], "--calib", three, "--calib-samples", 10**7, "-o", work / "o"],
+            "compressing deit_tiny_patch16_224 on 10000000 images",
         ),
         (["export", work / "art", "-o", work / "o"], "the export"),
         (["bench", work / "art", *BENCH], "timing at batch 1"),
