@@ -361,6 +361,13 @@ class CalibrationImages:
             raise CorpError(refusal)
         for message in self.span.warnings():
             warnings.warn(message, stacklevel=1)
+        copies = len(self._digests) - len(set(self._digests))
+        if copies:  # crops of copies vary, so the span alone would not say it
+            warnings.warn(
+                f"{copies} of the {len(self._digests)} {self.span.purpose} files are byte-identical copies of "
+                "others: they add no image the others do not",
+                stacklevel=1,
+            )
 
     def _planned(self) -> Iterator[tuple[Path, bool]]:
         """The files to read in order, each with whether a random crop of it is taken: every source

@@ -81,3 +81,13 @@ def test_the_spec_records_crops_and_reads_an_older_artifact_as_files_alone(folde
     assert CalibrationSpec.recorded(older).crops is False
     assert CalibrationSpec.recorded({**older, "settings": {"calib_samples": 8, "calib_crops": True}}).crops
     assert CalibrationSpec(folder, 8, crops=False).images(to_tensor).most == 3
+
+
+def test_byte_identical_copies_are_warned_about_also_when_crops_fill_the_folder(folder):
+    """Crops of copies of one photo vary, so the span does not call them near-identical: the
+    copies are counted from the files' digests instead."""
+    for name in ("d.png", "e.png"):
+        (folder / name).write_bytes((folder / "a.png").read_bytes())
+    images = CalibrationImages.from_directory(folder, to_tensor, limit=12, seed=0, crops=True)
+    with pytest.warns(UserWarning, match="2 of the 5 calibration files are byte-identical copies of others"):
+        assert torch.cat(list(images)).shape[0] == 12
