@@ -364,8 +364,9 @@ class CalibrationImages:
         copies = len(self._digests) - len(set(self._digests))
         if copies:  # crops of copies vary, so the span alone would not say it
             warnings.warn(
-                f"{copies} of the {len(self._digests)} {self.span.purpose} files are byte-identical copies of "
-                "others: they add no image the others do not",
+                f"{copies} of the {len(self._digests)} {self.span.purpose} files "
+                f"{'is a byte-identical copy' if copies == 1 else 'are byte-identical copies'} of others: they add "
+                "no image the others do not",
                 stacklevel=1,
             )
 
