@@ -435,9 +435,8 @@ def build(
     check_replaceable(out)
     manifest = manifest or read_manifest()
     progress = progress or BuildProgress()
-    staging = out.parent / f".{out.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # this run's own
     try:
         files = write_files(manifest, staging, Path(debs), progress)
         index = PhotoSetIndex(
@@ -499,17 +498,20 @@ def write_file(folder: Path, source: Source, image: Image.Image, background: str
 
 
 def check_replaceable(out: Path) -> None:
-    """CorpError unless ``out`` is missing, an empty folder or a photo set (holding ``index.json``)."""
+    """CorpError unless ``out`` is missing, an empty folder or a photo set (its ``index.json`` one this
+    builder writes: read and checked, so that no other folder is replaced)."""
     if out.exists() and not (out.is_dir() and ((out / INDEX_FILE).is_file() or not any(out.iterdir()))):
         raise CorpError(f"{out} exists and is not a photo set (no {INDEX_FILE}): give another --out, or remove it")
+    if (out / INDEX_FILE).is_file():
+        read_index(out)  # CorpError when it is not a photo set's index
 
 
 def put_in_place(staging: Path, out: Path) -> None:
-    """Rename the finished ``staging`` folder to ``out``, the folder there before removed."""
-    old = out.parent / f".{out.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
+    """Rename the finished ``staging`` folder to ``out``, the set there before (checked by
+    :func:`check_replaceable`) moved into a fresh folder of this run's and removed with it."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     if out.exists():
-        out.rename(old)
+        out.rename(old / out.name)
     staging.rename(out)
     shutil.rmtree(old, ignore_errors=True)
 

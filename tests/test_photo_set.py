@@ -195,3 +195,23 @@ def test_a_set_not_built_or_a_foreign_folder_is_refused_with_what_to_do(tmp_path
     with pytest.raises(CorpError, match="exists and is not a photo set"):
         ps.build(tmp_path, tmp_path / "debs", bundled_manifest())
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_build_deletes_only_its_own_folders(tmp_path):
+    """Folders beside the output named as the builder once named its staging and old folders, and a
+    folder with an ``index.json`` that is not a photo set's, are the user's: never removed."""
+    manifest = bundled_manifest()
+    for name in (".set.partial", ".set.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("mine")
+    ps.build(tmp_path / "set", tmp_path / "debs", manifest)
+    index = ps.build(tmp_path / "set", tmp_path / "debs", manifest)  # replaces the set built before
+    assert ps.verify(tmp_path / "set", manifest).files == index.files
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".set.old", ".set.partial", "set"]
+    assert all((tmp_path / name / "mine.txt").read_text() == "mine" for name in (".set.old", ".set.partial"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "index.json").write_text('{"format": "something-else"}')
+    with pytest.raises(CorpError):
+        ps.build(foreign, tmp_path / "debs", manifest)
+    assert [p.name for p in foreign.iterdir()] == ["index.json"]
