@@ -9,7 +9,9 @@ For every start (``corp-s<S>``, ``budget-s<S>``: benchmarks/studies/set_calibrat
 photos, the calibration images are made once (``--views`` per photo) and the model is compressed
 twice: on all of them (``corp``, the artifact without recovery, the row every recovery is compared
 with) and on the images of the sources recovery trains on (its validation sources held out, as
-``compress --recover-steps`` does), which every recipe then starts from. A recipe is ``default`` or
+``compress --recover-steps`` does), which every recipe then starts from (``--fits all``: recovery
+starts from the ``corp`` model instead, fitted on its validation sources too, so that validation
+measures on images compression has seen). A recipe is ``default`` or
 KEY=VALUE settings of RecoveryConfig joined by ``+`` (``blend=1+mix=0``). A recovery that keeps no
 step gives the ``corp`` model, as compress does. Each row: the cosines of the final model on the three
 evaluation sets, the closed share of what CORP alone leaves (``(recovered - corp) / (1 - corp)``), the
@@ -83,13 +85,22 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="measure the evaluation sets at every validation")
     parser.add_argument("--eval-views", type=int, default=3, help="images per evaluation file")
     parser.add_argument("--unlike", type=int, default=64, help="synthetic unlike images")
+    parser.add_argument(
+        "--fits",
+        default="training",
+        help="what recovery starts from: training (compression on the training sources alone, as compress "
+        "does), all (the corp model), or both: training,all",
+    )
     parser.add_argument("--cache", type=Path, help="keep the compressed models there and read them back")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if not set(args.fits.split(",")) <= {"training", "all"}:
+        parser.error(f"--fits takes training, all or training,all, not {args.fits!r}")
     command = (
         f"python -m benchmarks.studies.set_recovery --set PHOTO_SET --photos {args.photos} --views {args.views} "
         f"--starts {args.starts} --steps {args.steps} --recipes {args.recipes} "
         + ("--trace " if args.trace else "")
+        + f"--fits {args.fits} "
         + f"--eval-views {args.eval_views} --unlike {args.unlike} --out {args.out}"
     )
 
@@ -112,40 +123,44 @@ def main() -> None:
             rows.append(corp_row)
             print(json.dumps(rounded(corp_row)), flush=True)
             fitted: dict[tuple, object] = {}  # the compression on the training sources, per split
-            for recipe in args.recipes.split(","):
-                for steps in (int(n) for n in args.steps.split(",")):
-                    recovery = RecoveryConfig(steps=steps, **recipe_settings(recipe))
-                    images = RecoveryImages(calib, data_config, recovery)
-                    split = (recovery.seed, recovery.validation)
-                    if split not in fitted:
-                        fit_key = f"{key}-fit-seed{recovery.seed}-validation{recovery.validation}"
-                        fitted[split] = compressed(args.cache, fit_key, dense, images.fit_batches(), config)
-                    trace = []
+            for fit, recipe, steps in (
+                (fit, recipe, int(steps))
+                for fit in args.fits.split(",")
+                for recipe in args.recipes.split(",")
+                for steps in args.steps.split(",")
+            ):
+                recovery = RecoveryConfig(steps=steps, **recipe_settings(recipe))
+                images = RecoveryImages(calib, data_config, recovery)
+                split = (recovery.seed, recovery.validation)
+                if fit == "training" and split not in fitted:
+                    fit_key = f"{key}-fit-seed{recovery.seed}-validation{recovery.validation}"
+                    fitted[split] = compressed(args.cache, fit_key, dense, images.fit_batches(), config)
+                trace = []
 
-                    def on_measure(step, model, trace=trace):
-                        trace.append({"step": step, **sets.measure(model)})
-                        print(json.dumps(rounded(trace[-1])), flush=True)
+                def on_measure(step, model, trace=trace):
+                    trace.append({"step": step, **sets.measure(model)})
+                    print(json.dumps(rounded(trace[-1])), flush=True)
 
-                    student = copy.deepcopy(fitted[split])
-                    began = time.perf_counter()
-                    result = recover(student, dense, images, recovery, on_measure=on_measure if args.trace else None)
-                    recover_s = time.perf_counter() - began
-                    final = student if result["best_step"] else corp
-                    row = {**base, "recipe": recipe, "steps": steps, **sets.measure(final)}
-                    row["closed"] = {n: closed_share(row[f"{n}_output"], corp_row[f"{n}_output"]) for n in SETS}
-                    row.update(
-                        steps_run=result["steps_run"],
-                        best_step=result["best_step"],
-                        stopped=result["stopped"],
-                        validation=result["validation_cosine"],
-                        distorted=result["distorted_validation_cosine"],
-                        sources=result["images"],
-                        recover_s=round(recover_s, 1),
-                        trace=trace,
-                    )
-                    rows.append(row)
-                    print(json.dumps(rounded({k: v for k, v in row.items() if k != "trace"})), flush=True)
-                    write_rows(args, command, rows)
+                student = copy.deepcopy(corp if fit == "all" else fitted[split])
+                began = time.perf_counter()
+                result = recover(student, dense, images, recovery, on_measure=on_measure if args.trace else None)
+                recover_s = time.perf_counter() - began
+                final = student if result["best_step"] else corp
+                row = {**base, "recipe": recipe, "fit": fit, "steps": steps, **sets.measure(final)}
+                row["closed"] = {n: closed_share(row[f"{n}_output"], corp_row[f"{n}_output"]) for n in SETS}
+                row.update(
+                    steps_run=result["steps_run"],
+                    best_step=result["best_step"],
+                    stopped=result["stopped"],
+                    validation=result["validation_cosine"],
+                    distorted=result["distorted_validation_cosine"],
+                    sources=result["images"],
+                    recover_s=round(recover_s, 1),
+                    trace=trace,
+                )
+                rows.append(row)
+                print(json.dumps(rounded({k: v for k, v in row.items() if k != "trace"})), flush=True)
+                write_rows(args, command, rows)
             write_rows(args, command, rows)
 
 
