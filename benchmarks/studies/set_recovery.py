@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import time
 from pathlib import Path
@@ -123,12 +124,8 @@ def main() -> None:
             rows.append(corp_row)
             print(json.dumps(rounded(corp_row)), flush=True)
             fitted: dict[tuple, object] = {}  # the compression on the training sources, per split
-            for fit, recipe, steps in (
-                (fit, recipe, int(steps))
-                for fit in args.fits.split(",")
-                for recipe in args.recipes.split(",")
-                for steps in args.steps.split(",")
-            ):
+            steps_list = [int(n) for n in args.steps.split(",")]
+            for fit, recipe, steps in itertools.product(args.fits.split(","), args.recipes.split(","), steps_list):
                 recovery = RecoveryConfig(steps=steps, **recipe_settings(recipe))
                 images = RecoveryImages(calib, data_config, recovery)
                 split = (recovery.seed, recovery.validation)
