@@ -28,6 +28,8 @@ FAMILIES = ("torch", "torch-compile", "ort", "trt")
 DEFAULT_FAMILIES = ("torch", "ort", "trt")
 #: The families that run the PyTorch module itself (the others run exported files).
 TORCH_FAMILIES = ("torch", "torch-compile")
+#: Bytes per activation of the ONNX graphs of each precision (``export.json``'s; float32 unless named).
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2}
 
 #: How a latency row is timed. On a GPU, ``device-resident``: the images staged on the device once,
 #: the outputs left there, CUDA events around each call (what the model costs the GPU); or

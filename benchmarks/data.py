@@ -34,6 +34,7 @@ from corp_deploy.calibration import (
     find_images,
     held_out_images,
     load_rgb,
+    pixel_digest,
     unreadable_reason,
 )
 from corp_deploy.files import existing_dir
@@ -46,14 +47,16 @@ class EvalImages:
     """Batches of ``(images (B, 3, H, W) float32, labels (B,) int64 or None)``.
 
     ``description`` says where the images come from; ``labelled`` whether labels exist;
-    ``digests``, once iterated, the :func:`~corp_deploy.calibration.file_digest` of each file a
-    folder's images came from (empty for the bundled photos).
+    ``digests`` and ``pixel_digests``, once iterated, the :func:`~corp_deploy.calibration.file_digest`
+    and the :func:`~corp_deploy.calibration.pixel_digest` of each file a folder's images came from
+    (empty for the bundled photos).
     """
 
     batches: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor | None]]]
     description: dict
     labelled: bool
     digests: set[str] = field(default_factory=set)
+    pixel_digests: set[str] = field(default_factory=set)
 
     def __iter__(self):
         return self.batches()
@@ -77,8 +80,8 @@ def eval_images(
             root, transform, limit=limit, batch_size=batch_size, seed=seed, purpose="evaluation"
         )
         description = {"source": "directory", "path": str(root), "labelled": False}
-        digests: set[str] = set()
-        return EvalImages(lambda: _described(images, description, digests), description, False, digests)
+        digests, pixels = set(), set()
+        return EvalImages(lambda: _described(images, description, digests, pixels), description, False, digests, pixels)
     mapping, samples = labelled_samples(root)
     random.Random(seed).shuffle(samples)
     samples = samples[:limit]
@@ -90,9 +93,13 @@ def eval_images(
         "classes": len(mapping),
         "highest_label": max(mapping.values()),
     }
-    digests: set[str] = set()
+    digests, pixels = set(), set()
     return EvalImages(
-        lambda: _labelled_batches(samples, transform, batch_size, description, digests), description, True, digests
+        lambda: _labelled_batches(samples, transform, batch_size, description, digests, pixels),
+        description,
+        True,
+        digests,
+        pixels,
     )
 
 
@@ -145,12 +152,13 @@ def check_labels(evaluation: EvalImages, num_classes: int) -> None:
         raise CorpError(f"{index} maps a class to output {top}, but the model has {num_classes} outputs")
 
 
-def _described(images: CalibrationImages, description: dict, digests: set[str]):
+def _described(images: CalibrationImages, description: dict, digests: set[str], pixels: set[str]):
     """Unlabelled batches; afterwards ``description`` counts the images used and the files skipped,
-    and ``digests`` holds the used files' digests."""
+    and ``digests`` and ``pixels`` hold the used files' digests (of their bytes, of their pixels)."""
     for x in images:
         yield x, None
     digests.update(images.digests())
+    pixels.update(images.pixel_digests())
     summary = images.summary()
     description.update(
         images=summary["images_used"],
@@ -161,17 +169,26 @@ def _described(images: CalibrationImages, description: dict, digests: set[str]):
 
 
 def _labelled_batches(
-    samples: list[tuple[Path, int]], transform: Callable, batch_size: int, description: dict, digests: set[str]
+    samples: list[tuple[Path, int]],
+    transform: Callable,
+    batch_size: int,
+    description: dict,
+    digests: set[str],
+    pixels: set[str],
 ):
+    """Labelled batches; afterwards ``description`` counts the images used and the files skipped,
+    and ``digests`` and ``pixels`` hold the used files' digests (of their bytes, of their pixels)."""
     images, labels, skipped, span = [], [], [], ImageSpan("evaluation")
     for path, label in samples:
         try:
-            image, digest = transform(load_rgb(path)), file_digest(path)
+            decoded = load_rgb(path)
+            image, digest, pixel = transform(decoded), file_digest(path), pixel_digest(decoded)
         except UNREADABLE as exc:
             skipped.append(unreadable_reason(path, exc))
             continue
         images.append(image)
         digests.add(digest)
+        pixels.add(pixel)
         labels.append(label)
         if len(images) == batch_size:
             yield _spanned(torch.stack(images), span), torch.tensor(labels)

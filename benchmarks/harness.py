@@ -6,21 +6,24 @@ renders it and ``benchmarks.gate`` compares it with a baseline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from corp_deploy import count_macs, count_params
 from corp_deploy.documents import Machine, timestamp
+from corp_deploy.resources import FLOAT32, check_fits, onnxruntime_bytes, resident_bytes, resident_peak
 from exporters.manifest import versions
 from exporters.parity import Comparison, compare_outputs
 from exporters.runners import TorchRunner
 from exporters.torch_compile import CompiledTorchRunner
 
 from .attention_kernels import attention_kernels, kernel_summary
-from .backends import DEVICE_RESIDENT, ModelFiles, RunnerSettings, open_runners, row_timings
+from .backends import ACTIVATION_BYTES, DEVICE_RESIDENT, ModelFiles, RunnerSettings, open_runners, row_timings
 from .data import EvalImages
 from .fidelity import FidelityMeter, features_and_logits
 from .latency import interleaved, speedup, summarize
@@ -70,6 +73,8 @@ def run_bench(
         if "torch-compile" in settings.backends:
             log(f"torch-compile: compiling each model for each of {len(shapes)} input shapes (inductor) ...")
         runners, skipped = open_runners(settings.backends, models, stack, opening)
+        if "ort-cpu" in runners:
+            check_onnxruntime_timing(runners["ort-cpu"], models, image_shape, max(settings.batches), log)
         backends = {
             **{name: BackendStatus("ran") for name in runners},
             **{name: BackendStatus("skipped", why) for name, why in skipped.items()},
@@ -95,6 +100,93 @@ def run_bench(
         attention=attention,
         latency=latency,
         fidelity=Fidelity.from_dict({**measured, "data": eval_set.description, "held_out": held_out}),
+    )
+
+
+#: What the probe runs of :func:`onnxruntime_growth` hold at their larger batch by the lower bound
+#: (:func:`~corp_deploy.resources.onnxruntime_bytes`; ONNX Runtime really holds 1.3-8x that): enough
+#: that the arena's chunks (1 MB and up) and the first run's buffers are small beside it.
+PROBE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class SessionGrowth:
+    """What one ONNX Runtime session added to the process's resident memory by running twice at
+    each of two ``batches`` in turn (``held``: bytes above its resident memory before, each the
+    peak while that batch ran: so the second includes what the first batch's runs left)."""
+
+    batches: tuple[int, int]
+    held: tuple[int, int]
+
+    @property
+    def per_image(self) -> float:
+        """The bytes each further image adds: the slope between the two batches."""
+        (b1, b2), (m1, m2) = self.batches, self.held
+        return max(0.0, (m2 - m1) / (b2 - b1))
+
+    def at(self, batch: int) -> int:
+        """What the session will hold once it has run at ``batch`` too: the line through the two
+        measurements, extrapolated."""
+        return max(self.held[1], round(self.held[1] + self.per_image * (batch - self.batches[1])))
+
+
+def probe_batches(model: torch.nn.Module, image_shape: tuple[int, ...], element: int = FLOAT32) -> tuple[int, int]:
+    """The two batches :func:`onnxruntime_growth` runs ``model``'s graph at: the larger the largest
+    power of two (at least 4) whose lower bound stays within :data:`PROBE_BYTES`, the smaller a
+    quarter of it. For the small ViT of the tests (26 KB an image) 512 and 2048; for DeiT-B at 224
+    px (4.8 MB) 2 and 8."""
+    per_image = max(1, onnxruntime_bytes(model, image_shape, 1, element))
+    larger = 4
+    while 2 * larger * per_image <= PROBE_BYTES:
+        larger *= 2
+    return larger // 4, larger
+
+
+def onnxruntime_growth(runner, batches: tuple[int, int], image_shape: tuple[int, ...]) -> SessionGrowth | None:
+    """Measure what ONNX Runtime ``runner``'s session holds after running at each of ``batches``
+    (:class:`SessionGrowth`): one run at batch 1 first (the thread pool and the buffers a first run
+    makes, not counted), then two at each batch, the second as every later one runs (the memory
+    pattern ONNX Runtime plans from the first adds its own block). None where this process's
+    resident memory cannot be read (not Linux). The runs are the runner's own, on random images, as
+    parity's are: they leave what any run leaves in the session (its arena's chunks, the shapes'
+    memory patterns), nothing that changes how a later batch runs."""
+    rng = np.random.default_rng(0)
+    runner.infer(rng.standard_normal((1, *image_shape), dtype=np.float32))
+    images = [rng.standard_normal((batch, *image_shape), dtype=np.float32) for batch in batches]
+    before = resident_bytes()
+    held = []
+    for x in images:
+        peak = resident_peak(lambda x=x: (runner.infer(x), runner.infer(x)))
+        if before is None or peak is None:
+            return None
+        held.append(max(0, peak - before))
+    return SessionGrowth(tuple(batches), tuple(held))
+
+
+def check_onnxruntime_timing(
+    group: dict, models: dict[str, ModelFiles], image_shape: tuple[int, ...], batch: int, log: Callable[[str], None]
+) -> None:
+    """CorpError (the pre-check's, :func:`~corp_deploy.resources.check_fits`) before any timing when
+    ONNX Runtime's CPU sessions ``group`` cannot time at ``batch``: each session's memory measured at
+    two small batches (:func:`onnxruntime_growth`) and extrapolated per image to ``batch``, both
+    sessions at once (each keeps what its runs allocated while the other runs), and the input batch,
+    against the memory available. The lower bound checked before any image was read
+    (:func:`benchmarks.pipeline.timing_bytes`) is all there is where ``batch`` is no larger than the
+    probes' or the resident memory cannot be read (not Linux). Measured on the small ViT of the tests,
+    the extrapolation from 512 and 2048 images (1024 and 4096 for its compressed form) is within 1% of
+    what a session holds at 8192 (187 KB an image, 99 KB compressed)."""
+    element = {key: ACTIVATION_BYTES.get(models[key].precision, FLOAT32) for key in group}
+    probes = {key: probe_batches(models[key].torch, image_shape, element[key]) for key in group}
+    if any(probes[key][1] >= batch for key in group):
+        return
+    log(f"ort-cpu: measuring each session's memory at batches {sorted(set(sum(probes.values(), ())))} ...")
+    grown = {key: onnxruntime_growth(runner, probes[key], image_shape) for key, runner in group.items()}
+    if any(g is None for g in grown.values()):
+        return
+    check_fits(
+        f"timing at batch {batch}",
+        batch * FLOAT32 * math.prod(image_shape) + sum(g.at(batch) for g in grown.values()),
+        "use smaller --batch sizes",
     )
 
 

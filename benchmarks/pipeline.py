@@ -4,20 +4,44 @@ end to end: the models and images checked, latency, parity and fidelity measured
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 from corp_deploy import CorpError
 from corp_deploy.artifact import recorded_checksums
-from corp_deploy.resources import check_fits, inference_bytes
+from corp_deploy.calibration import copies_named
+from corp_deploy.resources import FLOAT32, check_fits, inference_bytes, onnxruntime_bytes
 
 from .attention_kernels import lost_kernel_warnings
+from .backends import ACTIVATION_BYTES, ModelFiles
 from .data import check_labels, eval_images
 from .gate import GateLimits, check_comparable, check_gates, check_same_data, read_baseline, regressions
 from .harness import model_entries, run_bench
 from .int8 import Int8Graphs, int8_graphs, run_int8_bench
 from .results import BenchReport, BenchSettings, GateResult, Int8Result
 from .targets import calibration_overlap, copied_calibration_images, find_target, load_models
+
+
+def timing_bytes(
+    dense: ModelFiles, compressed: ModelFiles, input_size: tuple[int, ...], settings: BenchSettings
+) -> int:
+    """A lower bound on the memory timing at the largest batch of ``settings`` needs: one eager
+    PyTorch inference of the dense model (:func:`~corp_deploy.resources.inference_bytes`) or, when
+    ONNX Runtime's CPU provider times both exported graphs, the input batch and both sessions'
+    working memory at once (each keeps what its runs allocated while the other runs:
+    :func:`~corp_deploy.resources.onnxruntime_bytes`), whichever is more. ONNX Runtime really holds
+    1.3-8x its bound: once the sessions are open, :func:`benchmarks.harness.check_onnxruntime_timing`
+    checks the batch again against their memory, measured."""
+    batch = max(settings.batches)
+    needed = inference_bytes(dense.torch, input_size, batch)
+    if "ort" in settings.backends and dense.onnx and compressed.onnx:  # ort-cpu runs wherever ort does
+        sessions = sum(
+            onnxruntime_bytes(m.torch, input_size, batch, ACTIVATION_BYTES.get(m.precision, FLOAT32))
+            for m in (dense, compressed)
+        )
+        needed = max(needed, batch * FLOAT32 * math.prod(input_size) + sessions)
+    return needed
 
 
 def bench_target(
@@ -55,7 +79,7 @@ def bench_target(
     transform, data_config = artifact.transform
     check_fits(
         f"timing at batch {max(settings.batches)}",
-        inference_bytes(dense.torch, tuple(data_config["input_size"]), max(settings.batches)),
+        timing_bytes(dense, compressed, tuple(data_config["input_size"]), settings),
         "use smaller --batch sizes",
     )
     evaluation = eval_images(data, transform, limit=data_samples)
@@ -69,11 +93,11 @@ def bench_target(
     int8 = int8_graphs(artifact) if "ort" in settings.backends else Int8Graphs()
     report = run_bench(compressed, dense, evaluation, settings, held_out=held_out, log=log)
     report.artifact = made_from
-    copies = copied_calibration_images(artifact, evaluation.digests)
+    copies, other_bytes = copied_calibration_images(artifact, evaluation.digests, evaluation.pixel_digests)
     if copies and held_out:  # known only once the evaluation files were read
         report.fidelity.held_out = False
         warn(
-            f"{copies} of the evaluation images are byte-identical copies of calibration images; "
+            f"{copies} of the evaluation images {copies_named(copies, other_bytes, 'calibration images')}; "
             "fidelity is not held out"
         )
     for message in lost_kernel_warnings(report.attention, compressed.torch, dense.torch):

@@ -88,12 +88,22 @@ def load_models(artifact: Path | Artifact, export: Path | None) -> tuple[ModelFi
     return compressed, dense
 
 
-def copied_calibration_images(artifact: Artifact, eval_digests: set[str]) -> int:
-    """How many of the evaluation files (by :func:`~corp_deploy.calibration.file_digest`) are
-    byte-identical to a file the artifact was calibrated on, wherever the copy lies (0 for an artifact
-    calibrated on the bundled photos, or made before the digests were recorded)."""
-    calibrated = artifact.config.get("calibration", {}).get("image_digests", [])
-    return len(eval_digests & set(calibrated))
+def copied_calibration_images(
+    artifact: Artifact, eval_digests: set[str], eval_pixels: set[str] = frozenset()
+) -> tuple[int, int]:
+    """``(copies, other bytes)``: how many of the evaluation images are copies of a file the artifact
+    was calibrated on, wherever the copy lies, and how many of those are not byte-identical to it.
+    By :func:`~corp_deploy.calibration.pixel_digest` (``eval_pixels``) against the artifact's
+    ``pixel_digests``: identical pixels, whatever the format; an artifact made before those were
+    recorded is compared by :func:`~corp_deploy.calibration.file_digest` (``eval_digests``) against its
+    ``image_digests``: byte-identical copies only. ``(0, 0)`` for an artifact calibrated on the bundled
+    photos, or made before any digest was recorded."""
+    calibration = artifact.config.get("calibration", {})
+    byte_identical = len(eval_digests & set(calibration.get("image_digests", [])))
+    if "pixel_digests" not in calibration:
+        return byte_identical, 0
+    copies = len(eval_pixels & set(calibration["pixel_digests"]))
+    return copies, max(0, copies - byte_identical)
 
 
 def calibration_overlap(artifact: Artifact, eval_description: dict) -> bool:

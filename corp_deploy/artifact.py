@@ -24,7 +24,7 @@ from .bundled_weights import bundled_model
 from .config import CompressConfig
 from .cost import count_params
 from .documents import DocumentFormat, library_versions, timestamp
-from .errors import BadUsage, CorpError, first_line
+from .errors import BadUsage, CorpError, check_flags, first_line
 from .families import blocks_of, in_standard_form, standard_copy
 from .files import checked_path, json_text, sha256_file, write_json
 from .layers import BlockDims, block_dims, reshape_block
@@ -177,8 +177,10 @@ def save_artifact(
     An existing artifact at ``out_dir`` is replaced (with the exports inside it) when its files
     still match its record; anything else is refused (:func:`corp_deploy.outputs.check_output_dir`).
     Records that contradict ``model`` (uniform CORP settings of other kept dims, a report of another
-    parameter count) or that JSON cannot hold are refused (BadUsage) before anything is written.
+    parameter count) or that JSON cannot hold are refused (BadUsage) before anything is written, and
+    so are weights holding NaN or infinity (CorpError naming the tensor).
     """
+    check_flags(plots=plots)
     for name, record in (("settings", settings), ("calibration", calibration), ("report", report)):
         if record is not None and not isinstance(record, dict):
             raise BadUsage(f"{name} must be a dict, not {type(record).__name__}")
@@ -214,9 +216,10 @@ def write_artifact(
     """:func:`save_artifact` of records already checked: ``base_model`` as ``config.json`` records it
     (:func:`complete_base_model`, or :func:`base_model_spec`'s), ``data_config`` the model's
     (:func:`~corp_deploy.models.model_transform`), ``settings``, ``calibration`` and ``report`` dicts
-    or None."""
+    or None; its weights checked to be finite."""
     from safetensors.torch import save_file
 
+    check_finite(model, "the model to save", "no export or measurement of it could mean anything; nothing was written")
     out_dir = checked_path(out_dir, "out_dir")
     config = {
         **CONFIG_FORMAT.header(),
@@ -312,7 +315,7 @@ def load_compressed(path: str | Path) -> nn.Module:
     return Artifact.read(path).model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Artifact:
     """An artifact folder read once, what the workflow, recover, export and bench pass on instead
     of reading and verifying its files again: ``config.json`` (``config``), checked against the
@@ -322,17 +325,24 @@ class Artifact:
     once, when first used (:meth:`verified_weights`); the compressed model is loaded once (:attr:`model`,
     with its preprocessing, :attr:`transform`); the dense model is rebuilt from the complete weights
     record ``config.json`` holds (:attr:`base_model`, :meth:`dense`). It stands for its folder where
-    a path is taken (``os.fspath``, ``str``)."""
+    a path is taken (``os.fspath``, ``str``). Made by :meth:`read` (or :meth:`of`) only: the
+    constructor refuses to be called, pointing there (it would take the files unchecked)."""
 
     path: Path
     config: dict
     checksums: dict[str, str] | None
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise BadUsage("Artifact(...) is not called directly: read an artifact with Artifact.read(path)")
+
     @classmethod
     def read(cls, path: str | Path) -> Artifact:
         """The artifact at ``path``: its ``config.json`` read and checked (CorpError otherwise)."""
         config = read_config(path)
-        return cls(Path(path), config, recorded_checksums(path))
+        artifact = object.__new__(cls)  # past the refusing constructor
+        for name, value in (("path", Path(path)), ("config", config), ("checksums", recorded_checksums(path))):
+            object.__setattr__(artifact, name, value)
+        return artifact
 
     @classmethod
     def of(cls, artifact: str | Path | Artifact) -> Artifact:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import os
 import random
 import warnings
@@ -17,7 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .bundled_photos import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS, builtin_photo_paths
-from .errors import CorpError, SettingError, check_setting_types, first_line
+from .errors import CorpError, SettingError, check_instance, check_setting_types, described, first_line
 from .files import checked_path, existing_dir, shown
 from .outputs import RECORD_FILE
 
@@ -38,7 +39,8 @@ def find_images(directory: str | Path) -> list[Path]:
     than left out unsaid. Hidden entries (a name starting with ``.``, or inside such a folder:
     ``.ipynb_checkpoints``, ``.thumbnails``, macOS's ``._*`` files) are not images of the set, nor
     are the files of corp-deploy's own outputs below it (a folder holding a ``RECORD_FILE``: a
-    bench report's plot is no photo)."""
+    bench report's plot is no photo). CorpError naming it for a link that leads up the tree
+    (:func:`_up_the_tree`): ``..``, ``~`` or ``/`` would make everything beside the folder images of it."""
     root = existing_dir(directory, "image directory")
     found, seen = [], set()
     for folder, subfolders, files in os.walk(root, followlinks=True):
@@ -51,12 +53,32 @@ def find_images(directory: str | Path) -> list[Path]:
             subfolders.clear()  # an output of corp-deploy: its files are not images of the set
             continue
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in subfolders:
+            _check_link(Path(folder, name), real, root)
         found += [
             Path(folder, name)
             for name in files
             if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS
         ]
     return sorted(found)
+
+
+def _check_link(path: Path, folder: str, root: Path) -> None:
+    """CorpError naming ``path`` (a sub-folder of ``folder``, resolved, as the walk of ``root`` meets
+    it) when it is a link that leads up the tree (:func:`_up_the_tree`)."""
+    if path.is_symlink() and _up_the_tree(Path(os.path.realpath(path)), Path(folder), root):
+        raise CorpError(
+            f"{shown(path)} is a link to {shown(os.path.realpath(path))}, a folder that holds the folder the link "
+            f"is in: reading {shown(root)} would take in everything beside it; remove the link, or link to a "
+            "folder of images"
+        )
+
+
+def _up_the_tree(target: Path, folder: Path, root: Path) -> bool:
+    """Whether a link in ``folder`` (resolved) that resolves to ``target`` leads up the tree: to a
+    folder that holds ``folder``, outside ``root`` (the image directory, resolved). A link to a folder
+    elsewhere, or back to a folder of ``root`` (walked once), is followed."""
+    return not target.is_relative_to(root) and folder.is_relative_to(target)
 
 
 #: Why an image file cannot be used: the errors Pillow raises for unreadable, truncated,
@@ -95,8 +117,22 @@ def load_rgb(path: str | Path) -> Image.Image:
 
 def file_digest(path: str | Path) -> str:
     """A short digest of a file's bytes (BLAKE2b, 8 bytes, hex): equal for byte-identical copies,
-    whatever their names, so that evaluation images can be checked against calibration's."""
+    whatever their names. What artifacts record as ``image_digests``; sources are compared by
+    :func:`pixel_digest`, which also finds a copy saved in another format."""
     return hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
+
+
+def pixel_digest(image: Image.Image) -> str:
+    """A short digest of an image's pixels as :func:`load_rgb` decodes them (BLAKE2b, 8 bytes, hex, of
+    the shape and the 8-bit RGB values): equal for files of identical pixels, whatever their names,
+    formats and encodings (a PNG and its lossless WebP, BMP or TIFF, a PNG saved at another
+    compression level). Only identical pixels are recognised: a lossy re-encoding (another JPEG
+    quality), a resize or a crop gives another digest. How calibration, recovery and ``bench`` tell
+    images apart (recorded by artifacts as ``pixel_digests``)."""
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    digest = hashlib.blake2b(f"{rgb.height}x{rgb.width}x3\n".encode(), digest_size=8)
+    digest.update(rgb.tobytes())
+    return digest.hexdigest()
 
 
 #: What compression and recovery take as their images, as messages name it.
@@ -247,8 +283,10 @@ class CalibrationImages:
     Each full iteration yields the same images in the same order. ``summary()``
     describes what the last iteration used (with how much the images span, :class:`ImageSpan`),
     ``image_sources`` the file each of its images came from (a bundled photo once per crop), in
-    order; for a directory, ``summary()["image_digests"]`` holds the :func:`file_digest` of each file
-    used (sorted, each once). At the end of an iteration, images that span little are warned about
+    order, and ``source_digests`` the :func:`pixel_digest` of each of those files; for a directory,
+    ``summary()`` holds the :func:`file_digest` (``image_digests``) and the :func:`pixel_digest`
+    (``pixel_digests``) of each file used (sorted, each once). At the end of an iteration, images that
+    span little, and files that are copies of others (identical pixels), are warned about
     (``warnings.warn``), and images that are all of one colour are refused (CorpError).
     """
 
@@ -277,7 +315,8 @@ class CalibrationImages:
         self.used = 0
         self.skipped: list[str] = []
         self.image_sources: list[Path] = []
-        self._digests: list[str] = []
+        self._digests: list[tuple[str, str]] = []  # (bytes, pixels) of each file read whole
+        self._pixels: dict[Path, str] = {}
         self.span = ImageSpan(purpose)
 
     @classmethod
@@ -292,6 +331,7 @@ class CalibrationImages:
         purpose: str = "calibration",
         crops: bool = False,
     ) -> CalibrationImages:
+        limit, batch_size, seed = _checked(transform, limit=limit, batch_size=batch_size, seed=seed)
         paths = find_images(directory)
         if not paths:
             raise CorpError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {directory}")
@@ -312,6 +352,7 @@ class CalibrationImages:
         seed: int = 0,
         photos: Sequence[str] = CALIBRATION_PHOTOS,
     ) -> CalibrationImages:
+        count, batch_size, seed = _checked(transform, count=count, batch_size=batch_size, seed=seed)
         paths = builtin_photo_paths(photos)
         sources = [paths[i % len(paths)] for i in range(count)]
         return cls(
@@ -329,7 +370,7 @@ class CalibrationImages:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         self.used, self.skipped, self.image_sources, self.span = 0, [], [], ImageSpan(self.span.purpose)
-        self._digests: list[str] = []
+        self._digests, self._pixels = [], {}
         rng = random.Random(self._crop_seed)
         batch: list[torch.Tensor] = []
         for path, cropped in self._planned():
@@ -337,12 +378,15 @@ class CalibrationImages:
                 break
             try:
                 im = load_rgb(path)
+                pixels = self._pixels.get(path) or pixel_digest(im)  # of the file, not of a crop
+                whole = None if cropped else file_digest(path)  # a directory's file: for the overlap with other sets
                 if cropped:
                     im = _random_crop_flip(im, rng)
-                else:  # a directory's file: its digest, for the overlap with other image sets
-                    self._digests.append(file_digest(path))
                 batch.append(self._transform(im))
                 self.image_sources.append(path)
+                self._pixels[path] = pixels
+                if whole is not None:
+                    self._digests.append((whole, pixels))
             except UNREADABLE as exc:
                 self.skipped.append(unreadable_reason(path, exc))
                 continue
@@ -361,12 +405,13 @@ class CalibrationImages:
             raise CorpError(refusal)
         for message in self.span.warnings():
             warnings.warn(message, stacklevel=1)
-        copies = len(self._digests) - len(set(self._digests))
+        files = len(self._digests)
+        copies = files - len(self.pixel_digests())
         if copies:  # crops of copies vary, so the span alone would not say it
+            other_bytes = copies - (files - len(self.digests()))
             warnings.warn(
-                f"{copies} of the {len(self._digests)} {self.span.purpose} files "
-                f"{'is a byte-identical copy' if copies == 1 else 'are byte-identical copies'} of others: they add "
-                "no image the others do not",
+                f"{copies} of the {files} {self.span.purpose} files {copies_named(copies, other_bytes, 'others')}: "
+                "they add no image the others do not",
                 stacklevel=1,
             )
 
@@ -396,8 +441,13 @@ class CalibrationImages:
         """Where the images came from, how many were asked for and used, which files were
         skipped (``path: reason``, the first five), how much the images span
         (:meth:`ImageSpan.to_dict`; None before any image was read: the images are read lazily, as
-        they are iterated) and, for a directory, the digests of the files used."""
-        digests = {"image_digests": self.digests()} if self._description["source"] == "directory" else {}
+        they are iterated) and, for a directory, the digests of the files used: of their bytes
+        (``image_digests``, :func:`file_digest`) and of their pixels (``pixel_digests``, :func:`pixel_digest`)."""
+        digests = (
+            {"image_digests": self.digests(), "pixel_digests": self.pixel_digests()}
+            if self._description["source"] == "directory"
+            else {}
+        )
         return {
             **self._description,
             "images_requested": self._limit,
@@ -410,7 +460,43 @@ class CalibrationImages:
 
     def digests(self) -> list[str]:
         """The :func:`file_digest` of each file the last iteration used (from a directory), sorted, each once."""
-        return sorted(set(self._digests))
+        return sorted({whole for whole, _ in self._digests})
+
+    def pixel_digests(self) -> list[str]:
+        """The :func:`pixel_digest` of each file the last iteration used (from a directory), sorted, each once."""
+        return sorted({pixels for _, pixels in self._digests})
+
+    @property
+    def source_digests(self) -> dict[Path, str]:
+        """The :func:`pixel_digest` of each file in ``image_sources`` (of the file as decoded, not of a
+        crop): what recovery tells its sources apart by, without decoding them again."""
+        return dict(self._pixels)
+
+
+def copies_named(copies: int, other_bytes: int, of: str) -> str:
+    """How a message names ``copies`` images found to be copies ``of`` others (``others``,
+    ``calibration images``) by their :func:`pixel_digest`, ``other_bytes`` of them not byte-identical
+    (the same pixels saved in another format or encoding): ``is a byte-identical copy of others``,
+    ``are byte-identical copies of others``, ``are pixel-identical copies of others (2 of them saved
+    in another format or encoding)``."""
+    if not other_bytes:
+        return f"is a byte-identical copy of {of}" if copies == 1 else f"are byte-identical copies of {of}"
+    saved = "saved in another format or encoding"
+    if copies == 1:
+        return f"is a pixel-identical copy of {of} ({saved})"
+    return f"are pixel-identical copies of {of} ({other_bytes} of them {saved})"
+
+
+def _checked(transform: object, **integers: object) -> tuple[int, ...]:
+    """``integers`` (the counts and seed :class:`CalibrationImages` is made with) as Python ints, after
+    BadUsage unless ``transform`` is callable and SettingError (naming it) for the first that is not an
+    integer (a NumPy one is; a bool or a float such as 2.5 is not), as :class:`CalibrationSpec`
+    checks its settings (:func:`~corp_deploy.errors.check_setting_types`)."""
+    check_instance("transform", transform, Callable, "a callable (an image -> a tensor: model_transform(model)[0])")
+    for name, value in integers.items():
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise SettingError(f"{{setting}} must be an integer, got {described(value)}", name)
+    return tuple(int(value) for value in integers.values())
 
 
 def summary_warnings(summary: dict) -> list[str]:

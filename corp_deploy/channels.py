@@ -275,7 +275,11 @@ def _weighted_trace(w: torch.Tensor, m: torch.Tensor) -> float:
 
 def _cholesky(a: torch.Tensor) -> torch.Tensor:
     """Lower Cholesky factor of a symmetric positive semi-definite matrix; a vanishing jitter is
-    added only if the plain factorisation fails (a zero-variance channel without ridge)."""
+    added only if the plain factorisation fails (a zero-variance channel without ridge). ValueError for a
+    matrix that is not finite, which no jitter makes factorisable (the statistics are checked before
+    they reach here: :func:`~corp_deploy.stats.check_finite_sums`)."""
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError("the matrix to factorise holds NaN or infinite values")
     chol, info = torch.linalg.cholesky_ex(a)
     jitter = 1e-12 * max(float(torch.diagonal(a).abs().max()), 1e-300)
     while int(info) != 0:

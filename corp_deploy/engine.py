@@ -39,7 +39,7 @@ from .calibration import BATCHES, check_batch
 from .config import CompressConfig
 from .cost import count_macs, count_params, peak_memory_mb
 from .dims import kept_count
-from .errors import CorpError, SettingError, check_instance, first_line
+from .errors import CorpError, SettingError, check_flags, check_instance, first_line
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit, model_transform
@@ -78,6 +78,7 @@ def compress(
     """
     check_instance("config", config, CompressConfig)
     check_instance("calibration_batches", calibration_batches, Iterable, BATCHES)
+    check_flags(progress=progress, in_place=in_place)
     check_vit(model)
     check_finite(model, "the model to compress")
     if config.recovery.enabled:

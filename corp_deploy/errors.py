@@ -82,6 +82,13 @@ def check_instance(name: str, value: object, kind: type | tuple[type, ...], what
         raise BadUsage(f"{name} must be {what}, not {type(value).__name__}")
 
 
+def check_flags(**flags: object) -> None:
+    """BadUsage naming the first of ``flags`` (a public function's boolean arguments, by name) that is
+    not a bool: ``in_place="no"`` would otherwise count as true."""
+    for name, value in flags.items():
+        check_instance(name, value, bool, "True or False")
+
+
 def check_setting_types(settings: object, setting: typing.Callable[[str], str] = str) -> None:
     """SettingError for the first field of the dataclass ``settings`` whose value is not of its
     annotated type (float: any real number but a bool; int: an integer but a bool; str; bool; each

@@ -12,11 +12,14 @@ and which were not written. A signal the process was started ignoring stays igno
 ``nohup``; SIGINT and SIGQUIT in a script's background job), as do SIGPIPE and SIGXFSZ, which Python
 ignores (a write to a closed pipe or beyond the file size limit is an error of the write, handled as
 such). Only SIGKILL, which no process can catch, can leave a staging folder behind. Library warnings
-and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``.
+and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``. A
+standard output whose encoding cannot write a character printed (``PYTHONIOENCODING=ascii``) fails
+as a write does, with what to change.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import io
@@ -34,9 +37,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     warnings.filterwarnings("default", module=OWN_MODULES)
     warnings.showwarning = _show_warning
-    logging.getLogger().setLevel(logging.ERROR)
+    # Drop every log record below ERROR, whatever the levels and handlers a library sets itself (torch
+    # gives its loggers a handler of their own on standard error: inductor's import of cpp_extension
+    # logs "No CUDA runtime is found, using CUDA_HOME=..." where CUDA_HOME is set and no GPU is seen).
+    logging.disable(logging.WARNING)
     if sys.stdout is None:  # started with standard output closed (``>&-``): printing must fail, not vanish
         sys.stdout = _ClosedOutput()
+    elif not _writes_every_character(sys.stdout):  # PYTHONIOENCODING=ascii, a C locale
+        sys.stdout = _EncodingLimited(sys.stdout)
     if sys.stderr is not None:  # progress and warnings that cannot be written must not stop the work
         sys.stderr = _Diagnostics(sys.stderr)
     for signum in INTERRUPTS:
@@ -89,6 +97,41 @@ class _ClosedOutput(io.TextIOBase):
 
     def write(self, text: str) -> int:
         raise OSError(errno.EBADF, "standard output is closed")
+
+
+def _writes_every_character(stream) -> bool:
+    """Whether ``stream`` encodes text in a Unicode encoding (UTF-8, -16, -32), which can write any."""
+    try:
+        return codecs.lookup(stream.encoding).name.startswith("utf")
+    except (AttributeError, TypeError, LookupError):
+        return False
+
+
+class _EncodingLimited:
+    """Standard output in an encoding that cannot write every character (``PYTHONIOENCODING=ascii``,
+    a C locale): text it cannot encode fails as an error of the write (OSError, EILSEQ) that says
+    what and how to change the encoding, as a closed pipe's does (exit 5 once the output is
+    complete), never as a bug. What was printed before is flushed first; nothing of the failed
+    write is written (the text is encoded before any of it is)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except UnicodeEncodeError as exc:
+            with contextlib.suppress(OSError):
+                self._stream.flush()
+            character = exc.object[exc.start]
+            raise OSError(
+                errno.EILSEQ,
+                f"its encoding, {exc.encoding}, cannot write {character!r} (U+{ord(character):04X}); "
+                "set PYTHONIOENCODING=utf-8 or use a UTF-8 locale",
+            ) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 class _Diagnostics:

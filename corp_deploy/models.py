@@ -198,10 +198,28 @@ def _given(kwargs: dict[str, Any]) -> str:
 
 
 def check_finite(model: nn.Module, what: str, consequence: str = "these weights cannot be compressed") -> None:
-    """CorpError naming the first parameter or buffer of ``model`` that holds NaN or infinity."""
+    """CorpError naming the first parameter or buffer of ``model`` that holds no data
+    (:func:`_missing_data`) or NaN or infinity."""
     for key, tensor in model.state_dict().items():
+        missing = _missing_data(tensor)
+        if missing is not None:
+            raise CorpError(f"{what}: {key} holds no data ({missing}: load the weights first); {consequence}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CorpError(f"{what}: {key} holds NaN or infinite values; {consequence}")
+
+
+def _missing_data(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` has no values to read, or None: on the meta device, a lazy module's parameter
+    not yet initialised, or its storage freed (resized to less than its elements span, as FSDP does)."""
+    if tensor.is_meta:
+        return "it is on the meta device"
+    if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+        return "it is a lazy module's parameter, not yet initialised"
+    if tensor.numel():
+        span = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        if tensor.untyped_storage().nbytes() < (span + 1) * tensor.element_size():
+            return "its storage was freed"
+    return None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -109,6 +110,21 @@ class NotedOutputs:
     planned: list[Path] = field(default_factory=list)
     completed: list[Path] = field(default_factory=list)
     abandoned: list[tuple[Path, bool, Path]] = field(default_factory=list)  # (output, older kept, staging)
+    #: the folders whose file system was full when an output was abandoned (:func:`full_folders`): the
+    #: one it was staged in and the temporary directory, as the failure left them, before the cleanup
+    full: list[Path] = field(default_factory=list)
+
+    def abandon(self, dest: Path, staging: Path) -> None:
+        """Note that the output ``dest`` was not written (its ``staging`` folder is about to be
+        removed), and which folders' file systems were full at that moment (:func:`full_folders`)."""
+        self.abandoned.append((dest, dest.exists(), staging))
+        self.full += [folder for folder in full_folders(dest.parent) if folder not in self.full]
+
+    def being_written(self) -> list[Path]:
+        """The outputs the command was writing when it failed: those abandoned, but those inside
+        another abandoned output's staging folder (a sweep's artifacts: they went with it)."""
+        stagings = [staging for _, _, staging in self.abandoned]
+        return [path for path, _, _ in self.abandoned if not any(staging in path.parents for staging in stagings)]
 
     def in_place(self) -> list[Path]:
         """The completed outputs still in place: not one completed inside another output's staging
@@ -199,13 +215,36 @@ def staged_output(dest: str | Path, kind: str, needs: int = 0, made_from: str | 
     except BaseException:
         with signals_deferred():
             if not swapped:  # once in place, the staging name is no longer ours
+                if _NOTED:  # before the cleanup, which frees what a full file system lacked
+                    _NOTED[-1].abandon(dest, tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
-                if _NOTED:
-                    _NOTED[-1].abandoned.append((dest, dest.exists(), tmp))
             for folder in created:  # the parents this run made, innermost first, if still empty
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise
+
+
+#: Free space below which a file system counts as full where a write failed: a write refused for want
+#: of room leaves less than one of its buffers.
+FULL_BELOW = 2**20
+
+
+def full_folders(staging_parent: Path) -> list[Path]:
+    """Of ``staging_parent`` (where an output is staged) and the temporary directory (``$TMPDIR``, where
+    exports keep their scratch files), those on a file system with less than :data:`FULL_BELOW` bytes
+    free."""
+    folders = [staging_parent]
+    with contextlib.suppress(OSError):  # no usable temporary directory at all
+        folders.append(Path(tempfile.gettempdir()))
+    return [folder for folder in dict.fromkeys(folders) if _free_bytes(folder) < FULL_BELOW]
+
+
+def _free_bytes(folder: Path) -> float:
+    """The free space of ``folder``'s file system (infinite where it cannot be read: a folder removed)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return math.inf
 
 
 def _check_room(dest: Path, kind: str, needs: int) -> None:

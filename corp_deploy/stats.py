@@ -2,7 +2,8 @@
 activations (CORP's query/key statistics: :mod:`corp_deploy.methods.corp.qk_statistics`).
 
 It takes float32 activations, does the large products in float32 on per-batch centred data, and
-keeps its running sums in float64 (docs/method.md §1).
+keeps its running sums in float64 (docs/method.md §1). Every statistic checks its sums when first
+read, before anything is solved from them (:func:`check_finite_sums`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,22 @@ import numpy as np
 import torch
 
 from . import distributed
+from .errors import CorpError
+
+#: What the statistics of CORP and its peers are taken of, as :func:`check_finite_sums` names them.
+MLP_HIDDEN, PROJ_INPUTS = "the MLP hidden activations", "the inputs of the attention's output projection"
+
+
+def check_finite_sums(activations: str, *sums: torch.Tensor) -> None:
+    """CorpError when any of ``sums`` over the calibration samples of ``activations`` (what they are,
+    e.g. ``the MLP hidden activations``) holds NaN or infinity: the activations overflowed float32
+    (or their sums float64), as on images far larger than normalised ones, and nothing solved from
+    them could mean anything."""
+    if not all(bool(torch.isfinite(tensor).all()) for tensor in sums):
+        raise CorpError(
+            f"the calibration activations overflowed: the sums of {activations} over the calibration images are "
+            "infinite or NaN; give images preprocessed as the model's transform does (normalised values of a few units)"
+        )
 
 
 def _add_lower_gram(out: torch.Tensor, x: torch.Tensor, block: int = 384) -> None:
@@ -57,13 +74,21 @@ class MomentAccumulator:
     ``delta`` is small and the subtraction loses little precision.
 
     The covariance is formed in place of the Gram when first read (no second ``d x d`` float64
-    matrix is held), so no samples can be added after that.
+    matrix is held), so no samples can be added after that; it is then checked to be finite, with
+    the sum (:func:`check_finite_sums`, naming ``activations``: what the samples are).
     """
 
     def __init__(
-        self, dim: int, device: torch.device | str = "cpu", *, track_positive: bool = True, flush_samples: int = 65536
+        self,
+        dim: int,
+        device: torch.device | str = "cpu",
+        *,
+        track_positive: bool = True,
+        flush_samples: int = 65536,
+        activations: str = "the activations",
     ) -> None:
         self.n = 0
+        self.activations = activations
         self._flush_samples = flush_samples
         self._shift: torch.Tensor | None = None
         self._sum = torch.zeros(dim, dtype=torch.float64, device=device)
@@ -157,6 +182,7 @@ class MomentAccumulator:
             delta = self._sum / n
             self._covariance = symmetrize_lower_(self._gram64).mul_(1.0 / n).addr_(delta, delta, alpha=-1.0)
             self._gram64 = self._gram32 = None
+            check_finite_sums(self.activations, self._sum, self._covariance)
         return self._covariance
 
     @property

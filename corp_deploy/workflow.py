@@ -28,7 +28,7 @@ from .artifact import (
 from .calibration import CalibrationImages, CalibrationSpec, summary_warnings
 from .config import CompressConfig
 from .engine import compress, compress_bytes
-from .errors import BadUsage, CorpError, SettingError, check_instance
+from .errors import BadUsage, CorpError, SettingError, check_flags, check_instance
 from .files import checked_path
 from .models import model_transform
 from .outputs import check_apart, check_output_dir
@@ -60,8 +60,9 @@ class CompressedArtifact:
         copies = self.report.get("recovery", {}).get("images", {}).get("duplicate_sources", 0)
         duplicates = (
             [
-                f"recovery: {copies} calibration source{'s were' if copies != 1 else ' was'} a byte-identical copy "
-                "of another: counted once, on the same side of the split (validation holds no copy of a training image)"
+                f"recovery: {copies} calibration source{'s were' if copies != 1 else ' was'} a copy of another "
+                "(the same pixels): counted once, on the same side of the split (validation holds no copy of a "
+                "training image)"
             ]
             if copies
             else []
@@ -116,6 +117,7 @@ def compress_to_artifact(
     check_instance("dense", dense, nn.Module)
     check_instance("config", config, CompressConfig)
     check_instance("calibration", calibration, CalibrationSpec)
+    check_flags(progress=progress, in_place=in_place, plots=plots)
     if out_dir is None and distributed.rank() == 0:
         raise BadUsage(
             "out_dir is None: give the artifact's folder (None only on the processes of torchrun but the first)"
@@ -224,6 +226,7 @@ def recover_artifact(
         checked_path(artifact, "artifact")
     checked_path(out_dir, "out_dir")
     check_instance("recovery", recovery, RecoveryConfig)
+    check_flags(progress=progress)
     if not recovery.enabled:
         raise SettingError(
             "{setting} must be at least 1 to recover an artifact (0 is off: the artifact is what compress wrote)",

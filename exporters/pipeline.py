@@ -13,7 +13,7 @@ import math
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,10 @@ def export_artifact(
     Writes ``model.onnx`` (``dense.onnx``), with ``options.trt`` also ``build_engine.sh`` and,
     where TensorRT and a CUDA GPU are present, ``model.engine`` (``dense.engine``), and
     ``export.json``. ``dense_model`` replaces the dense base rebuilt from the artifact's record.
-    Raises :class:`ParityError` (nothing written) when a parity gate fails.
+    ``options.tolerance`` None applies :func:`gate_tolerance`'s defaults for the model.
+    Raises :class:`ParityError` (nothing written) when a parity gate fails, and before any export
+    when ``options.tolerance`` sets a limit the model's outputs cannot be measured on
+    (:func:`check_measurable`).
     """
     options = ExportOptions() if options is None else options
     check_instance("options", options, ExportOptions)
@@ -92,6 +95,9 @@ def export_artifact(
     check_output_dir(out_dir, "export", made_from=artifact.path)  # before any work
     _check_named_precision(out_dir, options.precision)
     _check_timing_cache_outside_outputs(options.timing_cache, out_dir)
+    classifier = artifact.model.num_classes > 0  # known before any export: what the gate can measure
+    tolerance = options.tolerance or gate_tolerance(precision, classifier)
+    check_measurable(tolerance, classifier)
     models = _models(artifact, options, dense_model, log)
     input_size = artifact.input_size
     check_fits(
@@ -117,10 +123,10 @@ def export_artifact(
             folder=tmp,
             options=options,
             precision=precision,
-            tolerance=options.tolerance or precision.tolerance,
+            tolerance=tolerance,
             input_size=input_size,
             images=images,
-            classifier=models["model"].num_classes > 0,
+            classifier=classifier,
             trt_missing=trt_missing,
             engine_batches=engine_batches,
             runners=runners,
@@ -142,6 +148,31 @@ def export_artifact(
         manifest = _manifest(artifact, made_from, graph, entries, options, run.tolerance, trt_missing)
         write_json(tmp / MANIFEST, manifest)
     return ExportResult(out_dir, manifest, entries, run.incomplete)
+
+
+def gate_tolerance(precision: Precision, classifier: bool, **limits: float | None) -> Tolerance:
+    """The limits the parity gate holds an export to, and ``export.json`` records: ``precision``'s
+    defaults that a model's outputs can be measured on (top-1 agreement only where the model has a
+    ``classifier``: a feature model's default top-1 limit is not applied, so it is not claimed), each
+    non-None value of ``limits`` (``min_cosine=0.99``) in its default's place. ParityError when a
+    limit given cannot be measured (:func:`check_measurable`)."""
+    defaults = precision.tolerance if classifier else replace(precision.tolerance, min_top1=None)
+    tolerance = defaults.with_limits(**limits)
+    check_measurable(tolerance, classifier)
+    return tolerance
+
+
+def check_measurable(tolerance: Tolerance, classifier: bool) -> None:
+    """ParityError (exit status 4, as a gate on what was not measured fails in ``bench``), before
+    anything is exported, when ``tolerance`` sets a limit that the parity gate cannot measure on the
+    model's outputs: top-1 agreement without a ``classifier``. The gate would pass it unchecked while
+    ``export.json`` recorded it as applied; whether the model has a classifier is known before the work."""
+    if tolerance.min_top1 is not None and not classifier:
+        raise ParityError(
+            f"--min-top1 {tolerance.min_top1:g}: top-1 agreement cannot be measured on a model without a "
+            "classifier (its outputs are features), and a limit on what is not measured is never met; gate "
+            "the features with --min-cosine (the smallest per-image cosine) instead. Nothing was exported."
+        )
 
 
 def _models(

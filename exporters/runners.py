@@ -247,7 +247,7 @@ class OnnxRuntimeRunner(Runner):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only; failures are raised below
+        options.log_severity_level = 4  # fatal only: every error is raised to the caller, which reports it once
         if threads:
             options.intra_op_num_threads = threads
         providers = ORT_PROVIDERS[device]

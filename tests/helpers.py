@@ -30,3 +30,13 @@ def build_small_vit(seed: int = 0, **overrides) -> torch.nn.Module:
             if name.endswith("bias"):
                 p.normal_(0, 0.2)
     return model.eval()
+
+
+#: Python lines that start a child script a test interrupts: the signals it sends there (SIGINT,
+#: SIGQUIT) at their default action, as in a shell's foreground job. A test suite started in the
+#: background of a script without job control (``bash .ci/run &``, a CI runner's job) inherits SIGINT
+#: and SIGQUIT ignored (POSIX), its children too, and corp-deploy keeps a signal ignored that it was
+#: started ignoring (as it keeps nohup's SIGHUP): the interrupt a test sends would never arrive.
+AS_A_FOREGROUND_JOB = (
+    "import signal\nfor _signal in (signal.SIGINT, signal.SIGQUIT):\n    signal.signal(_signal, signal.SIG_DFL)\n"
+)

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,8 +41,8 @@ from corp_deploy.cli import cli
 from corp_deploy.files import write_json
 from corp_deploy.outputs import RECORD_FILE, staged_output, verify_files, write_record
 from exporters import tensorrt as trt_backend
+from tests.helpers import AS_A_FOREGROUND_JOB, build_small_vit
 from tests.helpers import SMALL_VIT_CLI_ARGS as TINY
-from tests.helpers import build_small_vit
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
@@ -1441,7 +1440,8 @@ def test_byte_identical_calibration_files_are_one_source_of_recovery_and_said(wo
     quick = ["--recover-steps", 1, "--recover-batch-size", 2, "--recover-eval-every", 1, "--calib-samples", 8]
     code, text, _ = invoke([*BASE[:-2], *quick, "--calib", calib, "-o", work / "o"], work.parent / "state")
     said = " ".join(text.split())
-    assert code == 0 and "recovery: 4 calibration sources were a byte-identical copy of another: counted once" in said
+    copies = "recovery: 4 calibration sources were a copy of another (the same pixels): counted once"
+    assert code == 0 and copies in said
     images = json.loads((work / "o" / "report.json").read_text())["recovery"]["images"]
     assert images["duplicate_sources"] == 4 and images["training_sources"] + images["validation_sources"] == 4, images
 
@@ -1579,21 +1579,30 @@ def test_a_symlinked_output_is_written_through_the_link(work):
     assert load_compressed(work / "link") is not None and not debris(work)
 
 
-def test_a_closed_standard_output_after_the_artifact_is_written_says_the_artifact_is_complete(tmp_path):
+@pytest.fixture
+def nobody_reads():
+    """The write end of a pipe whose read end is closed already: a reader gone before the child starts,
+    so that every write of the child to it fails, its first one included."""
+    read, write = os.pipe()
+    os.close(read)
+    yield write
+    os.close(write)
+
+
+def test_a_closed_standard_output_after_the_artifact_is_written_says_the_artifact_is_complete(tmp_path, nobody_reads):
     """``corp-deploy compress ... | head -0``: the summary cannot be printed once the artifact is in
     place. The message says the artifact is complete and what failed, with its own exit status
     (5), never "nothing partial was left behind"; no traceback and no failing flush at exit."""
-    done = subprocess.Popen(
+    done = subprocess.run(
         [sys.executable, "-m", "corp_deploy.launch", *BASE, "-o", str(tmp_path / "art")],
-        stdout=subprocess.PIPE,
+        stdout=nobody_reads,  # the reader went away before the summary
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
         env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
     )
-    done.stdout.close()  # the reader went away before the summary
-    stderr = done.stderr.read()
-    assert done.wait(timeout=600) == 5, stderr
+    stderr = done.stderr
+    assert done.returncode == 5, stderr
     assert f"{tmp_path / 'art'} is complete (written before the failure), but a later step failed: " in stderr
     assert "printing the results on the standard output failed (Broken pipe)" in stderr
     assert "nothing partial" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
@@ -1661,21 +1670,19 @@ def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, mon
     assert not (work / "o").exists()
 
 
-def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(tmp_path):
+def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(tmp_path, nobody_reads):
     """``compress ... 2>/dev/full`` (here: a pipe whose reader went away): progress and warnings
     that cannot be written are dropped, as for a closed standard error, and the command does its job."""
-    done = subprocess.Popen(
+    done = subprocess.run(
         [sys.executable, "-m", "corp_deploy.launch", *map(str, BASE), "-o", "art"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=nobody_reads,  # nobody reads the diagnostics
         text=True,
         cwd=tmp_path,
         env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
     )
-    done.stderr.close()  # nobody reads the diagnostics
-    summary = done.stdout.read()
-    assert done.wait(timeout=600) == 0
-    assert "corp-deploy compress" in summary
+    assert done.returncode == 0
+    assert "corp-deploy compress" in done.stdout
     verify_files(tmp_path / "art", "artifact")
 
 
@@ -2352,51 +2359,22 @@ def test_hidden_folders_that_the_class_index_does_not_name_are_not_classes(work)
 
 
 #: A busy neighbour: a process that spins for as long as it is told to, once per line it reads.
-NEIGHBOUR = """
-import sys, time
-for line in sys.stdin:
-    until = time.perf_counter() + float(line)
-    while time.perf_counter() < until:
-        pass
-    print(flush=True)
-"""
-
-
 @contextlib.contextmanager
-def a_busy_neighbour(turns: int):
-    """Every call bench times (both models alike) is followed by the neighbour's ``turns`` turns of
-    its length, which bench waits for: a core shared with a busy process, in lock step. The
-    neighbour is a real process burning CPU; the lock step makes the slowdown the same on every
-    machine (a free-running spinner slows calls shorter than the scheduler's slice hardly at all,
-    and on a machine with more cores not at all)."""
+def timed_as_if_shared(slowdown: float):
+    """bench's interleaved timing at fixed costs, dense 2 ms and compressed 1 ms a call, each ``slowdown``
+    times longer (a busy neighbour taking three quarters of the core: 4); every model still runs once
+    per figure. No clock is read, so a machine that is itself busy running the test changes nothing
+    (that interleaving cancels a neighbour's slowdown is test_bench's fake-clock test)."""
     import benchmarks.harness
 
-    neighbour = subprocess.Popen(
-        [sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    timed = benchmarks.harness.interleaved
-
-    def sharing(run):
-        def call():
-            start = time.perf_counter()
+    def at_fixed_costs(runs, *, min_rounds, **settings):
+        for run in runs.values():
             run()
-            neighbour.stdin.write(f"{(time.perf_counter() - start) * turns}\n")
-            neighbour.stdin.flush()
-            neighbour.stdout.readline()
+        return {key: [{"dense": 2e-3, "compressed": 1e-3}[key] * slowdown] * min_rounds for key in runs}
 
-        return call
-
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(
-                benchmarks.harness,
-                "interleaved",
-                lambda runs, **kw: timed({k: sharing(r) for k, r in runs.items()}, **kw),
-            )
-            yield
-    finally:
-        neighbour.stdin.close()
-        neighbour.wait(timeout=10)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(benchmarks.harness, "interleaved", at_fixed_costs)
+        yield
 
 
 def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
@@ -2405,10 +2383,11 @@ def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
     quadruples: the latency gate reports it, the speedup (timed interleaved, so slowed alike) and
     fidelity gates pass."""
     state = work.parent / "state"
-    bench = ["bench", work / "art", *setting(BENCH, "--min-time", "0.2"), "--backends", "torch", "--threads", "1"]
-    code, text, _ = invoke([*bench, "--json", work / "base.json"], state)
+    bench = ["bench", work / "art", *BENCH, "--backends", "torch", "--threads", "1"]
+    with timed_as_if_shared(slowdown=1):
+        code, text, _ = invoke([*bench, "--json", work / "base.json"], state)
     assert code == 0, text
-    with a_busy_neighbour(turns=3):
+    with timed_as_if_shared(slowdown=4):
         shared = ["--baseline", work / "base.json", "--max-regression", "0.25"]
         code, text, exception = invoke(
             [*bench, *shared, "--gate", "speedup,fidelity", "--json", work / "s.json"], state
@@ -2419,10 +2398,9 @@ def test_a_busy_neighbour_fails_the_latency_gate_not_the_speedup_gate(work):
     assert_one_message(code, text, exception, 4, "regression gate FAILED")
     violations = text.split("regression gate FAILED:")[1].strip().splitlines()
     assert {line.split(":")[0] for line in violations} == {"latency"}, text  # not speedup, not fidelity
-    assert re.match(r"latency: torch-cpu, batch 1: compressed p50 .* \(\+\d+\.\d% > 25%\)$", violations[0]), text
+    assert re.match(r"latency: torch-cpu, batch 1: compressed p50 .* \(\+300\.0% > 25%\)$", violations[0]), text
     base, shared_run = (json.loads((work / name).read_text()) for name in ("base.json", "s.json"))
-    slowed = shared_run["latency"][0]["compressed"]["p50_s"] / base["latency"][0]["compressed"]["p50_s"]
-    assert slowed > 2, slowed  # the neighbour did slow the run
+    assert shared_run["latency"][0]["speedup"]["median"] == base["latency"][0]["speedup"]["median"] == 2
     assert shared_run["gate"]["limits"]["gates"] == ["speedup", "fidelity"]
 
 
@@ -2957,28 +2935,44 @@ def test_library_warnings_stay_off_the_terminal(tmp_path, built, exporter):
     assert not re.search(r"warn|deprecat", done.stderr, flags=re.I), done.stderr
 
 
-def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path):
-    """SIGINT while the command imports torch and timm (the first seconds of every run)."""
-    script = (
-        "import os, signal, sys\n"
-        "class Hook:\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'timm':\n"
-        "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "sys.meta_path.insert(0, Hook())\n"
-        "sys.argv = ['corp-deploy', 'compress', 'deit_tiny', '-o', 'out']\n"
-        "from corp_deploy.launch import main\n"
-        "main()\n"
-    )
+LOADING_INTERRUPTED = """
+import os, signal, sys
+if sys.argv[1] == "ignored":  # as a script's background job starts it (POSIX: SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class Hook:  # the named point: timm's import, which every command makes, sends the signal
+    def find_spec(self, name, path, target=None):
+        if name == "timm":
+            open("reached", "w").close()
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Hook())
+sys.argv = ["corp-deploy", *sys.argv[2:]]
+from corp_deploy.launch import main
+main()
+"""
+
+
+@pytest.mark.parametrize("started", ["at-default", "ignored"])
+def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path, started):
+    """SIGINT while the command imports torch and timm (the first seconds of every run) stops it: 130,
+    one line, nothing written. Started with SIGINT ignored (a script's background job, as CI may
+    start the suite: why this test once failed) the signal stays ignored and the command completes."""
+    args = [*map(str, BASE), "-o", "out"]
+    prefix = AS_A_FOREGROUND_JOB if started == "at-default" else ""
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", prefix + LOADING_INTERRUPTED, started, *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
     )
+    assert (tmp_path / "reached").exists(), done.stderr  # the signal was sent while timm loaded
+    assert "Traceback" not in done.stderr, done.stderr
+    if started == "ignored":
+        assert done.returncode == 0, done.stderr
+        verify_files(tmp_path / "out", "artifact")
+        return
     assert done.returncode == 130 and "stopped by SIGINT" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reached"]
 
 
 # ---------------------------------------------------------------- the documented table

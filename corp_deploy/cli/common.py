@@ -92,6 +92,27 @@ def command_to_paste(*, argument: str | Path | None = None) -> str:
     return shlex.join(words)
 
 
+def nothing_pruned_warning(dense_macs: int, compressed_macs: int, budget: float | None) -> str | None:
+    """The warning for a compression that kept every dim, or None when it pruned something.
+
+    Told by the outcome, the MACs per image of the dense and the compressed model (every pruned dim
+    removes MACs, so equal counts mean the model is the dense one), not by the settings: sparsities
+    of 0 and any MAC budget the dense model fits (``--macs 1``, ``--speedup 1``, or a budget that
+    rounds to the dense MACs) are told alike. ``budget``: the budget's fraction of the dense MACs
+    (the compress report's ``budget.macs_fraction``), None for sparsities."""
+    if compressed_macs < dense_macs:
+        return None
+    why = (
+        "every sparsity is 0"
+        if budget is None
+        else f"the MAC budget ({budget:g} of the dense MACs) fits the dense model, so no unit was pruned"
+    )
+    return (
+        f"{why}: every dim is kept, and the artifact is the dense model (the exactness check; useful as "
+        "a dense reference), not a compressed one"
+    )
+
+
 def warn_builtin_calibration() -> None:
     warn(
         "no --calib given; calibrating on built-in photos. Images from your deployment distribution give "

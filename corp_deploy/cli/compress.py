@@ -15,6 +15,7 @@ from .common import (
     check_recovery_options_apply,
     dense_model,
     input_dir,
+    nothing_pruned_warning,
     results_output,
     warn,
     warn_builtin_calibration,
@@ -167,11 +168,6 @@ def compress(
         **method_options,
     )
     check_recovery_options_apply(config.recovery.steps)
-    if not config.has_budget and not any(config.sparsity_of(part) for part in config.pruned_parts):
-        warn(
-            "every sparsity is 0: every dim is kept, and the artifact is the dense model (the exactness "
-            "check; useful as a dense reference), not a compressed one"
-        )
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed, calib_crops)
     check_apart([out_dir], {"--calib": calibration.source}, records_state=True)
@@ -196,6 +192,8 @@ def compress(
         distributed.shutdown()
     if result.path is None:
         return
+    macs, budget = result.report["macs"], result.report.get("budget", {}).get("macs_fraction")
+    warn(nothing_pruned_warning(macs["dense"], macs["compressed"], budget))  # --s 0, or a budget that kept it all
     for message in result.calibration_warnings():
         warn(message)
     unfusable = unfusable_heads(result.model, dense_head_dims)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 
 import click
 
@@ -135,7 +136,8 @@ def default_limits(limit: str) -> str:
     "--min-top1",
     type=float,
     default=None,
-    help="Parity gate: smallest top-1 agreement (classifiers; the dense model's classes). "
+    help="Parity gate: smallest top-1 agreement (the dense model's classes; refused for a model without a "
+    "classifier, whose features --min-cosine gates). "
     f"[default: {default_limits('min_top1')}]",
 )
 @click.option(
@@ -183,7 +185,8 @@ def export(
     """
 
     from exporters.options import ExportOptions
-    from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact
+    from exporters.parity import Tolerance
+    from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact, gate_tolerance
 
     from ..artifact import Artifact, latest_artifact
     from ..calibration import summary_warnings
@@ -198,6 +201,12 @@ def export(
     if chosen:
         artifact = latest_artifact()
         click.echo(f"exporting the most recent artifact: {artifact}", err=True)
+    limits = {
+        name: value
+        for name, value in (("atol", atol), ("min_cosine", min_cosine), ("min_top1", min_top1))
+        if value is not None
+    }
+    Tolerance(**limits)  # a limit out of range: refused before the model is loaded
     options = ExportOptions(
         trt=trt,
         dense=dense,
@@ -207,7 +216,6 @@ def export(
         batch=BatchProfile.parse(batch),
         workspace_gb=workspace_gb,
         timing_cache=timing_cache,
-        tolerance=record.tolerance.with_limits(atol=atol, min_cosine=min_cosine, min_top1=min_top1),
         int8=Int8Options(**{fields[k]: v for k, v in int8_options.items()}) if takes_int8 else None,
     )
     if given_on_command_line("batch") and not trt:  # the profile of the engines; nothing else reads it
@@ -217,6 +225,9 @@ def export(
         artifact = Artifact.read(artifact)  # read once: export_artifact is given it
         calib = _int8_calibration_folder(artifact, options.int8)
     check_apart([resolve(output or default_export_dir(artifact, precision))], calib)
+    if limits:  # the defaults the model's outputs can be measured on, each limit given in its default's place
+        artifact = Artifact.of(artifact)  # its model loaded once, here, and exported (it tells a classifier)
+        options = replace(options, tolerance=gate_tolerance(record, artifact.model.num_classes > 0, **limits))
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
     int8 = result.manifest["models"]["model"].get("int8")
     for message in summary_warnings(int8["source"]) if int8 else ():

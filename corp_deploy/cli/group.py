@@ -8,16 +8,20 @@ and interrupts (SIGINT, SIGTERM and every other signal that ends a process) by t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import click
 
 from .. import __version__
 from ..errors import OWN_MODULES, CorpError, SettingError, first_line
 from ..interrupts import Interrupted
-from ..outputs import noting_outputs
+from ..outputs import NotedOutputs, noting_outputs
+from ..resources import size_in_words
 
 #: The exit status of a run whose output is complete when a later step failed.
 OUTPUT_COMPLETE = 5
@@ -123,7 +127,7 @@ class _Commands(click.Group):
                 raise
             except Exception as exc:
                 done = noted.in_place()
-                message, exit_code = _failure(exc, completed=bool(done), command=ctx.invoked_subcommand)
+                message, exit_code = _failure(exc, completed=bool(done), command=ctx.invoked_subcommand, noted=noted)
         if done:
             raise _click_error(
                 f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
@@ -133,19 +137,23 @@ class _Commands(click.Group):
         raise _click_error(message, exit_code)
 
 
-def _failure(exc: Exception, completed: bool, command: str | None = None) -> tuple[str, int]:
+def _failure(
+    exc: Exception, completed: bool, command: str | None = None, noted: NotedOutputs | None = None
+) -> tuple[str, int]:
     """The one message and the exit status of ``command`` that raised ``exc`` (see :class:`_Commands`),
-    ``completed`` when it had put an output in place before."""
+    ``completed`` when it had put an output in place before; ``noted``: what it did to its outputs
+    (those it was writing, and the file systems found full then, name where a refused write went)."""
     if isinstance(exc, SettingError):
         return exc.naming(lambda setting: option_name(setting, command)), exc.exit_code
     if isinstance(exc, CorpError):
         return str(exc), exc.exit_code
-    if _out_of_memory(exc):
-        return f"ran out of memory ({first_line(exc)}); use fewer images or smaller batches", 1
+    memory = _out_of_memory(exc)
+    if memory:
+        return f"ran out of memory ({memory}); use fewer images or smaller batches", 1
     refused = file_system_refusal(exc)
     if refused:
         partial = "" if completed else "; nothing partial was left behind"
-        return f"the file system refused: {refused}{partial}", 1
+        return f"the file system refused: {refused}{_where_refused(exc, noted or NotedOutputs())}{partial}", 1
     missing = _missing_dependency(exc)
     if missing:
         return (
@@ -170,12 +178,25 @@ def _failure(exc: Exception, completed: bool, command: str | None = None) -> tup
     )
 
 
-def _out_of_memory(exc: Exception) -> bool:
-    """Python's MemoryError, and torch's out-of-memory errors (raised as RuntimeErrors)."""
-    return (
+def _out_of_memory(exc: Exception) -> str | None:
+    """What ran out of memory, in words, or None for another failure: Python's MemoryError, torch's
+    out-of-memory errors (raised as RuntimeErrors), and ONNX Runtime's failed allocations (raised as
+    its own types, from ``onnxruntime.capi.onnxruntime_pybind11_state``, with its source locations:
+    ``... running Add node. Name:'node_linear' Status Message: .../bfc_arena.cc:360 ... Failed to
+    allocate memory for requested buffer of size 641728512``)."""
+    if (
         isinstance(exc, MemoryError)
         or type(exc).__name__ == "OutOfMemoryError"
         or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    ):
+        return first_line(exc)
+    text = str(exc)
+    if not (type(exc).__module__.startswith("onnxruntime") and "Failed to allocate memory" in text):
+        return None
+    size = re.search(r"buffer of size (\d+)", text)
+    op = re.search(r"running (\w+) node", text)
+    return f"ONNX Runtime could not allocate {size_in_words(int(size[1])) if size else 'memory'}" + (
+        f" while running its {op[1]} node" if op else ""
     )
 
 
@@ -197,14 +218,20 @@ _FILE_SYSTEM_ERRNOS = (
 _FAILED_WRITES = ("file write failed",)
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its explicit causes (``raise ... from``), outermost first."""
+    chain, seen = [], exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__
+    return chain
+
+
 def file_system_refusal(exc: BaseException) -> str | None:
     """What the file system refused, in words (``No space left on device (PATH)``), when ``exc``
     is an OS error or wraps one: as its cause, or quoted in the message of a library's
     own exception type (safetensors, torch.save, the ONNX exporters). None for anything else."""
-    chain, seen = [], exc
-    while seen is not None and seen not in chain:  # the explicit causes (``raise ... from``) only
-        chain.append(seen)
-        seen = seen.__cause__
+    chain = _causes(exc)
     for error in chain:
         if isinstance(error, OSError) and error.errno is not None:
             return f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
@@ -216,6 +243,53 @@ def file_system_refusal(exc: BaseException) -> str | None:
     if any(failure in text for failure in _FAILED_WRITES):
         return f"a write failed, the disk may be full (reported by {library})"
     return None
+
+
+def _where_refused(exc: BaseException, noted: NotedOutputs) -> str:
+    """Where a write the file system refused was going, in words (to follow its message): the outputs
+    being written (unless the refused file is named and lies elsewhere: an input); and, when it was
+    refused room (:data:`_NO_ROOM`), the folders whose file system was full when they were abandoned
+    (:func:`~corp_deploy.outputs.full_folders`), or else the temporary directory when the refused
+    file lies in it, outside the outputs' staging folders. The temporary directory is named as
+    ``$TMPDIR``, with what to do about it."""
+    temporary = None
+    with contextlib.suppress(OSError):  # no usable temporary directory at all
+        temporary = Path(tempfile.gettempdir())
+    refused, room = _refused_file(exc), _refused_room(exc)
+    staged = refused is not None and any(staging in refused.parents for _, _, staging in noted.abandoned)
+    in_temporary = room and refused is not None and not staged and temporary in refused.parents
+    writing = noted.being_written() if refused is None or staged or in_temporary else []
+    said = f" while writing {', '.join(map(str, writing))}" if writing else ""
+    if not room:
+        return said
+    full = [f"the temporary directory $TMPDIR ({f})" if f == temporary else str(f) for f in noted.full]
+    if full:
+        said += f"; the file system of {' and of '.join(full)} {'is' if len(full) == 1 else 'are'} full"
+    elif in_temporary:
+        said += f"; the file was in the temporary directory $TMPDIR ({temporary})"
+    if in_temporary or temporary in noted.full:
+        said += " (free space there, or point TMPDIR at a larger disk)"
+    return said
+
+
+#: The OS errors of a write refused room: a full disk, a quota, the file size limit (``ulimit -f``).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _refused_room(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or wraps or quotes, an OS error of :data:`_NO_ROOM`, or a library's failed
+    write that names none (:data:`_FAILED_WRITES`: most likely a full disk)."""
+    chain = _causes(exc)
+    if any(isinstance(error, OSError) and error.errno in _NO_ROOM for error in chain):
+        return True
+    text = " ".join(str(error) for error in chain)
+    return any(os.strerror(code) in text for code in _NO_ROOM) or any(f in text for f in _FAILED_WRITES)
+
+
+def _refused_file(exc: BaseException) -> Path | None:
+    """The absolute path an OS error in ``exc``'s causes names, or None (a relative one says not where)."""
+    named = [Path(e.filename) for e in _causes(exc) if isinstance(e, OSError) and isinstance(e.filename, str)]
+    return named[0] if named and named[0].is_absolute() else None
 
 
 def _missing_dependency(exc: Exception) -> str | None:

@@ -14,6 +14,7 @@ from .common import (
     check_torch_options_apply,
     dense_model,
     input_dir,
+    nothing_pruned_warning,
     results_output,
     warn,
     warn_builtin_calibration,
@@ -162,6 +163,10 @@ def sweep(
     finally:
         distributed.shutdown()
     if result is not None:
+        for row in result.rows:  # a point that pruned nothing (--s 0, --macs 1) is the dense model
+            message = nothing_pruned_warning(row.macs.dense, row.macs.compressed, row.budget)
+            if message:
+                warn(f"{row.artifact}: {message}")
         with results_output():
             click.echo((out_dir / "sweep.md").read_text())
         click.echo(f"wrote {out_dir}/ (sweep.json, sweep.md, sweep.png and one artifact per run)", err=True)

@@ -25,6 +25,7 @@ from ..errors import CorpError, SettingError, check_setting_types
 from ..families import blocks_of, is_plain_attention, token_groups
 from ..layers import PrunedAttention, block_dims, head_dims
 from ..models import uses_class_token
+from ..stats import MLP_HIDDEN, check_finite_sums
 from .base import BlockRun, CompressSettings, Method, MethodOptions, option
 
 
@@ -248,5 +249,7 @@ class TokenChannelImportance:
 
     @property
     def scores(self) -> torch.Tensor:
-        """``(H,)`` float64, the mean importance over the images seen."""
+        """``(H,)`` float64, the mean importance over the images seen, checked to be finite
+        (:func:`~corp_deploy.stats.check_finite_sums`)."""
+        check_finite_sums(MLP_HIDDEN, self._sum)
         return self._sum / max(self.images, 1)

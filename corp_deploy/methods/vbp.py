@@ -20,6 +20,7 @@ from ..errors import SettingError, check_setting_types
 from ..families import blocks_of
 from ..layers import block_dims
 from ..parts import PARTS
+from ..stats import MLP_HIDDEN, check_finite_sums
 from .base import BlockRun, CompressSettings, Method, MethodOptions, option
 
 
@@ -136,7 +137,9 @@ class ChannelMoments:
 
     @property
     def variance(self) -> torch.Tensor:
-        """Population variance ``E[(h - mu)^2]`` per channel, float64 ``(d,)``."""
+        """Population variance ``E[(h - mu)^2]`` per channel, float64 ``(d,)``, checked to be finite
+        with the mean (:func:`~corp_deploy.stats.check_finite_sums`)."""
+        check_finite_sums(MLP_HIDDEN, self.mean, self._m2)
         return self._m2 / max(self.n, 1)
 
 

@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from ..calibration import check_batch, file_digest, load_rgb
+from ..calibration import check_batch, load_rgb, pixel_digest
 from ..errors import CorpError
-from ..interrupts import INTERRUPTS
+from ..interrupts import INTERRUPTS, signals_deferred
 from .config import RecoveryConfig
 
 #: The fewest validation views: each held-out source gives ``ceil(VALIDATION_VIEWS / sources)``
@@ -40,8 +40,9 @@ class RecoveryImages:
 
     The images' sources (the file each came from, when the batches say so with an
     ``image_sources`` list, as :class:`~corp_deploy.calibration.CalibrationImages` do; else each
-    image is its own source) are told apart by content (:func:`source_keys`: byte-identical files, or
-    identical bare images, are one source, counted once, :attr:`duplicates` the copies found) and
+    image is its own source) are told apart by content (:func:`source_keys`: files of identical
+    pixels, byte-identical or saved in another format, or identical bare images, are one source,
+    counted once, :attr:`duplicates` the copies found) and
     split, seeded: a ``validation`` share of the sources (rounded;
     at least one, at most half of them and 256) is held out. Its validation images are views of the
     held-out sources that training does not see (random resized crops, mirrored or not, seeded;
@@ -67,7 +68,7 @@ class RecoveryImages:
                 f"calibration batches must be images of the model's input shape {shape}; got {tuple(images.shape[1:])}"
             )
         distinct = list(first)
-        held = _held_out(len(distinct), duplicates, config)
+        held = _held_out(first, duplicates, config)
         order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(config.seed)).tolist()
         self.mean = torch.tensor(data_config["mean"]).view(3, 1, 1)
         self.std = torch.tensor(data_config["std"]).view(3, 1, 1)
@@ -106,19 +107,21 @@ def check_sources(batches: Iterable[torch.Tensor], config: RecoveryConfig) -> No
     """CorpError, before any work, unless ``batches`` (as :class:`RecoveryImages` takes them) hold
     the distinct sources a recovery with ``config`` needs: one to validate on, one to train on."""
     _, _, _, first, duplicates = _read(batches)
-    _held_out(len(first), duplicates, config)
+    _held_out(first, duplicates, config)
 
 
-def source_keys(images: torch.Tensor, sources: list[Path | int]) -> list[str]:
-    """Each image's source as recovery's split tells them apart: the digest of its file's bytes
-    (:func:`~corp_deploy.calibration.file_digest`), or for a bare image (its index in ``images``,
-    ``(N, 3, H, W)``) the digest of its own values; byte-identical copies have one key."""
-    digests: dict[Path, str] = {}
+def source_keys(images: torch.Tensor, sources: list[Path | int], known: dict[Path, str] | None = None) -> list[str]:
+    """Each image's source as recovery's split tells them apart: the digest of its file's decoded
+    pixels (:func:`~corp_deploy.calibration.pixel_digest`; taken from ``known`` where it holds the
+    file, as :attr:`CalibrationImages.source_digests` does, else decoded here), or for a bare image
+    (its index in ``images``, ``(N, 3, H, W)``) the digest of its own values: files of identical
+    pixels (byte-identical, or the same pixels in another format) and identical images have one key."""
+    digests = dict(known or {})
     keys = []
     for source in sources:
         if isinstance(source, Path):
             if source not in digests:
-                digests[source] = file_digest(source)
+                digests[source] = pixel_digest(load_rgb(source))
             keys.append(digests[source])
         else:
             values = images[source].detach().cpu().contiguous().numpy().tobytes()
@@ -137,19 +140,23 @@ def _read(batches: Iterable[torch.Tensor]) -> tuple[list, torch.Tensor, list[str
         check_batch(batch)
     images = torch.cat([batch.to(torch.float32) for batch in listed])
     sources = list(getattr(batches, "image_sources", None) or range(len(images)))  # known once read
-    keys = source_keys(images, sources)
+    keys = source_keys(images, sources, getattr(batches, "source_digests", None))
     first: dict[str, Path | int] = {}
     for key, source in zip(keys, sources, strict=True):
         first.setdefault(key, source)
     return listed, images, keys, first, len(set(sources)) - len(first)
 
 
-def _held_out(sources: int, duplicates: int, config: RecoveryConfig) -> int:
-    """How many of ``sources`` distinct sources validation holds out: a ``config.validation`` share
-    (rounded; at least one, at most half and 256). CorpError when there are fewer than 2."""
+def _held_out(first: dict[str, Path | int], duplicates: int, config: RecoveryConfig) -> int:
+    """How many of the distinct sources (``first``, as :func:`_read` gives them) validation holds out:
+    a ``config.validation`` share (rounded; at least one, at most half and 256). CorpError when there
+    are fewer than 2, naming the ``duplicates`` (copies of files: of identical pixels; of bare
+    images: of identical values)."""
+    sources = len(first)
     held = min(256, sources // 2, max(1, round(config.validation * sources)))
     if held < 1:
-        copies = f" and {duplicates} byte-identical cop{'y' if duplicates == 1 else 'ies'}" if duplicates else ""
+        kind = "pixel-identical" if any(isinstance(source, Path) for source in first.values()) else "byte-identical"
+        copies = f" and {duplicates} {kind} cop{'y' if duplicates == 1 else 'ies'}" if duplicates else ""
         raise CorpError(
             f"recovery needs calibration images from at least 2 distinct sources (one to train on, one to "
             f"validate); got {sources}{copies}"
@@ -224,8 +231,10 @@ def training_batches(views: TrainingViews, steps: int, workers: int, pin_memory:
         pin_memory=pin_memory,
         worker_init_fn=_ignore_interrupts if workers else None,
     )
-    batches = iter(loader)
+    batches = None
     try:
+        with signals_deferred():  # forked workers start with the interrupts held, until their init ignores them
+            batches = iter(loader)
         yield batches
     finally:
         shutdown = getattr(batches, "_shutdown_workers", None)  # joins the workers (a private but long-lived API)

@@ -12,14 +12,14 @@ from torch import nn
 
 from .. import distributed
 from ..calibration import BATCHES
-from ..errors import SettingError, check_instance
+from ..errors import BadUsage, SettingError, check_flags, check_instance
 from ..families import standard_copy
 from ..models import model_transform
 from .config import SETTING_PREFIX, RecoveryConfig
 from .images import RecoveryImages, training_batches
 from .loss import check_teacher
 from .report import _Progress
-from .training import _Distillation
+from .training import _Distillation, trainable_parameters
 from .validation import Validation
 
 
@@ -49,10 +49,12 @@ def recover(
     check_instance("student", student, nn.Module, "a timm ViT (torch.nn.Module)")
     check_instance("teacher", teacher, nn.Module, "a timm ViT (torch.nn.Module)")
     check_instance("images", images, (Iterable, RecoveryImages), f"{BATCHES}, or RecoveryImages")
+    check_flags(progress=progress)
     if not config.enabled:
         raise SettingError(
             "{setting} must be at least 1 to recover (0 is off: nothing would train)", SETTING_PREFIX + "steps"
         )
+    _check_distinct(student, teacher, config)
     check_teacher(student, teacher)
     world = distributed.world_size()
     if config.batch_size % world:
@@ -109,3 +111,22 @@ def recover(
         "time_s": round(time.perf_counter() - started, 2),
         "bf16_autocast": run.bf16,
     }
+
+
+def _check_distinct(student: nn.Module, teacher: nn.Module, config: RecoveryConfig) -> None:
+    """BadUsage when ``student`` and ``teacher`` are one module, or a parameter that ``config`` trains
+    (:func:`~corp_deploy.recovery.training.trainable_parameters`) shares its storage with a tensor of
+    the teacher: training would move the teacher it is measured against (frozen tensors may be shared)."""
+    if student is teacher:
+        raise BadUsage(
+            "student and teacher are the same module: recovery distils the compressed model (student) from "
+            "the dense one it was compressed from (teacher), which must be another module"
+        )
+    held = {tensor.untyped_storage().data_ptr() for tensor in teacher.state_dict().values() if tensor.numel()}
+    held.discard(0)  # no data to share (the meta device)
+    for name, parameter in trainable_parameters(student, config.train, config.final_weight > 0).items():
+        if parameter.numel() and parameter.untyped_storage().data_ptr() in held:
+            raise BadUsage(
+                f"student and teacher share the tensor of the student's {name}: training the student would change "
+                "the teacher too; give the teacher weights of its own (copy.deepcopy)"
+            )

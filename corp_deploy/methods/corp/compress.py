@@ -27,7 +27,7 @@ from ...blocks import (
     residual_weight,
 )
 from ...layers import block_dims
-from ...stats import MomentAccumulator
+from ...stats import MLP_HIDDEN, PROJ_INPUTS, MomentAccumulator
 from ..base import BlockRun, CompressSettings
 from . import qk_pruning, value_pruning
 from .qk_statistics import HeadGrams
@@ -44,7 +44,7 @@ def compress_block(
     ``sizes.qk_solutions`` where the budget's curves solved them already."""
     grams = HeadGrams() if sizes.qk is not None and sizes.qk_solutions is None else None
     proj_inputs = (
-        MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False)
+        MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False, activations=PROJ_INPUTS)
         if sizes.v is not None
         else None
     )
@@ -99,7 +99,9 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressS
         with run.timer("attention_solve"):
             info["attention"] = compress_attention(block, grams, config, sizes.qk)
     if sizes.v is not None:
-        proj_inputs = MomentAccumulator(block.attn.proj.in_features, run.cache.device, track_positive=False)
+        proj_inputs = MomentAccumulator(
+            block.attn.proj.in_features, run.cache.device, track_positive=False, activations=PROJ_INPUTS
+        )
         with run.timer("values_statistics"):
             for x in run.cache.batches:
                 attention_output(block, block.norm1(x), on_proj_input=proj_inputs.update)
@@ -130,7 +132,10 @@ def compress_block_sequential(block: nn.Module, run: BlockRun, config: CompressS
 
 def _mlp_moments(block: nn.Module, run: BlockRun, config: CompressSettings) -> MomentAccumulator:
     return MomentAccumulator(
-        block.mlp.fc1.out_features, run.cache.device, track_positive=config.options.ranker == "active"
+        block.mlp.fc1.out_features,
+        run.cache.device,
+        track_positive=config.options.ranker == "active",
+        activations=MLP_HIDDEN,
     )
 
 

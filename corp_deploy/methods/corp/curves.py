@@ -36,7 +36,7 @@ from ...blocks import BoundaryCache, attention_output, block_exit, mlp_residual,
 from ...families import blocks_of, token_groups
 from ...layers import GatedLinear, head_dims
 from ...parts import PARTS
-from ...stats import MomentAccumulator
+from ...stats import MLP_HIDDEN, PROJ_INPUTS, MomentAccumulator
 from ..base import CompressSettings
 from . import qk_pruning
 from .qk_statistics import HeadGrams, QKSums
@@ -154,12 +154,17 @@ def measure_curves(
         attn, heads = block.attn, block.attn.num_heads
         grams = HeadGrams() if "qk" in config.parts else None
         proj_inputs = (
-            MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False)
+            MomentAccumulator(attn.proj.in_features, cache.device, track_positive=False, activations=PROJ_INPUTS)
             if "vo" in config.parts
             else None
         )
         hidden = (
-            MomentAccumulator(block.mlp.fc1.out_features, cache.device, track_positive=options.ranker == "active")
+            MomentAccumulator(
+                block.mlp.fc1.out_features,
+                cache.device,
+                track_positive=options.ranker == "active",
+                activations=MLP_HIDDEN,
+            )
             if "mlp" in config.parts
             else None
         )

@@ -21,6 +21,10 @@ from __future__ import annotations
 import torch
 
 from ... import distributed
+from ...stats import check_finite_sums
+
+#: What :class:`HeadGrams` sums, for messages.
+_ACTIVATIONS = "the attention's queries and keys"
 
 
 def packed_index(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -192,8 +196,10 @@ class HeadGrams:
         self.n = total
 
     def heads(self) -> list[QKSums]:
-        """Every head's sums, in head order."""
+        """Every head's sums, in head order, checked to be finite (:func:`~corp_deploy.stats.check_finite_sums`)."""
         if self.kronecker is not None:
+            check_finite_sums(_ACTIVATIONS, self.kronecker)
             return [KroneckerSums(z, self.n, self.d) for z in self.kronecker]
         a, g = torch.cat(self.query), torch.cat(self.key)
+        check_finite_sums(_ACTIVATIONS, a, g)
         return [ImageGrams(a[:, h], g[:, h]) for h in range(a.shape[1])]

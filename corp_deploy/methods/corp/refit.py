@@ -193,7 +193,10 @@ class DriftRefit:
         (it does not depend on ``proj``: the attention need not run again after the refit)."""
         attn = block.attn
         joint = MomentAccumulator(
-            attn.proj.in_features + attn.proj.out_features, self.path.device, track_positive=False
+            attn.proj.in_features + attn.proj.out_features,
+            self.path.device,
+            track_positive=False,
+            activations="the refitted output projection's inputs and targets",
         )
         inputs: list[torch.Tensor] = []
         for x in self.path.batches:
@@ -210,7 +213,12 @@ class DriftRefit:
         block's (refitted) attention. ``proj_inputs``: per batch, the input of ``attn.proj`` on the
         compressed path, when known (None: the attention is run)."""
         fc2 = block.mlp.fc2
-        joint = MomentAccumulator(fc2.in_features + fc2.out_features, self.path.device, track_positive=False)
+        joint = MomentAccumulator(
+            fc2.in_features + fc2.out_features,
+            self.path.device,
+            track_positive=False,
+            activations="the refitted fc2's inputs and targets",
+        )
 
         def through_attention(x: torch.Tensor) -> torch.Tensor:
             a = attention_output(block, block.norm1(x)) if proj_inputs is None else block.attn.proj(proj_inputs.pop(0))
