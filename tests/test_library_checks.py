@@ -16,6 +16,7 @@ from corp_deploy import (
     RecoveryConfig,
     compress,
     compress_to_artifact,
+    create_base_model,
     recover,
     recover_artifact,
     save_artifact,
@@ -84,6 +85,13 @@ def test_save_artifact_takes_only_a_bool_for_plots(vit, tmp_path):
     with pytest.raises(BadUsage, match="^plots must be True or False, not str$"):
         save_artifact(vit, tmp_path / "art", base_model=BASE_MODEL, plots="no")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("pretrained", ["no", 0])
+def test_create_base_model_takes_only_a_bool_for_pretrained(pretrained):
+    """``pretrained="no"`` counted as true: a download of pretrained weights where none were asked for."""
+    with pytest.raises(BadUsage, match=f"^pretrained must be True or False, not {type(pretrained).__name__}$"):
+        create_base_model("deit_tiny", SMALL_VIT_KWARGS, pretrained=pretrained)
 
 
 def test_recover_artifact_takes_only_a_bool_for_progress(tiny_artifact, tmp_path):
