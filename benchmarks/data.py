@@ -164,7 +164,7 @@ def _described(images: CalibrationImages, description: dict, digests: set[str], 
         images=summary["images_used"],
         files_skipped=summary["files_skipped"],
         skipped_examples=summary["skipped_examples"],
-        warnings=images.span.warnings(),
+        warnings=images.span.warnings() + images.copies_warnings(),
     )
 
 

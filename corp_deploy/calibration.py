@@ -403,17 +403,22 @@ class CalibrationImages:
         refusal = self.span.refusal()
         if refusal is not None:
             raise CorpError(refusal)
-        for message in self.span.warnings():
+        for message in self.span.warnings() + self.copies_warnings():
             warnings.warn(message, stacklevel=1)
+
+    def copies_warnings(self) -> list[str]:
+        """What the last iteration says of the files (from a directory) that are copies of others
+        (identical pixels, :func:`pixel_digest`): a message, or none. Crops of copies vary, so the
+        span alone would not say it."""
         files = len(self._digests)
         copies = files - len(self.pixel_digests())
-        if copies:  # crops of copies vary, so the span alone would not say it
-            other_bytes = copies - (files - len(self.digests()))
-            warnings.warn(
-                f"{copies} of the {files} {self.span.purpose} files {copies_named(copies, other_bytes, 'others')}: "
-                "they add no image the others do not",
-                stacklevel=1,
-            )
+        if not copies:
+            return []
+        other_bytes = copies - (files - len(self.digests()))
+        return [
+            f"{copies} of the {files} {self.span.purpose} files {copies_named(copies, other_bytes, 'others')}: "
+            "they add no image the others do not"
+        ]
 
     def _planned(self) -> Iterator[tuple[Path, bool]]:
         """The files to read in order, each with whether a random crop of it is taken: every source

@@ -212,6 +212,15 @@ def test_bench_of_calibration_images_saved_in_another_format_is_not_held_out(tmp
     assert json.loads(out.read_text())["fidelity"]["held_out"] is False
     said = " ".join(text.split())
     assert "2 of the evaluation images are pixel-identical copies of calibration images (2 of them saved" in said, said
+    twice = tmp_path / "twice"  # copies among the evaluation images: said in the report too, for CI to read
+    for name in ("same.png", "same.bmp", "other.png"):
+        save_as(pixels(90 if name.startswith("same") else 91, (50, 40)), twice / name)
+    bench = [*bench[:-4], "--data-samples", 3, "--backends", "torch"]
+    result, text = run_cli(["bench", tmp_path / "art", *bench, "--data", twice, "--json", out], state)
+    assert result.exit_code == 0, text
+    recorded = json.loads(out.read_text())["fidelity"]["data"]["warnings"]
+    copies = "1 of the 3 evaluation files is a pixel-identical copy of others (saved in another format or encoding)"
+    assert any(message.startswith(copies) for message in recorded), recorded
 
 
 # ------------------------------------------------ 2. and 3. the arguments CalibrationImages is made with
