@@ -14,7 +14,8 @@ ignores (a write to a closed pipe or beyond the file size limit is an error of t
 such). Only SIGKILL, which no process can catch, can leave a staging folder behind. Library warnings
 and log lines stay off the terminal; corp-deploy's own warnings are printed as ``warning: ...``. A
 standard output whose encoding cannot write a character printed (``PYTHONIOENCODING=ascii``) fails
-as a write does, with what to change.
+as a write does, with what to change. Libraries that cannot be loaded (torch's under a low ``ulimit -v``)
+are one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import signal
 import sys
 import warnings
 
-from .errors import OWN_MODULES
+from .errors import OWN_MODULES, first_line
 from .interrupts import INTERRUPTS, Interrupted
 
 
@@ -51,8 +52,16 @@ def main() -> None:
         if signal.getsignal(signum) != signal.SIG_IGN:  # ignored from the start (nohup's SIGHUP): left so
             signal.signal(signum, _raise_interrupted)
     try:
-        from .cli import cli  # after the handlers: an interrupt while torch and timm load ends cleanly
-
+        try:
+            from .cli import cli  # after the handlers: an interrupt while torch and timm load ends cleanly
+        except ImportError as exc:  # torch's libraries cannot be mapped under a low ``ulimit -v``; a broken install
+            with contextlib.suppress(OSError):
+                print(
+                    f"corp-deploy: its libraries could not be loaded ({type(exc).__name__}: {first_line(exc)}): "
+                    "a memory limit too low for them (ulimit -v), or an installation to repair",
+                    file=sys.stderr,
+                )
+            sys.exit(1)
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone

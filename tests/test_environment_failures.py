@@ -374,3 +374,34 @@ def test_a_refused_file_names_where_it_was_and_only_then_the_output_being_writte
         message, code = _failure(OSError(errno.EACCES, "Permission denied", filename), False, "compress", noted)
         assert code == 1 and message.startswith(f"the file system refused: Permission denied ({filename})")
         assert (f"while writing {out};" in message) == names_the_output, message
+
+
+UNLOADABLE = """
+import sys
+class Hook:  # what a low ``ulimit -v`` does to torch's shared libraries, at the import every command makes
+    def find_spec(self, name, path, target=None):
+        if name == "timm":
+            raise ImportError("libtorch_cuda.so: failed to map segment from shared object")
+sys.meta_path.insert(0, Hook())
+sys.argv = ["corp-deploy", *sys.argv[1:]]
+from corp_deploy.launch import main
+main()
+"""
+
+
+def test_libraries_that_cannot_be_loaded_are_one_message_not_a_traceback(tmp_path):
+    """``ulimit -v 600000; corp-deploy ...``: torch's libraries cannot be mapped (an ImportError while the
+    libraries load, before any command runs): one line saying so and what to check, exit 1, nothing written."""
+    done = subprocess.run(
+        [sys.executable, "-c", UNLOADABLE, *map(str, BASE), "-o", "art"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (
+        "corp-deploy: its libraries could not be loaded (ImportError: libtorch_cuda.so: failed to map segment "
+        "from shared object): a memory limit too low for them (ulimit -v), or an installation to repair"
+    ), done.stderr
+    assert list(tmp_path.iterdir()) == []
