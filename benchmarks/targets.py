@@ -88,9 +88,7 @@ def load_models(artifact: Path | Artifact, export: Path | None) -> tuple[ModelFi
     return compressed, dense
 
 
-def copied_calibration_images(
-    artifact: Artifact, eval_digests: set[str], eval_pixels: set[str] = frozenset()
-) -> tuple[int, int]:
+def copied_calibration_images(artifact: Artifact, eval_digests: set[str], eval_pixels: set[str]) -> tuple[int, int]:
     """``(copies, other bytes)``: how many of the evaluation images are copies of a file the artifact
     was calibrated on, wherever the copy lies, and how many of those are not byte-identical to it.
     By :func:`~corp_deploy.calibration.pixel_digest` (``eval_pixels``) against the artifact's
