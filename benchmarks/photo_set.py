@@ -652,7 +652,9 @@ def counts_table(counts: dict):
     """The counts of :func:`count_files` as a rich table: a row per kind and per category, a column per split."""
     from rich.table import Table
 
-    table = Table("", *SPLITS, "all")
+    table = Table()
+    for column in ("", *SPLITS, "all"):
+        table.add_column(column, overflow="fold")
     for group in ("kinds", "categories"):
         for name in sorted(counts[group]):
             row = [counts["splits"][s][group].get(name, 0) for s in SPLITS]

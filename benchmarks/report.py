@@ -274,9 +274,10 @@ def print_terminal(report: BenchReport, console: Console | None = None) -> None:
 
     console = console or Console()
     torch_precision = _torch_precision(report, "; PyTorch ")
-    table = Table(title=f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x{torch_precision})")
+    title = f"corp-deploy bench (MAC-ideal speedup {report.ideal_speedup:.3f}x{torch_precision})"
+    table = Table(title=title, pad_edge=False)  # 80 columns (a pipe's width) hold a CPU run's table
     for column in ("backend", "batch", "timing", "dense p50 ms", "compr. p50 ms", "speedup (p10-p90)", "of ideal"):
-        table.add_column(column, justify="left" if column in ("backend", "timing") else "right")
+        table.add_column(column, justify="left" if column in ("backend", "timing") else "right", overflow="fold")
     for r in report.latency:
         table.add_row(
             r.backend,

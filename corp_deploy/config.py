@@ -119,16 +119,20 @@ class CompressConfig:
             if value is not None and not 0.0 <= value < 1.0:
                 raise SettingError(f"{{setting}} must be in [0, 1), got {value!r}", name)
         self._check_sparsities_apply(method)
+        self._check_joint_sparsity_applies()
         self._check_recovery_applies()
         for part in PARTS.values():  # the parts the target leaves whole keep every dim: 0
             if getattr(self, part.setting) is None and not self.has_budget:
                 joint = DEFAULT_SPARSITY if self.sparsity is None else self.sparsity
                 object.__setattr__(self, part.setting, joint if part.name in self.parts else 0.0)
-        if self.recovery.enabled and not self.has_budget and not any(map(self.sparsity_of, self.pruned_parts)):
+        if self.recovery.enabled and self._keeps_every_dim():
+            budget = ["speedup" if self.options.macs is None else "macs"] if self.has_budget else []
             raise SettingError(  # it would distil the dense model from itself
-                "{setting} recovers what compression lost, and every sparsity is 0: the model is the dense one, "
-                "with nothing to recover",
+                "{setting} recovers what compression lost, and "
+                + ("the MAC budget {setting} 1 keeps every dim" if budget else "every sparsity is 0")
+                + ": the model is the dense one, with nothing to recover",
                 SETTING_PREFIX + "steps",
+                *budget,
             )
         if self.round_to < 1:
             raise SettingError(f"{{setting}} must be an integer >= 1, got {self.round_to!r}", "round_to")
@@ -158,6 +162,32 @@ class CompressConfig:
                 "target",
                 "target",
                 part.setting,
+            )
+
+    def _keeps_every_dim(self) -> bool:
+        """Whether the settings alone keep every dim: every pruned part's sparsity is 0, or the MAC
+        budget is the dense MACs (``--macs 1``, ``--speedup 1``)."""
+        if self.has_budget:
+            return self.options.macs_fraction == 1.0
+        return not any(map(self.sparsity_of, self.pruned_parts))
+
+    def _check_joint_sparsity_applies(self) -> None:
+        """Refuse the joint ``sparsity`` when every pruned part has another sparsity of its own: it
+        would apply to no part, and a run would silently not do what it says. (A part's own value
+        equal to the joint one applies it: so a config rebuilt by ``dataclasses.replace``, whose
+        parts hold the values the joint one filled in, passes.)"""
+        if self.sparsity is None:
+            return
+        own = [part.setting for part in self.pruned_parts if getattr(self, part.setting) not in (None, self.sparsity)]
+        if len(own) == len(self.pruned_parts):
+            raise SettingError(
+                f"{{setting}} {self.sparsity} applies to no part: every part that {{setting}} {self.target} prunes "
+                f"has a sparsity of its own ({', '.join('{setting}' for _ in own)}). "
+                "Leave {setting} out, or one of those",
+                "sparsity",
+                "target",
+                *own,
+                "sparsity",
             )
 
     def _check_recovery_applies(self) -> None:

@@ -364,9 +364,9 @@ def summary_tables(report: dict, path) -> list:
 
     layers = report["layers"]
     table = Table(title=f"corp-deploy compress ({report['method']}) -> {path}")
-    table.add_column("")
-    table.add_column("before", justify="right")
-    table.add_column("after", justify="right")
+    table.add_column("", overflow="fold")  # wrapped, never cut: a narrow terminal loses no digit
+    table.add_column("before", justify="right", overflow="fold")
+    table.add_column("after", justify="right", overflow="fold")
     p, m = report["params"], report["macs"]
     table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
     table.add_row("GMACs / image", f"{m['dense'] / 1e9:.4g}", f"{m['compressed'] / 1e9:.4g}")

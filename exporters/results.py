@@ -62,7 +62,8 @@ class ExportResult:
             caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}",
         )
         for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
-            table.add_column(column, justify="left" if column in ("file", "checked against") else "right")
+            justify = "left" if column in ("file", "checked against") else "right"
+            table.add_column(column, justify=justify, overflow="fold")
         for entry in self.models.values():
             for check in entry.parity:
                 if check.skipped is not None:

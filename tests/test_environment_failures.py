@@ -229,6 +229,45 @@ def test_a_standard_output_that_cannot_encode_the_results_is_a_failed_print_not_
     verify_files(tmp_path / "ärt", "artifact")
 
 
+def test_a_narrow_ascii_terminal_gets_the_whole_bench_table(work):
+    """``PYTHONIOENCODING=ascii COLUMNS=60 corp-deploy bench ...``: rich cut the speedup column's
+    "(p10-p90)" with "…", which ASCII cannot write, so the run failed on its own table. Cells now
+    wrap: exit 0, nothing but ASCII, no cut cell."""
+    args = ["bench", "art", "--backends", "torch,ort", *BENCH]
+    done = subprocess.run(
+        [sys.executable, "-m", "corp_deploy.launch", *args],
+        capture_output=True,
+        cwd=work,
+        env=_child_env(work.parent, PYTHONIOENCODING="ascii", COLUMNS="60"),
+    )
+    stderr = done.stderr.decode("utf-8", "backslashreplace")
+    assert done.returncode == 0, stderr
+    assert done.stdout.isascii() and b"speedup" in done.stdout and b"..." not in done.stdout, done.stdout
+
+
+def test_a_narrow_terminal_wraps_every_table_cell_and_loses_no_digit(work, monkeypatch):
+    """The bench report rendered 50 columns wide holds every digit the 250-columns one does: a cell too
+    wide for its column wraps onto the next line, never ends in "…" (a p90 cut to "2.8…")."""
+    import io
+
+    from rich.console import Console
+
+    import benchmarks.report
+
+    reports, print_terminal = [], benchmarks.report.print_terminal
+    monkeypatch.setattr(benchmarks.report, "print_terminal", lambda report, console=None: reports.append(report))
+    code, text, _ = invoke(["bench", work / "art", "--backends", "torch,ort", *BENCH], work.parent / "state")
+    assert code == 0 and len(reports) == 1, text
+
+    def digits(width: int) -> list[str]:
+        out = io.StringIO()
+        print_terminal(reports[0], Console(file=out, width=width))
+        assert "\u2026" not in out.getvalue(), out.getvalue()
+        return sorted(character for character in out.getvalue() if character.isdigit())
+
+    assert digits(50) == digits(250)
+
+
 # ---------------------------------------------------------------- full disks
 
 #: Ways a full disk reaches the command, as ``(the failure, what the message must say)`` given the

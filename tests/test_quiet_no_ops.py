@@ -2,13 +2,17 @@
 
 A parity limit that cannot be measured (top-1 agreement of a model without a classifier) is refused
 before the export, as ``bench``'s gate fails on a limit with nothing measured; a MAC budget that the
-dense model fits warns, as ``--s 0`` does, that the artifact is the dense model.
+dense model fits warns, as ``--s 0`` does, that the artifact is the dense model; a joint sparsity
+that every pruned part's own sparsity overrides is refused.
 """
 
+import dataclasses
 import json
 
 import pytest
 
+from corp_deploy import CompressConfig
+from corp_deploy.errors import SettingError
 from exporters import ExportOptions, Tolerance, export_artifact
 from exporters.manifest import read_manifest
 from exporters.pipeline import EXIT_PARITY, ParityError
@@ -132,3 +136,42 @@ def test_a_sweep_warns_of_each_point_that_pruned_nothing(tmp_path, run_cli):
     flat = " ".join(text.split())
     said = "corp-macs1: the MAC budget (1 of the dense MACs) fits the dense model, so no unit was pruned"
     assert f"{said}: {DENSE_WARNING}" in flat and "corp-macs0.7: the MAC budget" not in flat, text
+
+
+# ---------------------------------------------------------------- a joint sparsity that applies to no part
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"sparsity": 0.3, "s_mlp": 0.5, "s_attn": 0.4},
+        {"sparsity": 0.3, "s_mlp": 0.5, "target": "mlp"},
+        {"sparsity": 0.3, "s_mlp": 0.5, "s_attn": 0.4, "s_vo": 0.2, "target": "all"},
+    ],
+    ids=["both", "mlp", "all"],
+)
+def test_a_joint_sparsity_every_pruned_part_overrides_is_refused(given):
+    """``--s 0.3 --s-mlp 0.5 --s-attn 0.4`` (target ``both``) applied 0.5 and 0.4 and nothing of
+    0.3, without a word: the joint sparsity applied to no part."""
+    with pytest.raises(SettingError, match=r"sparsity 0\.3 applies to no part: every part that target"):
+        CompressConfig(**given)
+
+
+def test_a_joint_sparsity_that_fills_in_a_part_and_its_rebuilt_copies_pass():
+    """The joint sparsity fills in the part without its own; ``dataclasses.replace`` passes every
+    part's filled-in value with it again, and that is no override (each still equals it)."""
+    config = CompressConfig(sparsity=0.3, s_mlp=0.5)
+    assert (config.s_mlp, config.s_attn, config.s_vo) == (0.5, 0.3, 0.0)
+    rebuilt = dataclasses.replace(config, round_to=2)
+    assert (rebuilt.s_mlp, rebuilt.s_attn, rebuilt.round_to) == (0.5, 0.3, 2)
+    assert CompressConfig(sparsity=0.3, s_mlp=0.3, s_attn=0.4).s_attn == 0.4  # --s applied to the MLP
+
+
+def test_the_command_line_names_the_overridden_joint_sparsity(tmp_path, run_cli):
+    args = ["--s", 0.3, "--s-mlp", 0.5, "--s-attn", 0.4, "-o", tmp_path / "art"]
+    result, text = run_cli([*COMPRESS, *args], tmp_path / "state")
+    flat = " ".join(text.split())
+    assert result.exit_code == 2, text
+    assert "--s 0.3 applies to no part: every part that --target both prunes has a sparsity of its own" in flat
+    assert "(--s-mlp, --s-attn). Leave --s out, or one of those" in flat, text
+    assert not (tmp_path / "art").exists()

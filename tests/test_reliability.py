@@ -471,6 +471,11 @@ REFUSALS: dict[str, Refusal] = {
         2,
         "--recover-steps recovers what compression lost, and every sparsity is 0: the model is the dense one",
     ),
+    "compress-recovery-of-a-budget-the-dense-model-fits": Refusal(
+        lambda w: [*BASE, "--speedup", 1, "--recover-steps", 2, "-o", w / "o"],
+        2,
+        "--recover-steps recovers what compression lost, and the MAC budget --speedup 1 keeps every dim",
+    ),
     "compress-recover-steps-that-never-end": Refusal(
         lambda w: [*BASE, "--recover-steps", 10**12, "-o", w / "o"],
         2,

@@ -69,6 +69,11 @@ class MethodOptions:
         return False
 
     @property
+    def macs_fraction(self) -> float | None:
+        """The budget as a fraction of the dense MACs (None without a budget)."""
+        return None
+
+    @property
     def default_target(self) -> str | None:
         """The target these options call for when none is given (None: the method's default)."""
         return None

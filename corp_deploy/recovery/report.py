@@ -73,8 +73,8 @@ def recovery_table(report: dict, path=None):
         return f"{before} -> {cosines['recovered']:.4f}" if kept else f"{before} (before any step)"
 
     table = Table(title="recovery" + (f" -> {path}" if path else ""))
-    table.add_column("")
-    table.add_column("", justify="right")
+    table.add_column("", overflow="fold")
+    table.add_column("", justify="right", overflow="fold")
     table.add_row("steps run", f"{report['steps_run']} ({report['stopped']})")
     table.add_row("weights kept from step", str(kept) if kept else "none: no measurement beat compression's")
     images = report["images"]

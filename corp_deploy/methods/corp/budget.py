@@ -124,9 +124,9 @@ def allocation_table(budget: dict):
         f"{budget['planned_macs'] / 1e9:.4g} of {budget['dense_macs'] / 1e9:.4g} GMACs",
         caption=f"kept / full (distortion, {budget['distortion']})",
     )
-    table.add_column("block", justify="right")
+    table.add_column("block", justify="right", overflow="fold")
     for part in parts:
-        table.add_column(UNIT_PARTS[part].short_label, justify="right")
+        table.add_column(UNIT_PARTS[part].short_label, justify="right", overflow="fold")
     by_key = {(u["block"], u["part"]): u for u in budget["units"]}
     for block in sorted({u["block"] for u in budget["units"]}):
         table.add_row(
