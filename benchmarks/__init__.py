@@ -5,6 +5,6 @@
 dense), ``harness`` (one report), ``results`` (the report, typed), ``gate`` (regression gate),
 ``report`` (Markdown, plot, terminal), ``sweep`` (methods x sparsities).
 
-The one-off measurement scripts behind ``RESULTS.md`` are in :mod:`benchmarks.studies`; they
-are not part of the product (and not installed with it).
+The measurements behind ``lab/RESULTS.md`` (the studies, the photo set) are in the lab beside the
+tool (``lab/``), run from a checkout; not part of the tool, not installed, never imported here.
 """

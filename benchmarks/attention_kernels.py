@@ -95,7 +95,7 @@ def lost_fused_kernels(attention: dict[str, dict[str, str]]) -> dict[str, str]:
 def lost_kernel_warnings(attention: dict[str, dict[str, str]], compressed: nn.Module, dense: nn.Module) -> list[str]:
     """One warning per backend of :func:`lost_fused_kernels`, with the reason ``compressed`` runs
     attention unfused there where ``dense`` (its dense base) does not and the compress option that
-    keeps a fused kernel (benchmarks/RESULTS.md "Half precision on a CUDA GPU"): on CUDA, head dims
+    keeps a fused kernel (lab/RESULTS.md "Half precision on a CUDA GPU"): on CUDA, head dims
     pruned to sizes that are not multiples of 8; on the CPU, whose only fused kernel is flash,
     query/key head dims unlike the value head dims."""
     unfusable = unfusable_heads(compressed, block_head_dims(dense))

@@ -28,7 +28,7 @@ DEFAULT_IMAGES = 256
 #: How many calibration images are preprocessed and run at once unless told otherwise.
 DEFAULT_BATCH = 32
 #: The crops the bundled photos, and a directory of fewer files than the images asked for, are
-#: calibrated on (:func:`_random_crop_flip`).
+#: calibrated on (:func:`random_crop_flip`).
 CROPS = "seeded random resized crops (scale 0.25-1) and horizontal flips"
 
 
@@ -381,7 +381,7 @@ class CalibrationImages:
                 pixels = self._pixels.get(path) or pixel_digest(im)  # of the file, not of a crop
                 whole = None if cropped else file_digest(path)  # a directory's file: for the overlap with other sets
                 if cropped:
-                    im = _random_crop_flip(im, rng)
+                    im = random_crop_flip(im, rng)
                 batch.append(self._transform(im))
                 self.image_sources.append(path)
                 self._pixels[path] = pixels
@@ -532,7 +532,7 @@ class CalibrationSpec:
         seed: the seed of the choice of files and of the crops.
         crops: a directory of fewer files than ``samples`` is filled up to ``samples`` images with
             seeded random crops and flips of its files, each file whole first (measured on the
-            photo set: 10 photos calibrate far better as 40 images than as 10; benchmarks/RESULTS.md,
+            photo set: 10 photos calibrate far better as 40 images than as 10; lab/RESULTS.md,
             "Calibration on the photo set"); False: the files alone.
     """
 
@@ -632,7 +632,7 @@ def split_builtin_images(
     return calib, held_out_images(transform, n_held_out, batch_size, seed)
 
 
-def _random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
+def random_crop_flip(im: Image.Image, rng: random.Random) -> Image.Image:
     """A random crop of 25-100 % of the area with aspect ratio in [3/4, 4/3], maybe mirrored."""
     width, height = im.size
     for _ in range(10):

@@ -18,7 +18,7 @@ for one block at a time; its MLP statistics one ``H x H`` float64 matrix. CORP's
 states) and, for one block at a time, two targets formed from the dense block's input, attention
 and MLP outputs, and the compressed attention's output-projection inputs (three more, at most).
 No gradient is taken, except by the optional recovery after compression (:mod:`corp_deploy.recovery`).
-Measured numbers: benchmarks/RESULTS.md.
+Measured numbers: lab/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def compress(
     model = model.to(device)
     with _Progress(progress) as bar, torch.no_grad():
         with timer("embed"):
-            cache, n_images = _embed_all(model, calibration_batches, device, bar.images)
+            cache, n_images = embed_all(model, calibration_batches, device, bar.images)
         images_per_rank = distributed.gather_counts(n_images)
         n_images = sum(images_per_rank)
         if n_images == 0:
@@ -236,7 +236,7 @@ def _embedded(model: nn.Module, images: torch.Tensor):
         ) from None
 
 
-def _embed_all(
+def embed_all(
     model: nn.Module, batches: Iterable[torch.Tensor], device: torch.device, on_batch: Callable[[int], None]
 ) -> tuple[BoundaryCache, int]:
     """Run each batch up to the first block (patch + position embedding, prefix tokens); under

@@ -252,7 +252,7 @@ def head_dims(attn: nn.Module) -> tuple[int, int]:
 
 
 #: PyTorch's fused attention kernels on CUDA (flash, memory-efficient, cuDNN) take head dims that
-#: are multiples of this only; other head dims run the unfused math path there (benchmarks/RESULTS.md
+#: are multiples of this only; other head dims run the unfused math path there (lab/RESULTS.md
 #: "Half precision on a CUDA GPU"; the CPU's flash kernel takes any equal dims).
 FUSED_HEAD_DIM_MULTIPLE = 8
 

@@ -7,8 +7,8 @@ the MLP's widest activation. :func:`rewrite_gelu` moves the factor 0.5 from the 
 the other. Multiplying by 0.5 is exact in float (short of subnormals), so both forms round the
 same product once: op by op the outputs are bitwise equal; ONNX Runtime's fused kernel then
 computes the GELU at float rounding of its own (within 2.4e-7 of the five ops on fp32 inputs).
-Measured on DeiT-B compressed at s = 0.5, batch 32, ONNX Runtime CPU (benchmarks/studies/gelu_form.py,
-benchmarks/RESULTS.md "INT8: output rounding, smoothing, entropy"): the fused form 1.02x faster
+Measured on DeiT-B compressed at s = 0.5, batch 32, ONNX Runtime CPU (lab/studies/gelu_form.py,
+lab/RESULTS.md "INT8: output rounding, smoothing, entropy"): the fused form 1.02x faster
 than the exporter's in fp32 (p10-p90 1.00-1.04) and in int8 (0.97-1.04; there fc2's smoothing
 scale then takes a Mul after the GELU instead of the GELU's constant).
 """

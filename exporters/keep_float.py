@@ -1,7 +1,7 @@
 """Which Linear layers an int8 graph keeps in float (``export --int8-keep-float auto|N``).
 
 A per-tensor int8 range cannot hold both the outlier activations that some layers' inputs carry
-and the resolution the other values need (the dense DINOv2, benchmarks/RESULTS.md "INT8").
+and the resolution the other values need (the dense DINOv2, lab/RESULTS.md "INT8").
 :func:`linear_sensitivity` ranks the Linear layers by their own int8 rounding error; ``N`` keeps
 the first N in float. ``auto`` (the default) chooses N by measurement: the activation ranges are
 calibrated without every :data:`HOLD_BACK_EVERY`-th calibration image, and N grows over

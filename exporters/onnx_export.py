@@ -1,7 +1,7 @@
 """Export a (compressed or dense) timm ViT to a checked ONNX file with a dynamic batch axis.
 
 Exporter and opset defaults come from measurements on dense and pruned DeiT
-(``benchmarks/studies/export_choice.py``, results in ``benchmarks/RESULTS.md``).
+(``lab/studies/export_choice.py``, results in ``lab/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ Runtime runs on CPU and GPU and TensorRT builds directly (strongly typed). Setti
   default, which TensorRT requires for explicit quantization. ``activations="uint8"`` (CPU
   deployments) gives them unsigned int8 with asymmetric ranges instead, the form ONNX Runtime's
   x86 kernels prefer (U8S8): about 5 % faster on DeiT-B compressed at s = 0.5, batch 32
-  (benchmarks/RESULTS.md, "INT8: output rounding, smoothing, entropy");
+  (lab/RESULTS.md, "INT8: output rounding, smoothing, entropy");
 * only their inputs are quantized, not their outputs (``quantize_static`` quantizes MatMul and
   Gemm outputs by default: one more int8 rounding of every Linear output, the model's own output
   included, before the bias and the residual add read it). Measured on the real DINOv2 ViT-S/14
   compressed at s = 0.5, every Linear in int8 (smoothed), against its fp32 graph on 64 held-out
   crops: with output Q/DQ cosine mean 0.9941 and min 0.9804, 1.71x faster than fp32 at batch 32;
   without, 0.9989 and 0.9968, 1.86x (ONNX Runtime then runs ``MatMulIntegerToFloat``, float out, instead of
-  ``QLinearMatMul`` and a DequantizeLinear; benchmarks/RESULTS.md "INT8");
+  ``QLinearMatMul`` and a DequantizeLinear; lab/RESULTS.md "INT8");
 * everything else stays float32: the two attention matmuls (``q k^T`` and ``softmax(.) v``,
   products of two activations), LayerNorm, softmax, GELU / SiLU, residual additions and the
   patch-embedding convolution (under 1 % of a ViT's MACs).
@@ -31,7 +31,7 @@ with them in float, 0.989 (minmax) and 0.928 (percentile), so minmax is the defa
 one constant grey image give 0.930, which the gate rejected (such images are now refused before
 calibration: :class:`corp_deploy.calibration.ImageSpan`). Per-tensor activation ranges cannot
 hold the outlier channels of the dense DINOv2 (min cosine 0.947 on the 9 images, below the gate;
-mostly blocks 0-2 and the MLP down projections, benchmarks/RESULTS.md "INT8"): ``input_scales``
+mostly blocks 0-2 and the MLP down projections, lab/RESULTS.md "INT8"): ``input_scales``
 moves them into the weights first (:mod:`exporters.smoothing`), and ``float_modules`` keeps chosen
 Linear layers in float (which ones: :mod:`exporters.keep_float`).
 """

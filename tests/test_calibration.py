@@ -11,9 +11,9 @@ from PIL import Image
 from corp_deploy.calibration import (
     CalibrationImages,
     CalibrationSpec,
-    _random_crop_flip,
     file_digest,
     load_rgb,
+    random_crop_flip,
     summary_warnings,
 )
 
@@ -46,7 +46,7 @@ def test_a_small_folder_is_filled_with_crops_of_its_files_each_whole_first(folde
     assert sorted(sources[:3]) == sorted(folder.glob("*.png")) and sources[3:] == sources[:3] + sources[:2]
     rng = random.Random(5)  # the crops, made independently: each file in turn, one seeded generator
     expected = [to_tensor(load_rgb(path)) for path in sources[:3]]
-    expected += [to_tensor(_random_crop_flip(load_rgb(path), rng)) for path in sources[3:]]
+    expected += [to_tensor(random_crop_flip(load_rgb(path), rng)) for path in sources[3:]]
     assert torch.equal(got, torch.stack(expected))
     assert not any(torch.equal(got[i], got[i + 3]) for i in range(3))  # a crop is not the file again
     assert torch.equal(read(images), got)  # every iteration the same

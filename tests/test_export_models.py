@@ -6,11 +6,11 @@ also read the numbers back from the manifest, so a loosened gate would show here
 
 import pytest
 
-from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, create_base_model, model_transform, save_artifact
 from corp_deploy.calibration import split_builtin_images
 from exporters import ExportOptions, export_artifact
 from exporters.pipeline import PARITY_BATCHES
+from lab.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 
 pytestmark = pytest.mark.slow  # real exports of whole models: minutes together
 

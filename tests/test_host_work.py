@@ -1,11 +1,11 @@
-"""The host work of one forward (:mod:`benchmarks.host_work`): the compressed model dispatches no
+"""The host work of one forward (:mod:`lab.host_work`): the compressed model dispatches no
 more ATen operators than the dense one (issue 63), counted with torch.profiler on the CPU."""
 
 import pytest
 import torch
 
-from benchmarks.host_work import forward_ops
 from corp_deploy import CompressConfig, PrunedAttention, compress
+from lab.host_work import forward_ops
 from tests.test_families import FAMILIES, create_dense
 
 #: The families whose test models compress with pruned value dims and equal head dims (the CPU's one

@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from corp_deploy import (
     CalibrationImages,
     CompressConfig,
@@ -31,6 +30,7 @@ from exporters.onnx_export import export_onnx
 from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
 from exporters.precision import PRECISIONS
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
+from lab.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from tests.helpers import SMALL_VIT_CLI_ARGS
 
 

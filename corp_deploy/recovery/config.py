@@ -22,7 +22,7 @@ MAX_WORKERS = 64
 
 
 #: What recovery can train (:attr:`RecoveryConfig.train`), each with its learning rate when none is
-#: given (measured: benchmarks/RESULTS.md, "Recovery"): every parameter of the blocks (and of the
+#: given (measured: lab/RESULTS.md, "Recovery"): every parameter of the blocks (and of the
 #: final norm, where the loss has the final features), or only their vectors (norm weights and
 #: biases, every bias, layer scales: under 1 % of them, which needs a higher rate to move).
 TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5}, "vectors": {"lr": 5e-4}}
@@ -30,7 +30,7 @@ TRAINED: dict[str, dict[str, float]] = {"all": {"lr": 2e-5}, "vectors": {"lr": 5
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """How to recover (measured defaults: benchmarks/RESULTS.md, "Recovery").
+    """How to recover (measured defaults: lab/RESULTS.md, "Recovery").
 
     Attributes:
         steps: optimisation steps at most; 0 switches recovery off.
@@ -50,7 +50,7 @@ class RecoveryConfig:
         color: the fraction of training views also distorted in colour and sharpness (colour
             jitter, greyscale, blur; :class:`RecoveryImages`). 0 by default: on the photo set's
             171 training sources the plain views (no colour, no mixup, blend 1) gained more than
-            half distorted and all mixed (benchmarks/RESULTS.md, "Recovery on the photo set"); on
+            half distorted and all mixed (lab/RESULTS.md, "Recovery on the photo set"); on
             9 photos the distortions had helped on images unlike them.
         mix: the fraction of training views mixed with another view of the batch (mixup: a
             convex combination with a uniform weight; teacher and student see the same mixture).

@@ -16,7 +16,7 @@ one currency, the mean squared error a unit adds to the residual stream per toke
   (log-linear in the kept size). The softmax makes this ratio depend on the layer and on the size
   (measured on DINOv2: 0.1 to 10), so no closed form stands in for it.
 
-``distortion`` is what the allocation compares (benchmarks/RESULTS.md measures the choices):
+``distortion`` is what the allocation compares (lab/RESULTS.md measures the choices):
 ``residual`` divides each error by the energy of the residual stream where the unit writes into
 it (the scale the next LayerNorm removes), ``normed`` weighs error and energy per channel by the
 gain of the norm that next reads the stream and takes the energy where that norm reads it,

@@ -14,9 +14,9 @@ RANKERS = channels.RANKERS
 CALIBRATION_MODES = ("independent", "sequential")
 DISTORTIONS = ("residual", "normed", "relative", "absolute")
 #: Channel selection without a budget (the paper's ranking) and with one (measured:
-#: benchmarks/RESULTS.md, "Kept sets").
+#: lab/RESULTS.md, "Kept sets").
 UNIFORM_RANKER, BUDGET_RANKER = "combined", "greedy"
-#: The drift refit's layers with independent calibration (measured: benchmarks/RESULTS.md, "The drift refit").
+#: The drift refit's layers with independent calibration (measured: lab/RESULTS.md, "The drift refit").
 DEFAULT_REFIT = "proj+fc2"
 
 
@@ -33,7 +33,7 @@ class CorpOptions(MethodOptions):
             (``residual``, the default: each unit's error in the residual stream relative to the
             stream's energy there; ``normed``: both weighted by the gain of the norm that next
             reads the stream; ``relative``: relative to the unit's error when fully pruned;
-            ``absolute``: as it is); see docs/method.md §8 and benchmarks/RESULTS.md.
+            ``absolute``: as it is); see docs/method.md §8 and lab/RESULTS.md.
         equal_head_dims: prune query/key and value dims to the same count in every head, so
             the exported attention has equal head dims (needs target ``all``).
         ranker: channel selection for MLP hidden and value channels: a score (``combined``,
@@ -44,7 +44,7 @@ class CorpOptions(MethodOptions):
             system over the full head dim: the same whichever dims are kept.
         calibration: ``independent`` (all statistics from the dense model, as in the paper; the
             default: as accurate as sequential in our measurements and cheaper, see
-            benchmarks/RESULTS.md) or ``sequential`` (block l calibrated on the outputs of the
+            lab/RESULTS.md) or ``sequential`` (block l calibrated on the outputs of the
             already compressed blocks < l).
         refit: which consumer layers the drift-correcting refit fits again from the compressed
             model's inputs to the dense model's outputs (docs/method.md §10): ``proj+fc2``,
