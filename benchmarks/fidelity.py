@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exporters.metrics import kl_divergence_sum, tensor_cosine, top1_matches
+from corp_deploy.metrics import kl_divergence_sum, tensor_cosine, top1_matches
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import torch
 
 from corp_deploy import CorpError
 from corp_deploy.artifact import Artifact
+from corp_deploy.metrics import as_rows, cosine, top1_matches
 from exporters.manifest import MANIFEST, model_files, read_manifest
-from exporters.metrics import as_rows, cosine, top1_matches
 from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
 
 from .data import EvalImages

@@ -10,7 +10,6 @@ One module per concern:
   which nodes are Linear layers, from which module) and its options (``Int8Options``);
 - ``runners``: the ``Runner`` protocol, PyTorch and ONNX Runtime backends (``tensorrt`` has the
   TensorRT one);
-- ``metrics``: cosine, top-1 agreement and KL divergence of two outputs (parity and ``bench``);
 - ``parity``: the output comparator, its typed results (``Comparison``, ``ParityCheck``) and the
   tolerance gate;
 - ``results``: what an export returns (``ModelExport``, ``ExportResult``);

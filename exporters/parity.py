@@ -2,7 +2,7 @@
 pass/fail gate.
 
 Runners (:mod:`exporters.runners`) produce outputs; :func:`compare_outputs` turns two outputs
-into a :class:`Comparison` (metrics from :mod:`exporters.metrics`); :class:`Tolerance` decides
+into a :class:`Comparison` (metrics from :mod:`corp_deploy.metrics`); :class:`Tolerance` decides
 whether it passes; a :class:`ParityCheck` is one backend checked against a reference at each
 batch size, as ``export.json`` records it.
 """
@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from corp_deploy.errors import CorpError, SettingError, check_setting_types
-
-from .metrics import as_rows, cosine, top1_matches
+from corp_deploy.metrics import as_rows, cosine, top1_matches
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from corp_deploy.calibration import (
     split_builtin_images,
 )
 from corp_deploy.documents import library_versions
+from corp_deploy.metrics import tensor_cosine
 from corp_deploy.models import model_transform
-from exporters.metrics import tensor_cosine
 from lab.real_weights import build_dinov2
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.metrics import as_rows, cosine, kl_divergence_sum, tensor_cosine, top1_matches
+from corp_deploy.metrics import as_rows, cosine, kl_divergence_sum, tensor_cosine, top1_matches
 
 
 def _rows():

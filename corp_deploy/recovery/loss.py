@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CorpError
 from ..families import blocks_of, family_of
+from ..metrics import tensor_cosine
 
 
 class _BlockOutputs:
@@ -49,7 +49,7 @@ def distillation_loss(student: Outputs, teacher: Outputs, final_weight: float, p
     scalar in float32."""
 
     def distance(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
+        return (1 - tensor_cosine(s.float(), t.float())).mean()
 
     blocks = torch.stack([distance(s, t) for s, t in zip(student.blocks, teacher.blocks)]).mean()
     return (

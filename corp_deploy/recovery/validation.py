@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed
+from ..metrics import tensor_cosine
 from .config import RecoveryConfig
 from .images import RecoveryImages
 from .training import _Distillation
@@ -64,7 +64,7 @@ class Validation:
         for x, target in reference:
             with self._run.autocast():
                 output = self._run.student(x).float().flatten(1)
-            cosines += float(F.cosine_similarity(output, target, dim=1).double().sum())
+            cosines += float(tensor_cosine(output, target).double().sum())
             count += len(x)
         cosines, count = distributed.sum_floats(cosines, count)
         return cosines / count

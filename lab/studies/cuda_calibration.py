@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from corp_deploy import CalibrationImages, CompressConfig, compress, create_base_model, model_transform
 from corp_deploy.documents import library_versions
+from corp_deploy.metrics import tensor_cosine
 
 
 def timed_compress(model, batches, config):
@@ -46,7 +46,7 @@ def outputs(model, images: torch.Tensor) -> torch.Tensor:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return round(F.cosine_similarity(a, b, dim=1).mean().item(), 8)
+    return round(tensor_cosine(a, b).mean().item(), 8)
 
 
 def compare(cpu_model, cuda_model, dense_out, images) -> dict:

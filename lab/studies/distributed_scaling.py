@@ -31,6 +31,7 @@ from corp_deploy.documents import library_versions
 from corp_deploy.families import blocks_of
 from corp_deploy.layers import head_dims
 from corp_deploy.methods.corp.qk_statistics import images_worth_the_sums
+from corp_deploy.metrics import tensor_cosine
 
 
 def compress_command(model: str, images: int, settings: list[str], out: Path, processes: int) -> list[str]:
@@ -138,7 +139,7 @@ def main() -> None:
             with torch.no_grad():
                 a, b = one(x), many(x)
             rows[-1]["max_abs_difference"] = float((a - b).abs().max())
-            rows[-1]["min_cosine"] = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+            rows[-1]["min_cosine"] = float(tensor_cosine(a, b).min())
             print(json.dumps(rows[-1]), flush=True)
     dense = create_base_model(args.model, pretrained=False)
     kept_hidden = blocks_of(dense)[0].mlp.fc1.out_features // 2

@@ -33,7 +33,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.attention_kernels import attention_kernels, kernel_summary
@@ -42,6 +41,7 @@ from corp_deploy import CalibrationImages, CompressConfig, compress, count_macs,
 from corp_deploy.documents import library_versions
 from corp_deploy.files import write_json
 from corp_deploy.layers import PrunedAttention
+from corp_deploy.metrics import tensor_cosine
 from exporters.runners import TORCH_PRECISIONS
 
 #: The compressed variants: CompressConfig settings, and whether the query/key dims are padded after.
@@ -134,7 +134,7 @@ def forced_backend(model: torch.nn.Module, x: torch.Tensor, backend: SDPBackend,
 def cosine_to_fp32(model32: torch.nn.Module, model: torch.nn.Module, x32: torch.Tensor, dtype) -> float:
     with torch.no_grad():
         a, b = model32(x32).double(), model(x32.to(dtype)).double()
-    return float(F.cosine_similarity(a.flatten(1), b.flatten(1)).min())
+    return float(tensor_cosine(a.flatten(1), b.flatten(1)).min())
 
 
 def main() -> None:

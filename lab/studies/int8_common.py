@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from corp_deploy import CalibrationImages, load_base_model, load_compressed, model_transform
+from corp_deploy.metrics import as_rows, cosine
 from exporters.manifest import read_manifest
 from exporters.pipeline import parity_images
 
@@ -46,5 +47,4 @@ def load_int8_study(args: argparse.Namespace) -> tuple[Path, nn.Module, list[tor
 
 def cosines(reference: np.ndarray, outputs: np.ndarray) -> np.ndarray:
     """Per-image cosine of ``outputs`` to ``reference``, both ``(images, features)``, in float64."""
-    reference, outputs = reference.astype(np.float64), outputs.astype(np.float64)
-    return (reference * outputs).sum(1) / (np.linalg.norm(reference, axis=1) * np.linalg.norm(outputs, axis=1))
+    return cosine(as_rows(reference), as_rows(outputs))

@@ -24,7 +24,7 @@ import torch
 
 from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
 from corp_deploy.calibration import CalibrationImages
-from exporters.metrics import tensor_cosine
+from corp_deploy.metrics import tensor_cosine
 from lab.held_out import unlike_images, write_dinov2_study
 from lab.real_weights import build_dinov2
 from lab.set_images import calibration_images, evaluation_images

@@ -7,8 +7,10 @@ compares them row by row. Two forms, each where its numbers are reported:
 * host arrays (what runners return, :mod:`exporters.runners`): NumPy float64, cosine
   ``a.b / max(|a| |b|, 1e-30)``; the export's parity gate and ``bench``'s int8 fidelity;
 * tensors (PyTorch model outputs, in the caller's dtype): cosine from
-  ``torch.nn.functional.cosine_similarity`` (each norm floored at 1e-8); ``bench``'s fidelity
-  and the studies.
+  ``torch.nn.functional.cosine_similarity`` (each norm floored at 1e-8); ``bench``'s fidelity,
+  the recovery's validation and its distillation loss (differentiable), and the studies.
+
+On the lowest floor (numpy and torch only), so that every room that measures imports it.
 """
 
 from __future__ import annotations
