@@ -43,8 +43,9 @@ from .errors import CorpError, SettingError, check_flags, check_instance, first_
 from .families import blocks_of, check_prunable, standard_form
 from .methods import METHODS, BlockRun
 from .models import check_finite, check_vit, model_transform
-from .parts import PARTS, Part
-from .recovery import RecoveryConfig, RecoveryImages, recover, recovery_table
+from .parts import Part
+from .progress import CompressionProgress
+from .recovery import RecoveryConfig, RecoveryImages, recover
 from .resources import FLOAT32, inference_bytes
 
 
@@ -98,7 +99,7 @@ def compress(
     device = resolve_device(config.device)
     timer = _PhaseTimer(device)
     model = model.to(device)
-    with _Progress(progress) as bar, torch.no_grad():
+    with CompressionProgress(progress) as bar, torch.no_grad():
         with timer("embed"):
             cache, n_images = embed_all(model, calibration_batches, device, bar.images)
         images_per_rank = distributed.gather_counts(n_images)
@@ -308,76 +309,3 @@ class _PhaseTimer:
         out = {k: round(v, 4) for k, v in self._totals.items()}
         out["total"] = round(sum(self._totals.values()), 4)
         return out
-
-
-class _Progress:
-    """Progress on stderr: images loaded and embedded, then blocks calibrated (no-op if disabled or
-    when stderr is not a terminal)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self._bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        console = Console(stderr=True)
-        if console.is_terminal:
-            self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-            )
-            self._images = self._bar.add_task("loading calibration images", total=None)
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def images(self, count: int) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._images, count)
-
-    def start_blocks(self, total: int) -> None:
-        if self._bar is not None:
-            done = self._bar.tasks[0].completed
-            self._bar.update(self._images, total=done, completed=done)
-            self._blocks = self._bar.add_task("calibrating blocks", total=total)
-
-    def block_done(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._blocks)
-
-
-def summary_tables(report: dict, path) -> list:
-    """The compress ``report`` of :func:`compress` as rich tables: parameters, MACs, the mean
-    relative error of every pruned part (sliced and compensated) and the wall time, then the
-    method's own tables (CORP's budget allocation). ``path``: where the artifact was written."""
-    from rich.table import Table
-
-    layers = report["layers"]
-    table = Table(title=f"corp-deploy compress ({report['method']}) -> {path}")
-    table.add_column("", overflow="fold")  # wrapped, never cut: a narrow terminal loses no digit
-    table.add_column("before", justify="right", overflow="fold")
-    table.add_column("after", justify="right", overflow="fold")
-    p, m = report["params"], report["macs"]
-    table.add_row("parameters (M)", f"{p['dense'] / 1e6:.2f}", f"{p['compressed'] / 1e6:.2f}")
-    table.add_row("GMACs / image", f"{m['dense'] / 1e9:.4g}", f"{m['compressed'] / 1e9:.4g}")
-    for part in PARTS.values():
-        rows = [
-            layer[part.report_key] for layer in layers if "relative_error_compensated" in layer.get(part.report_key, {})
-        ]
-        if rows:
-            unc = sum(r["relative_error_uncompensated"] for r in rows) / len(rows)
-            comp = sum(r["relative_error_compensated"] for r in rows) / len(rows)
-            table.add_row(f"{part.error_label} rel. error (sliced, compensated)", f"{unc:.4f}", f"{comp:.4f}")
-    table.add_row("compress wall time (s)", "", f"{report['time_s']['total']:.1f}")
-    recovery = [recovery_table(report["recovery"])] if "recovery" in report else []
-    return [table, *METHODS[report["method"]].report_tables(report), *recovery]

@@ -8,6 +8,17 @@ import typing
 #: of it that cannot be imported is a bug, not a dependency missing from the installation.
 OWN_MODULES = r"(corp_deploy|exporters|benchmarks)(\.|$)"
 
+#: The exit statuses of the commands (their meanings: ``corp_deploy.cli.group.EXIT_CODES``), named
+#: once here, below every command and library that ends with one.
+EXIT_FAILURE = 1
+EXIT_BAD_USAGE = 2
+#: export: the files are written, and a step needs TensorRT or a GPU to finish.
+EXIT_INCOMPLETE = 3
+#: A gate failed (export's parity: nothing is written; bench's limits: the reports are written).
+EXIT_GATE_FAILED = 4
+#: The output is complete, and a step after it failed (printing the results).
+EXIT_OUTPUT_COMPLETE = 5
+
 
 class CorpError(Exception):
     """Bad input or an unsupported request, with a message meant for the user.
@@ -16,7 +27,7 @@ class CorpError(Exception):
     otherwise) without a traceback; library callers can catch it like any exception.
     """
 
-    exit_code = 1
+    exit_code = EXIT_FAILURE
 
 
 class BadUsage(CorpError):
@@ -25,7 +36,7 @@ class BadUsage(CorpError):
     excludes or without those it needs. On the command line, bad usage: exit status 2 (what a
     value names that cannot be used, a missing file or a model timm cannot build, is exit 1)."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_USAGE
 
 
 class SettingError(BadUsage):
@@ -54,8 +65,11 @@ SETTING = "{setting}"
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message (at most ``limit`` characters), or its type's name."""
-    return (str(exc).splitlines() or [""])[0][:limit] or type(exc).__name__
+    """The first line of an exception's message (at most ``limit`` characters; surrounding blank
+    lines and spaces dropped), or its type's name when it has none: a reason in a sentence, without
+    a library's multi-line details."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
 
 
 def check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ import signal
 import sys
 import warnings
 
-from .errors import OWN_MODULES, first_line
+from .errors import EXIT_FAILURE, OWN_MODULES, first_line
 from .interrupts import INTERRUPTS, Interrupted
 
 
@@ -61,7 +61,7 @@ def main() -> None:
                     "a memory limit too low for them (ulimit -v), or an installation to repair",
                     file=sys.stderr,
                 )
-            sys.exit(1)
+            sys.exit(EXIT_FAILURE)
         cli(prog_name="corp-deploy")
     except Interrupted as exc:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
@@ -70,7 +70,7 @@ def main() -> None:
     except OSError as exc:  # printing the group's own --help or --version (a command's is handled by the group)
         with contextlib.suppress(OSError):
             print(f"corp-deploy: printing on the standard output failed ({exc.strerror or exc})", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_FAILURE)
     finally:
         _ignore_signals()  # the run is over: a late signal no longer changes its outcome
 

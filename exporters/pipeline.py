@@ -23,7 +23,7 @@ from corp_deploy import CalibrationImages, CorpError, count_macs, count_params, 
 from corp_deploy.artifact import Artifact, recorded_checksums
 from corp_deploy.calibration import DEFAULT_BATCH, HELD_OUT_PHOTOS, CalibrationSpec, SpooledBatches
 from corp_deploy.documents import timestamp
-from corp_deploy.errors import BadUsage, check_instance
+from corp_deploy.errors import EXIT_GATE_FAILED, BadUsage, check_instance
 from corp_deploy.files import checked_path, sha256_file, write_json
 from corp_deploy.outputs import check_output_dir, enclosing_output, resolve, staged_output
 from corp_deploy.recovery import check_teacher
@@ -40,10 +40,6 @@ from .precision import PRECISIONS, Precision
 from .results import ExportResult, ModelExport
 from .runners import BackendUnavailable, OnnxRuntimeRunner, Runner, TorchRunner
 
-#: Exit status when the files were written but a step needs TensorRT or a GPU to finish.
-EXIT_INCOMPLETE = 3
-#: Exit status when a parity gate failed (nothing is written).
-EXIT_PARITY = 4
 TRACE_BATCH = 2
 #: ONNX parity batch sizes, both different from ``TRACE_BATCH``; their images are disjoint.
 PARITY_BATCHES = (1, 8)
@@ -52,7 +48,7 @@ PARITY_BATCHES = (1, 8)
 class ParityError(CorpError):
     """A backend's outputs differ from the reference beyond the tolerance."""
 
-    exit_code = EXIT_PARITY
+    exit_code = EXIT_GATE_FAILED
 
 
 def default_export_dir(artifact: str | Path, precision: str) -> Path:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from corp_deploy import CorpError
+from corp_deploy.errors import first_line
 
 #: ONNX Runtime execution providers by device name, most preferred first.
 ORT_PROVIDERS = {
@@ -224,13 +225,6 @@ def cuda_event_timer(call: Callable[[], object]) -> Callable[[], float]:
         return start.elapsed_time(end) / 1e3
 
     return timed
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none): a reason in a
-    sentence, without a library's multi-line details."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class OnnxRuntimeRunner(Runner):

@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from .runners import BackendUnavailable, TorchRunner, first_line
+from corp_deploy.errors import first_line
+
+from .runners import BackendUnavailable, TorchRunner
 
 #: How many compiles one code object may hold here (torch's default is 8, which two models at a few
 #: batch sizes reach): every shape of every model compiled is one.

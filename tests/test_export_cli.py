@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from corp_deploy import create_base_model, load_compressed
+from corp_deploy.errors import EXIT_GATE_FAILED, EXIT_INCOMPLETE
 from exporters import tensorrt as trt_backend
 from exporters.manifest import read_manifest
-from exporters.pipeline import EXIT_INCOMPLETE, EXIT_PARITY, PARITY_BATCHES, parity_images
+from exporters.pipeline import PARITY_BATCHES, parity_images
 from exporters.runners import OnnxRuntimeRunner
 from tests.helpers import SMALL_VIT_CLI_ARGS, SMALL_VIT_KWARGS
 
@@ -169,7 +170,7 @@ def test_failed_parity_gate_exits_4_with_the_numbers_and_writes_nothing(tiny_art
     result, text = run_cli(
         ["export", tiny_artifact, "--precision", "fp16", "--atol", 1e-6, "-o", tmp_path / "out"], tmp_path / "state"
     )
-    assert result.exit_code == EXIT_PARITY, text
+    assert result.exit_code == EXIT_GATE_FAILED, text
     assert "parity gate failed" in text and "max abs error" in text and "batch_8: max_abs=" in text
     assert "Traceback" not in text
     assert list(tmp_path.iterdir()) == []  # no output, no temporary directory

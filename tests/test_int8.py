@@ -22,12 +22,13 @@ from corp_deploy import (
     save_artifact,
 )
 from corp_deploy import compress as compress_model
+from corp_deploy.errors import EXIT_INCOMPLETE
 from exporters import ExportOptions, Int8Options, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
 from exporters.keep_float import HeldBack, keep_float_ladder, linear_sensitivity, quantize_keeping_float
 from exporters.manifest import read_manifest
 from exporters.onnx_export import export_onnx
-from exporters.pipeline import EXIT_INCOMPLETE, PARITY_BATCHES, check_parity, parity_images
+from exporters.pipeline import PARITY_BATCHES, check_parity, parity_images
 from exporters.precision import PRECISIONS
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
 from lab.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx

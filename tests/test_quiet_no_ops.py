@@ -12,10 +12,10 @@ import json
 import pytest
 
 from corp_deploy import CompressConfig
-from corp_deploy.errors import SettingError
+from corp_deploy.errors import EXIT_GATE_FAILED, SettingError
 from exporters import ExportOptions, Tolerance, export_artifact
 from exporters.manifest import read_manifest
-from exporters.pipeline import EXIT_PARITY, ParityError
+from exporters.pipeline import ParityError
 from tests.helpers import SMALL_VIT_CLI_ARGS
 
 COMPRESS = ["compress", "deit_tiny", "--no-pretrained", *SMALL_VIT_CLI_ARGS, "--calib-samples", 4, "--seed", 0]
@@ -57,7 +57,7 @@ def test_a_top1_limit_on_a_model_without_a_classifier_is_refused_before_the_expo
         ["export", backbone, "--precision", "fp16", "--min-top1", 0.99, "-o", out], tmp_path / "state"
     )
     flat = " ".join(text.split())
-    assert result.exit_code == EXIT_PARITY, text
+    assert result.exit_code == EXIT_GATE_FAILED, text
     assert f"--min-top1 0.99: {NO_TOP1}" in flat and "--min-cosine" in flat, text
     assert not out.exists()
 
@@ -66,7 +66,7 @@ def test_the_library_refuses_a_top1_limit_on_a_model_without_a_classifier(backbo
     options = ExportOptions(precision="fp16", tolerance=Tolerance(min_cosine=0.99, min_top1=0.9))
     with pytest.raises(ParityError, match=NO_TOP1) as refused:
         export_artifact(backbone, tmp_path / "out", options)
-    assert refused.value.exit_code == EXIT_PARITY and not (tmp_path / "out").exists()
+    assert refused.value.exit_code == EXIT_GATE_FAILED and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("limits", [[], ["--min-cosine", 0.99]], ids=["defaults", "a-cosine-limit"])

@@ -8,8 +8,15 @@ import click
 
 from benchmarks.gate import BASELINE_GATES
 
-from ..errors import BadUsage
-from .common import check_apart, check_torch_options_apply, given_on_command_line, input_dir, results_output, warn
+from ..errors import EXIT_GATE_FAILED, BadUsage
+from .common import (
+    check_output_paths,
+    check_torch_options_apply,
+    given_on_command_line,
+    input_dir,
+    results_output,
+    warn,
+)
 from .group import cli
 from .options import PATH, CommaList, evaluation_options, timing_options
 
@@ -161,7 +168,7 @@ def bench(
         {"json": json_path, "markdown": markdown_path, "plot": plot_path}, output, baseline
     )
     data = input_dir(data, "--data")
-    check_apart([*files.values(), *([folder] if folder else [])], {"--data": data})
+    check_output_paths([*files.values(), *([folder] if folder else [])], {"--data": data})
     report = bench_target(
         target,
         settings,
@@ -179,7 +186,7 @@ def bench(
         click.echo(f"wrote {path}", err=True)
     _say_the_gate(report, limits, baseline)
     if not report.gate.passed:
-        sys.exit(4)
+        sys.exit(EXIT_GATE_FAILED)
 
 
 def _check_baseline_options_apply(baseline) -> None:

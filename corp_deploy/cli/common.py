@@ -127,14 +127,14 @@ def input_dir(path: Path | None, option: str) -> Path | None:
     return None if path is None else existing_dir(path, option)
 
 
-def check_apart(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
+def check_output_paths(outputs: list[Path], inputs: dict[str, Path | None], *, records_state: bool = False) -> None:
     """:func:`corp_deploy.outputs.check_apart` and, for a command that ``records_state`` (compress),
     CorpError when the state folder lies inside its output (it would become a file the output's
     record does not list)."""
     from ..artifact import state_dir
-    from ..outputs import check_apart as check_outputs_apart
+    from ..outputs import check_apart
 
-    check_outputs_apart(outputs, inputs)
+    check_apart(outputs, inputs)
     state = state_dir() if records_state else None
     if state is None:
         return

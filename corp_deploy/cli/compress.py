@@ -11,7 +11,7 @@ from ..config import DEFAULT_SPARSITY, CompressConfig
 from ..methods import METHODS
 from .common import (
     DEFAULT_OUTPUT_ROOT,
-    check_apart,
+    check_output_paths,
     check_recovery_options_apply,
     dense_model,
     input_dir,
@@ -149,9 +149,10 @@ def compress(
     from .. import distributed
     from ..artifact import record_latest
     from ..calibration import CalibrationSpec
-    from ..engine import resolve_device, summary_tables
+    from ..engine import resolve_device
     from ..layers import block_head_dims, unfusable_heads, unfusable_heads_text
     from ..outputs import check_output_dir
+    from ..summary import summary_tables
     from ..workflow import compress_to_artifact
 
     config = CompressConfig.from_settings(
@@ -170,7 +171,7 @@ def compress(
     check_recovery_options_apply(config.recovery.steps)
     out_dir = check_output_dir(output or default_output_dir(model, config), "artifact")
     calibration = CalibrationSpec(input_dir(calib, "--calib"), calib_samples, batch_size, seed, calib_crops)
-    check_apart([out_dir], {"--calib": calibration.source}, records_state=True)
+    check_output_paths([out_dir], {"--calib": calibration.source}, records_state=True)
     resolve_device(device)
     distributed.init_from_environment(device)
     try:

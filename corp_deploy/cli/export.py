@@ -14,8 +14,8 @@ from exporters.precision import PRECISIONS
 from exporters.quantize import ACTIVATION_TYPES, CALIBRATION_METHODS
 from exporters.tensorrt import BatchProfile
 
-from ..errors import BadUsage
-from .common import check_apart, command_to_paste, given_on_command_line, input_dir, results_output, warn
+from ..errors import EXIT_INCOMPLETE, BadUsage
+from .common import check_output_paths, command_to_paste, given_on_command_line, input_dir, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, keep_float_count, smoothing_strength
 
@@ -186,7 +186,7 @@ def export(
 
     from exporters.options import ExportOptions
     from exporters.parity import Tolerance
-    from exporters.pipeline import EXIT_INCOMPLETE, default_export_dir, export_artifact, gate_tolerance
+    from exporters.pipeline import default_export_dir, export_artifact, gate_tolerance
 
     from ..artifact import Artifact, latest_artifact
     from ..calibration import summary_warnings
@@ -224,7 +224,7 @@ def export(
     if options.int8 is not None:  # the images int8 ranges are read from: given, or the artifact's own
         artifact = Artifact.read(artifact)  # read once: export_artifact is given it
         calib = _int8_calibration_folder(artifact, options.int8)
-    check_apart([resolve(output or default_export_dir(artifact, precision))], calib)
+    check_output_paths([resolve(output or default_export_dir(artifact, precision))], calib)
     if limits:  # the defaults the model's outputs can be measured on, each limit given in its default's place
         artifact = Artifact.of(artifact)  # its model loaded once, here, and exported (it tells a classifier)
         options = replace(options, tolerance=gate_tolerance(record, artifact.model.num_classes > 0, **limits))

@@ -18,23 +18,32 @@ from pathlib import Path
 import click
 
 from .. import __version__
-from ..errors import OWN_MODULES, CorpError, SettingError, first_line
+from ..errors import (
+    EXIT_BAD_USAGE,
+    EXIT_FAILURE,
+    EXIT_GATE_FAILED,
+    EXIT_INCOMPLETE,
+    EXIT_OUTPUT_COMPLETE,
+    OWN_MODULES,
+    CorpError,
+    SettingError,
+    first_line,
+)
 from ..interrupts import Interrupted
 from ..outputs import NotedOutputs, noting_outputs
 from ..resources import size_in_words
 
-#: The exit status of a run whose output is complete when a later step failed.
-OUTPUT_COMPLETE = 5
 #: Exit statuses of every command (README, "Guarantees"): by status, and ``128+N`` for the other signals.
 EXIT_CODES = {
     0: "done",
-    1: "error: what a value names cannot be used (a missing file, a model timm cannot build, weights that "
+    EXIT_FAILURE: "error: what a value names cannot be used (a missing file, a model timm cannot build, weights that "
     "do not fit), a refusal, or a failure; nothing half-written",
-    2: "bad usage: a value refused as such (its range, type, choices or form, or it does nothing) or "
+    EXIT_BAD_USAGE: "bad usage: a value refused as such (its range, type, choices or form, or it does nothing) or "
     "options that exclude each other",
-    3: "export: files written, a step needs TensorRT or a GPU to finish",
-    4: "a gate failed (export: nothing written; bench: reports written)",
-    5: "the output is complete, but a step after it failed (e.g. printing the results): the message names both",
+    EXIT_INCOMPLETE: "export: files written, a step needs TensorRT or a GPU to finish",
+    EXIT_GATE_FAILED: "a gate failed (export: nothing written; bench: reports written)",
+    EXIT_OUTPUT_COMPLETE: "the output is complete, but a step after it failed (e.g. printing the results): the message "
+    "names both",
     129: "stopped by SIGHUP (terminal closed, ssh dropped)",
     130: "interrupted by SIGINT",
     131: "stopped by SIGQUIT",
@@ -132,7 +141,7 @@ class _Commands(click.Group):
             raise _click_error(
                 f"{', '.join(map(str, done))} {'is' if len(done) == 1 else 'are'} complete (written before the "
                 f"failure), but a later step failed: {message}",
-                OUTPUT_COMPLETE,
+                EXIT_OUTPUT_COMPLETE,
             )
         raise _click_error(message, exit_code)
 
@@ -149,17 +158,18 @@ def _failure(
         return str(exc), exc.exit_code
     memory = _out_of_memory(exc)
     if memory:
-        return f"ran out of memory ({memory}); use fewer images or smaller batches", 1
+        return f"ran out of memory ({memory}); use fewer images or smaller batches", EXIT_FAILURE
     refused = file_system_refusal(exc)
     if refused:
         partial = "" if completed else "; nothing partial was left behind"
-        return f"the file system refused: {refused}{_where_refused(exc, noted or NotedOutputs())}{partial}", 1
+        where = _where_refused(exc, noted or NotedOutputs())
+        return f"the file system refused: {refused}{where}{partial}", EXIT_FAILURE
     missing = _missing_dependency(exc)
     if missing:
         return (
             f"the Python module '{missing}' is not installed, and this command needs it: "
             "install corp-deploy with its dependencies (pip install without --no-deps)",
-            1,
+            EXIT_FAILURE,
         )
     from ..distributed import lost_peer
 
@@ -167,14 +177,14 @@ def _failure(
         return (
             "another process of this torchrun job stopped (its message says why); this one stopped with it, "
             "and no artifact was written",
-            1,
+            EXIT_FAILURE,
         )
     if os.environ.get("CORP_DEPLOY_DEBUG"):
         raise exc
     return (
         f"internal error ({type(exc).__name__}: {first_line(exc)}); this is a bug in corp-deploy: rerun with "
         "CORP_DEPLOY_DEBUG=1 for the traceback and report it",
-        1,
+        EXIT_FAILURE,
     )
 
 

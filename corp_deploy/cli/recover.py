@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import DEFAULT_OUTPUT_ROOT, check_apart, input_dir, results_output, warn
+from .common import DEFAULT_OUTPUT_ROOT, check_output_paths, input_dir, results_output, warn
 from .group import cli
 from .options import IMAGE_COUNT, PATH, recovery_options
 
@@ -76,7 +76,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     recovery = RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed})
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.path.name}-rec{recovery.steps}", "artifact")
     calib = input_dir(calib, "--calib")
-    check_apart([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
+    check_output_paths([out_dir], {"--calib": calib, "ARTIFACT": artifact}, records_state=True)
     resolve_device(device)
     calibration = None
     if calib is not None or calib_samples is not None:

@@ -9,7 +9,7 @@ import click
 from ..config import CompressConfig
 from .common import (
     DEFAULT_OUTPUT_ROOT,
-    check_apart,
+    check_output_paths,
     check_recovery_options_apply,
     check_torch_options_apply,
     dense_model,
@@ -145,7 +145,7 @@ def sweep(
     out_dir = check_output_dir(
         output or DEFAULT_OUTPUT_ROOT / f"sweep-{model.replace('/', '_')}{f'-{target}' if target else ''}", "sweep"
     )
-    check_apart([out_dir], {"--calib": spec.calib, "--data": spec.data})
+    check_output_paths([out_dir], {"--calib": spec.calib, "--data": spec.data})
     distributed.init_from_environment("cpu", timeout=FIRST_RANK_WAIT)
     try:
         first = distributed.rank() == 0

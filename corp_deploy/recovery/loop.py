@@ -15,10 +15,10 @@ from ..calibration import BATCHES
 from ..errors import BadUsage, SettingError, check_flags, check_instance
 from ..families import standard_copy
 from ..models import model_transform
+from ..progress import RecoveryProgress
 from .config import SETTING_PREFIX, RecoveryConfig
 from .images import RecoveryImages, training_batches
 from .loss import check_teacher
-from .report import _Progress
 from .training import _Distillation, trainable_parameters
 from .validation import Validation
 
@@ -77,7 +77,7 @@ def recover(
     try:
         with (
             training_batches(images.training, config.steps, config.workers, pinned) as batches,
-            _Progress(progress, config.steps, validation.start["cosine"]) as bar,
+            RecoveryProgress(progress, config.steps, validation.start["cosine"]) as bar,
         ):
             for step, views in enumerate(batches, 1):
                 loss = run.step(views[distributed.rank() :: world].to(device, non_blocking=pinned), step)

@@ -1,64 +1,7 @@
-"""What recovery shows: its progress on stderr (:class:`_Progress`) and its report as a table
-(:func:`recovery_table`)."""
+"""A recovery's report as a table (:func:`recovery_table`); its progress is
+:class:`corp_deploy.progress.RecoveryProgress`."""
 
 from __future__ import annotations
-
-import time
-
-
-class _Progress:
-    """Progress on stderr: on a terminal a bar with the steps, the running loss, the last validation
-    cosine and the time left; elsewhere (a CI log) one line per validation measurement."""
-
-    def __init__(self, enabled: bool, steps: int, start_cosine: float) -> None:
-        self._bar = self._console = None
-        self._steps, self._done, self._loss, self._started = steps, 0, float("nan"), time.perf_counter()
-        if not enabled:
-            return
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        if not console.is_terminal:
-            self._console = console
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._bar = Progress(
-            TextColumn("recovering"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}  validation cosine {task.fields[cosine]}"),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        self._task = self._bar.add_task("", total=steps, loss="-", cosine=f"{start_cosine:.4f}")
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def step(self, loss: float) -> None:
-        self._done, self._loss = self._done + 1, loss
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
-
-    def validated(self, cosine: float) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, cosine=f"{cosine:.4f}")
-        elif self._console is not None:
-            elapsed = time.perf_counter() - self._started
-            left = elapsed / self._done * (self._steps - self._done)
-            self._console.print(
-                f"recovering: step {self._done}/{self._steps}, loss {self._loss:.4f}, validation cosine "
-                f"{cosine:.4f}, {elapsed:.0f} s so far, about {left:.0f} s left",
-                highlight=False,
-                soft_wrap=True,
-            )
 
 
 def recovery_table(report: dict, path=None):
