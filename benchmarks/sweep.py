@@ -23,7 +23,7 @@ from corp_deploy import (
     CalibrationSpec,
     CompressConfig,
     CorpError,
-    HeldImages,
+    ImagesInMemory,
     RecoveryConfig,
     compress_to_artifact,
     distributed,
@@ -228,7 +228,7 @@ def run_sweep(
     check_output_dir(out_dir, "sweep")  # before any work
     first = distributed.rank() == 0
     transform, _ = model_transform(dense)
-    calibration = HeldImages(spec.calibration.images(transform))  # read once for every point
+    calibration = ImagesInMemory(spec.calibration.images(transform))  # read once for every point
     if spec.recovery.enabled:  # before the first point, which does not recover
         check_sources(calibration, spec.recovery)
     measure = _Measure(dense, spec, transform, log, warn) if first else None

@@ -52,7 +52,7 @@ _API = {
     "TARGETS": "parts",
     "resolve_model_name": "models",
     "CompressedArtifact": "workflow",
-    "HeldImages": "workflow",
+    "ImagesInMemory": "workflow",
     "compress_to_artifact": "workflow",
     "recover_artifact": "workflow",
     "RecoveryConfig": "recovery",

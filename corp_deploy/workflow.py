@@ -70,7 +70,7 @@ class CompressedArtifact:
         return summary_warnings(self.calibration) + duplicates
 
 
-class HeldImages:
+class ImagesInMemory:
     """Calibration batches read once and held in memory, for work that compresses one model
     several times (a sweep): iterating gives the same batches, ``summary()``, ``image_sources`` and
     ``most`` those of the read (:class:`~corp_deploy.calibration.CalibrationImages`)."""
@@ -95,7 +95,7 @@ def compress_to_artifact(
     out_dir: str | Path | None,
     *,
     base_model: dict[str, Any] | None = None,
-    images: HeldImages | None = None,
+    images: ImagesInMemory | None = None,
     progress: bool = False,
     in_place: bool = False,
     plots: bool = True,
@@ -110,7 +110,7 @@ def compress_to_artifact(
     infers it (:func:`corp_deploy.artifact.base_model_spec`) without weights. A weights record
     (:data:`corp_deploy.artifact.WEIGHTS_FORMS`) is checked to rebuild ``dense`` exactly before the
     work (timm's pretrained weights are taken as given). ``images``: ``calibration``'s images
-    already read (:class:`HeldImages`); None reads them. ``in_place`` compresses ``dense`` itself
+    already read (:class:`ImagesInMemory`); None reads them. ``in_place`` compresses ``dense`` itself
     (one copy of the weights less; after a failure it is left part-compressed). Under
     torch.distributed every process calibrates on its share and only the first writes.
     """
@@ -158,7 +158,7 @@ def _compressed_artifact(
     transform: Callable,
     data_config: dict,
     *,
-    images: HeldImages | None = None,
+    images: ImagesInMemory | None = None,
     progress: bool = False,
     in_place: bool = False,
     plots: bool = True,

@@ -77,6 +77,5 @@ class Int8Options:
     @classmethod
     def keywords(cls) -> dict[str, str]:
         """``{keyword: field name}``: each option's flag as a Python name (``int8_smoothing``,
-        ``calib``), the ``export`` command's parameter and ``ExportOptions``' keyword from before
-        it took an ``Int8Options``."""
+        ``calib``), the ``export`` command's parameter."""
         return {flag.lstrip("-").replace("-", "_"): name for name, flag in cls.flags().items()}

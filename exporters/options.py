@@ -3,11 +3,11 @@ shares, checked together, and the precision's own options."""
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, InitVar, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from corp_deploy import CorpError
-from corp_deploy.errors import BadUsage, SettingError, check_instance, check_setting_types
+from corp_deploy.errors import SettingError, check_instance, check_setting_types
 
 from . import tensorrt as trt_backend
 from .int8_options import Int8Options
@@ -19,16 +19,6 @@ from .precision import precision_named
 MIN_WORKSPACE_GB, MAX_WORKSPACE_GB = 1 / 1024, 1e6
 
 
-class _NotGiven:
-    """The default of ``ExportOptions``' flat int8 keywords (and what reading one as an attribute gives)."""
-
-    def __repr__(self) -> str:
-        return "<not given: the int8 options are ExportOptions.int8>"
-
-
-_NOT_GIVEN = _NotGiven()
-
-
 @dataclass(frozen=True)
 class ExportOptions:
     """What ``export_artifact`` writes and how: the settings every precision shares, and the
@@ -38,11 +28,6 @@ class ExportOptions:
     means that record's default limits; ``workspace_gb`` None leaves TensorRT's workspace
     unbounded; ``timing_cache`` is read if it exists and updated. ``int8`` is for
     ``precision="int8"`` only (None there: the defaults) and refused with any other.
-
-    The int8 options are also taken one by one by their names from before ``int8`` existed
-    (:meth:`Int8Options.keywords`: ``int8_calibration``, ``int8_keep_float``, ``int8_smoothing``,
-    ``int8_activations``, ``calib``, ``calib_samples``), as then: with another precision only at
-    their defaults. They make ``int8`` and are not attributes.
     """
 
     trt: bool = False
@@ -55,32 +40,12 @@ class ExportOptions:
     timing_cache: Path | None = None
     tolerance: Tolerance | None = None
     int8: Int8Options | None = None
-    _: KW_ONLY
-    int8_calibration: InitVar[str] = _NOT_GIVEN
-    int8_keep_float: InitVar[int | str] = _NOT_GIVEN
-    int8_smoothing: InitVar[float | None] = _NOT_GIVEN
-    int8_activations: InitVar[str] = _NOT_GIVEN
-    calib: InitVar[Path | None] = _NOT_GIVEN
-    calib_samples: InitVar[int | None] = _NOT_GIVEN
 
-    def __post_init__(
-        self, int8_calibration, int8_keep_float, int8_smoothing, int8_activations, calib, calib_samples
-    ) -> None:
+    def __post_init__(self) -> None:
         check_setting_types(self)
         check_instance("batch", self.batch, trt_backend.BatchProfile)
         check_settings(self.opset, self.exporter)
         takes_int8 = precision_named(self.precision).options_class is Int8Options
-        self._take_legacy_int8_keywords(
-            dict(
-                int8_calibration=int8_calibration,
-                int8_keep_float=int8_keep_float,
-                int8_smoothing=int8_smoothing,
-                int8_activations=int8_activations,
-                calib=calib,
-                calib_samples=calib_samples,
-            ),
-            takes_int8,
-        )
         if self.int8 is not None and not takes_int8:
             raise SettingError(
                 f"the int8 options ({{setting}}: calibration, keep-float, smoothing, activations, calibration images) "
@@ -117,17 +82,3 @@ class ExportOptions:
                 "timing_cache",
                 "trt",
             )
-
-    def _take_legacy_int8_keywords(self, values: dict[str, object], takes_int8: bool) -> None:
-        """Set ``int8`` from the flat keywords given (``values``: by keyword, unset ones
-        :data:`_NOT_GIVEN`); at their defaults they are ignored with a precision that does not
-        take them (``takes_int8`` False), as before."""
-        given = {key: value for key, value in values.items() if value is not _NOT_GIVEN}
-        if not given:
-            return
-        if self.int8 is not None:
-            raise BadUsage(f"the int8 options are given twice, as int8=Int8Options(...) and as {', '.join(given)}")
-        fields = Int8Options.keywords()
-        int8 = Int8Options(**{fields[key]: value for key, value in given.items()})
-        if takes_int8 or int8 != Int8Options():
-            object.__setattr__(self, "int8", int8)

@@ -50,29 +50,17 @@ def test_int8_options_with_another_precision_are_refused(precision):
         CorpError, match=rf"the int8 options \(int8: .*\) apply only with precision int8, not {precision}"
     ):
         ExportOptions(precision=precision, int8=Int8Options())
-    with pytest.raises(CorpError, match=f"apply only with precision int8, not {precision}"):
-        ExportOptions(precision=precision, int8_keep_float=2)  # the flat keyword from before Int8Options
     with pytest.raises(
         CorpError, match="workspace_gb and timing_cache configure the TensorRT build; they apply only with trt"
     ):
         ExportOptions(precision=precision, workspace_gb=2.0)
 
 
-def test_int8_gets_its_default_options_and_the_flat_keywords_still_work(tmp_path):
+def test_int8_gets_its_default_options(tmp_path):
     assert ExportOptions(precision="int8").int8 == Int8Options()
     assert ExportOptions().int8 is None
-    assert ExportOptions(precision="fp16", int8_smoothing=0.5).int8 is None  # at its default: ignored, as before
-    flat = ExportOptions(precision="int8", int8_smoothing=None, int8_keep_float=3, calib=tmp_path, calib_samples=4)
-    assert flat == ExportOptions(
-        precision="int8", int8=Int8Options(smoothing=None, keep_float=3, calib=tmp_path, calib_samples=4)
-    )
-    assert dataclasses.replace(flat, dense=True).int8 == flat.int8
-    with pytest.raises(CorpError, match="given twice, as int8=Int8Options.* and as calib_samples"):
-        ExportOptions(precision="int8", int8=Int8Options(), calib_samples=4)
-    flat_keywords = [
-        name for name, f in ExportOptions.__dataclass_fields__.items() if str(f.type).startswith("InitVar")
-    ]
-    assert flat_keywords == list(Int8Options.keywords())
+    options = ExportOptions(precision="int8", int8=Int8Options(smoothing=None, keep_float=3, calib=tmp_path))
+    assert dataclasses.replace(options, dense=True).int8 == options.int8
 
 
 @pytest.mark.parametrize(

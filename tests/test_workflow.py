@@ -14,7 +14,7 @@ from corp_deploy import (
     CalibrationImages,
     CalibrationSpec,
     CompressConfig,
-    HeldImages,
+    ImagesInMemory,
     compress,
     compress_to_artifact,
     load_compressed,
@@ -54,7 +54,7 @@ def test_compress_to_artifact_writes_what_compress_computes(small_vit, spec, tmp
 def test_images_read_once_give_the_same_artifact(small_vit, spec, tmp_path):
     config = CompressConfig(s_mlp=0.5)
     transform, _ = model_transform(small_vit())
-    held = HeldImages(spec.images(transform))
+    held = ImagesInMemory(spec.images(transform))
     once = compress_to_artifact(small_vit(), config, spec, tmp_path / "a", base_model=BASE_MODEL, images=held)
     again = compress_to_artifact(small_vit(), config, spec, tmp_path / "b", base_model=BASE_MODEL)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

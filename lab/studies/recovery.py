@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
+from corp_deploy import CompressConfig, ImagesInMemory, compress, count_macs, model_transform
 from corp_deploy.calibration import split_builtin_images
 from corp_deploy.recovery import RecoveryConfig
 from lab.held_out import feature_cosine, unlike_images, write_dinov2_study
@@ -100,7 +100,7 @@ def main() -> None:
     dense = build_dinov2(args.weights)
     transform, _ = model_transform(dense)
     calibration, held_images = split_builtin_images(transform, args.calib, args.held_out)
-    calib, held = HeldImages(calibration), [x.to(device) for x in held_images]
+    calib, held = ImagesInMemory(calibration), [x.to(device) for x in held_images]
     unlike = [x.to(device) for x in unlike_images(transform, args.unlike)]
     rows = []
     for start in args.starts.split(","):

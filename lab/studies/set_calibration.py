@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy import CompressConfig, HeldImages, compress, count_macs, model_transform
+from corp_deploy import CompressConfig, ImagesInMemory, compress, count_macs, model_transform
 from corp_deploy.calibration import CalibrationImages
 from corp_deploy.metrics import tensor_cosine
 from lab.held_out import unlike_images, write_dinov2_study
@@ -34,7 +34,7 @@ def uniform_macs_fraction(dense, sparsity: float, size: tuple[int, ...]) -> floa
     """The MACs of uniform CORP at ``sparsity`` as a fraction of the dense model's (the kept dims of a
     uniform sparsity do not depend on the images: two bundled crops calibrate it)."""
     transform, _ = model_transform(dense)
-    few = HeldImages(CalibrationImages.from_builtin(transform, count=2, batch_size=2))
+    few = ImagesInMemory(CalibrationImages.from_builtin(transform, count=2, batch_size=2))
     uniform, _ = compress(dense, few, CompressConfig.from_settings(sparsity=sparsity, refit="none"))
     return count_macs(uniform, size) / count_macs(dense, size)
 
@@ -115,7 +115,7 @@ def main() -> None:
                 if photos == "builtin":
                     if views != 1:
                         continue
-                    calib = HeldImages(CalibrationImages.from_builtin(transform))
+                    calib = ImagesInMemory(CalibrationImages.from_builtin(transform))
                 else:
                     calib = calibration_images(args.set, transform, None if photos == "all" else int(photos), views)
                 began = time.perf_counter()
