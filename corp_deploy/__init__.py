@@ -17,7 +17,7 @@ import importlib
 #: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
 _API = {
     "Artifact": "artifact",
-    "latest_artifact": "artifact",
+    "latest_artifact": "latest",
     "load_base_model": "artifact",
     "load_compressed": "artifact",
     "read_config": "artifact",

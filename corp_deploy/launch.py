@@ -16,21 +16,35 @@ and log lines stay off the terminal; corp-deploy's own warnings are printed as `
 standard output whose encoding cannot write a character printed (``PYTHONIOENCODING=ascii``) fails
 as a write does, with what to change. Libraries that cannot be loaded (torch's under a low ``ulimit -v``)
 are one line and exit status 1.
+
+Importing this module (the entry point, and nothing else imports it) installs handlers that keep the
+signals received while its own imports load; :func:`main` raises the first once it can end the run
+cleanly, so that Ctrl-C just after Enter is one line too, not a traceback.
 """
 
 from __future__ import annotations
+
+import signal
+
+from .interrupts import INTERRUPTS, Interrupted
+
+#: The signals received while this module's own imports load, before :func:`main` installs its
+#: handlers (Ctrl-C just after Enter): kept here, and raised by :func:`main` once it can end the run
+#: cleanly. (Before this module runs, Python's own start-up is the only time left uncovered.)
+_RECEIVED_EARLY: list[int] = []
+for _signum in INTERRUPTS:
+    if signal.getsignal(_signum) != signal.SIG_IGN:
+        signal.signal(_signum, lambda signum, frame: _RECEIVED_EARLY.append(signum))
 
 import codecs
 import contextlib
 import errno
 import io
 import logging
-import signal
 import sys
 import warnings
 
 from .errors import EXIT_FAILURE, OWN_MODULES, first_line
-from .interrupts import INTERRUPTS, Interrupted
 
 
 def main() -> None:
@@ -52,6 +66,8 @@ def main() -> None:
         if signal.getsignal(signum) != signal.SIG_IGN:  # ignored from the start (nohup's SIGHUP): left so
             signal.signal(signum, _raise_interrupted)
     try:
+        if _RECEIVED_EARLY:
+            _raise_interrupted(_RECEIVED_EARLY[0], None)
         try:
             from .cli import cli  # after the handlers: an interrupt while torch and timm load ends cleanly
         except ImportError as exc:  # torch's libraries cannot be mapped under a low ``ulimit -v``; a broken install

@@ -17,14 +17,8 @@ from typing import Any
 from torch import nn
 
 from . import distributed
-from .artifact import (
-    Artifact,
-    base_model_spec,
-    check_base_model,
-    check_dense_weights,
-    complete_base_model,
-    write_artifact,
-)
+from .artifact import Artifact, write_artifact
+from .base_model import base_model_spec, check_base_model, check_dense_weights, complete_base_model
 from .calibration import CalibrationImages, CalibrationSpec, summary_warnings
 from .config import CompressConfig
 from .engine import compress, compress_bytes
@@ -107,8 +101,8 @@ def compress_to_artifact(
 
     Refuses up front (CorpError) when the work would not fit in memory. ``base_model``: the
     record of the dense model (name, creation arguments, weights) as the CLI builds it; None
-    infers it (:func:`corp_deploy.artifact.base_model_spec`) without weights. A weights record
-    (:data:`corp_deploy.artifact.WEIGHTS_FORMS`) is checked to rebuild ``dense`` exactly before the
+    infers it (:func:`corp_deploy.base_model.base_model_spec`) without weights. A weights record
+    (:data:`corp_deploy.base_model.WEIGHTS_FORMS`) is checked to rebuild ``dense`` exactly before the
     work (timm's pretrained weights are taken as given). ``images``: ``calibration``'s images
     already read (:class:`ImagesInMemory`); None reads them. ``in_place`` compresses ``dense`` itself
     (one copy of the weights less; after a failure it is left part-compressed). Under
@@ -164,7 +158,7 @@ def _compressed_artifact(
     plots: bool = True,
 ) -> CompressedArtifact:
     """:func:`compress_to_artifact` once its inputs are checked: ``base_model`` the dense model's
-    record as ``config.json`` records it (:func:`~corp_deploy.artifact.complete_base_model`), checked
+    record as ``config.json`` records it (:func:`~corp_deploy.base_model.complete_base_model`), checked
     to rebuild ``dense``; ``transform`` and ``data_config`` its preprocessing. Refuses what would not
     fit in memory, then compresses and writes."""
     if images is None:

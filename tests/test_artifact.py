@@ -15,9 +15,10 @@ from corp_deploy import (
     read_config,
     save_artifact,
 )
-from corp_deploy.artifact import WEIGHTS_FORMS, base_model_spec, latest_artifact, record_latest
+from corp_deploy.base_model import WEIGHTS_FORMS, base_model_spec
 from corp_deploy.errors import CorpError
 from corp_deploy.families import examples
+from corp_deploy.latest import latest_artifact, record_latest
 from corp_deploy.models import base_skeleton
 from tests.helpers import SMALL_VIT_KWARGS
 

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from corp_deploy import load_compressed, read_config
-from corp_deploy.artifact import latest_artifact
 from corp_deploy.cli import cli
+from corp_deploy.latest import latest_artifact
 from tests.helpers import SMALL_VIT_CLI_ARGS as TINY
 
 
@@ -248,7 +248,7 @@ def test_budget_compress_prints_the_allocation_and_draws_it(tmp_path):
 def test_the_state_folder_follows_the_environment_and_ignores_a_relative_xdg_state_home(tmp_path, monkeypatch):
     """A relative ``$XDG_STATE_HOME`` is invalid by the XDG Base Directory specification (it would
     move with the current directory): ignored, as an unset one."""
-    from corp_deploy.artifact import state_dir
+    from corp_deploy.latest import state_dir
 
     assert state_dir() == tmp_path / "state"
     monkeypatch.delenv("CORP_DEPLOY_STATE_DIR")

@@ -1725,7 +1725,7 @@ def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built
     """``HOME`` empty, relative or unset (and no ``XDG_STATE_HOME`` or ``CORP_DEPLOY_STATE_DIR``):
     no state folder (never ``/.local/state`` at the file system's root); compress warns that it
     keeps no record and completes, a command without an artifact says why it has none."""
-    from corp_deploy.artifact import state_dir
+    from corp_deploy.latest import state_dir
 
     monkeypatch.delenv("CORP_DEPLOY_STATE_DIR", raising=False)
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
@@ -2621,7 +2621,7 @@ FAULTS = {
         "os", "rename", 1, "SIGHUP", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
     "compress-sigterm-after-the-output-is-complete": Fault(
-        "corp_deploy.artifact", "record_latest", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
+        "corp_deploy.latest", "record_latest", 1, "SIGTERM", lambda w: [*BASE, "--seed", 5, "-o", w / "art"], "art"
     ),
     "export-sigquit-while-exporting-onnx": Fault(
         "exporters.pipeline", "export_onnx", 2, "SIGQUIT", lambda w: ["export", w / "art", "--dense"], "art/export-fp32"
@@ -2944,33 +2944,37 @@ LOADING_INTERRUPTED = """
 import os, signal, sys
 if sys.argv[1] == "ignored":  # as a script's background job starts it (POSIX: SIGINT ignored)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-class Hook:  # the named point: timm's import, which every command makes, sends the signal
+loading = sys.argv[2]
+class Hook:  # the named point: the import of ``loading``, which every command makes, sends the signal
     def find_spec(self, name, path, target=None):
-        if name == "timm":
+        if name == loading:
             open("reached", "w").close()
             os.kill(os.getpid(), signal.SIGINT)
 sys.meta_path.insert(0, Hook())
-sys.argv = ["corp-deploy", *sys.argv[2:]]
+sys.argv = ["corp-deploy", *sys.argv[3:]]
 from corp_deploy.launch import main
 main()
 """
 
 
 @pytest.mark.parametrize("started", ["at-default", "ignored"])
-def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path, started):
-    """SIGINT while the command imports torch and timm (the first seconds of every run) stops it: 130,
-    one line, nothing written. Started with SIGINT ignored (a script's background job, as CI may
-    start the suite: why this test once failed) the signal stays ignored and the command completes."""
+@pytest.mark.parametrize("loading", ["timm", "corp_deploy.errors"], ids=["timm", "the-entry-points-own-imports"])
+def test_an_interrupt_while_the_libraries_load_exits_cleanly(tmp_path, started, loading):
+    """SIGINT while the command imports torch and timm (the first seconds of every run), or while the
+    entry point loads its own imports before its handlers are in place (Ctrl-C just after Enter: a
+    25-line KeyboardInterrupt traceback, found by the hostile sweep), stops it: 130, one line, nothing
+    written. Started with SIGINT ignored (a script's background job, as CI may start the suite: why
+    this test once failed) the signal stays ignored and the command completes."""
     args = [*map(str, BASE), "-o", "out"]
     prefix = AS_A_FOREGROUND_JOB if started == "at-default" else ""
     done = subprocess.run(
-        [sys.executable, "-c", prefix + LOADING_INTERRUPTED, started, *args],
+        [sys.executable, "-c", prefix + LOADING_INTERRUPTED, started, loading, *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
     )
-    assert (tmp_path / "reached").exists(), done.stderr  # the signal was sent while timm loaded
+    assert (tmp_path / "reached").exists(), done.stderr  # the signal was sent while that module loaded
     assert "Traceback" not in done.stderr, done.stderr
     if started == "ignored":
         assert done.returncode == 0, done.stderr

@@ -169,7 +169,7 @@ def test_a_true_base_model_record_passes_for_a_model_as_timm_builds_it_or_in_sta
     against the model in the form it was given."""
     import timm
 
-    from corp_deploy.artifact import check_base_model
+    from corp_deploy.base_model import check_base_model
     from corp_deploy.families import standard_form
 
     kwargs = {"img_size": 56, "patch_size": 4, "window_size": 7, "embed_dim": 32, "depths": (1, 1), "num_heads": (1, 2)}

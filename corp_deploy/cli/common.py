@@ -131,7 +131,7 @@ def check_output_paths(outputs: list[Path], inputs: dict[str, Path | None], *, r
     """:func:`corp_deploy.outputs.check_apart` and, for a command that ``records_state`` (compress),
     CorpError when the state folder lies inside its output (it would become a file the output's
     record does not list)."""
-    from ..artifact import state_dir
+    from ..latest import state_dir
     from ..outputs import check_apart
 
     check_apart(outputs, inputs)
@@ -149,7 +149,7 @@ def check_output_paths(outputs: list[Path], inputs: dict[str, Path | None], *, r
 
 def dense_model(model: str, model_args: tuple[str, ...], checkpoint: Path | None, no_pretrained: bool, seed: int):
     """Check the model-source options and build the dense model; returns it and its artifact record."""
-    from ..artifact import base_model_spec, weights_record
+    from ..base_model import base_model_spec, weights_record
     from ..models import create_base_model, resolve_model_name, timm_arguments
 
     kwargs = parse_model_args(model_args)

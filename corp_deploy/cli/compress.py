@@ -147,9 +147,9 @@ def compress(
           --model-arg num_classes=0 --checkpoint dinov2_s.safetensors --s 0.5
     """
     from .. import distributed
-    from ..artifact import record_latest
     from ..calibration import CalibrationSpec
     from ..engine import resolve_device
+    from ..latest import record_latest
     from ..layers import block_head_dims, unfusable_heads, unfusable_heads_text
     from ..outputs import check_output_dir
     from ..summary import summary_tables

@@ -188,8 +188,9 @@ def export(
     from exporters.parity import Tolerance
     from exporters.pipeline import default_export_dir, export_artifact, gate_tolerance
 
-    from ..artifact import Artifact, latest_artifact
+    from ..artifact import Artifact
     from ..calibration import summary_warnings
+    from ..latest import latest_artifact
     from ..outputs import resolve
 
     record, fields = PRECISIONS[precision], Int8Options.keywords()

@@ -50,9 +50,10 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
       corp-deploy recover                                   # the latest artifact
       corp-deploy recover corp-deploy/deit_small-s0.5 --recover-steps 500 -o out/deit-rec
     """
-    from ..artifact import Artifact, latest_artifact, record_latest
+    from ..artifact import Artifact
     from ..calibration import CalibrationSpec
     from ..engine import resolve_device
+    from ..latest import latest_artifact, record_latest
     from ..outputs import check_output_dir
     from ..recovery import RecoveryConfig, recovery_table
     from ..workflow import recover_artifact
