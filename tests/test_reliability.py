@@ -1550,11 +1550,14 @@ def test_a_relative_calib_is_recorded_so_it_resolves_from_anywhere(work, monkeyp
             0,
             "--min-cosine",
             0.5,
+            "--min-top1",
+            0,
             "--calib-samples",
             10,
         ],
         work.parent / "state",
-    )  # (4 random images: a loose gate; this is about paths)
+    )  # (a random model on 4 random images: near-tied logits whose int8 top-1 depends on the CPU's
+    # integer kernels; loose gates, as this is about paths)
     assert code == 0, text
     assert "fewer than" not in text  # the 4 files filled with crops, as the artifact was calibrated
     int8 = json.loads((work / "rel" / "export-int8" / "export.json").read_text())["models"]["model"]["int8"]
