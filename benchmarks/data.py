@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from corp_deploy.calibration import (
     load_rgb,
     pixel_digest,
     unreadable_reason,
+    warn_once,
 )
 from corp_deploy.files import existing_dir
 
@@ -93,9 +93,9 @@ def eval_images(
         "classes": len(mapping),
         "highest_label": max(mapping.values()),
     }
-    digests, pixels = set(), set()
+    digests, pixels, said = set(), set(), set()
     return EvalImages(
-        lambda: _labelled_batches(samples, transform, batch_size, description, digests, pixels),
+        lambda: _labelled_batches(samples, transform, batch_size, description, digests, pixels, said),
         description,
         True,
         digests,
@@ -175,9 +175,11 @@ def _labelled_batches(
     description: dict,
     digests: set[str],
     pixels: set[str],
+    said: set[str],
 ):
     """Labelled batches; afterwards ``description`` counts the images used and the files skipped,
-    and ``digests`` and ``pixels`` hold the used files' digests (of their bytes, of their pixels)."""
+    and ``digests`` and ``pixels`` hold the used files' digests (of their bytes, of their pixels).
+    The images' warnings are given once (``said``: those given by earlier iterations)."""
     images, labels, skipped, span = [], [], [], ImageSpan("evaluation")
     for path, label in samples:
         try:
@@ -197,8 +199,7 @@ def _labelled_batches(
         yield _spanned(torch.stack(images), span), torch.tensor(labels)
     if len(skipped) == len(samples):
         raise CorpError(f"none of the {len(samples)} evaluation images could be read (e.g. {skipped[0]})")
-    for message in span.warnings():
-        warnings.warn(message, stacklevel=1)
+    warn_once(span.warnings(), said)
     description.update(
         images=len(samples) - len(skipped),
         files_skipped=len(skipped),

@@ -269,6 +269,14 @@ class ImageSpan:
         return found
 
 
+def warn_once(messages: list[str], said: set[str]) -> None:
+    """``warnings.warn`` each of ``messages`` that is not in ``said`` yet, and add it there."""
+    for message in messages:
+        if message not in said:
+            said.add(message)
+            warnings.warn(message, stacklevel=2)
+
+
 class CalibrationImages:
     """An iterable of preprocessed image batches ``(B, 3, H, W)`` float32.
 
@@ -287,7 +295,8 @@ class CalibrationImages:
     ``summary()`` holds the :func:`file_digest` (``image_digests``) and the :func:`pixel_digest`
     (``pixel_digests``) of each file used (sorted, each once). At the end of an iteration, images that
     span little, and files that are copies of others (identical pixels), are warned about
-    (``warnings.warn``), and images that are all of one colour are refused (CorpError).
+    (``warnings.warn``, each message once however often the images are read), and images that are
+    all of one colour are refused (CorpError).
     """
 
     def __init__(
@@ -318,6 +327,7 @@ class CalibrationImages:
         self._digests: list[tuple[str, str]] = []  # (bytes, pixels) of each file read whole
         self._pixels: dict[Path, str] = {}
         self.span = ImageSpan(purpose)
+        self._said: set[str] = set()  # the warnings given already
 
     @classmethod
     def from_directory(
@@ -403,8 +413,7 @@ class CalibrationImages:
         refusal = self.span.refusal()
         if refusal is not None:
             raise CorpError(refusal)
-        for message in self.span.warnings() + self.copies_warnings():
-            warnings.warn(message, stacklevel=1)
+        warn_once(self.span.warnings() + self.copies_warnings(), self._said)
 
     def copies_warnings(self) -> list[str]:
         """What the last iteration says of the files (from a directory) that are copies of others

@@ -121,12 +121,28 @@ class Tolerance:
         failed = []
         if self.atol is not None and not result.max_abs <= self.atol:
             failed.append(f"max abs error {result.max_abs:.3g} > atol {self.atol:g}")
+        shown = self._shown_below(result)
+        if "cosine" in shown:
+            failed.append(f"cosine {shown['cosine']} < {self.min_cosine:g}")
+        if "top1_agreement" in shown:
+            failed.append(f"top-1 agreement {shown['top1_agreement']} < {self.min_top1:g}")
+        return failed
+
+    def measured(self, result: Comparison) -> str:
+        """``result``'s numbers as ``name=value``: 3 significant digits, and a cosine or top-1
+        agreement below its limit with the digits that show it is (never ``cosine=1`` below 1)."""
+        shown = {k: f"{v:.3g}" for k, v in result.to_dict().items() if v is not None}
+        return ", ".join(f"{k}={v}" for k, v in (shown | self._shown_below(result)).items())
+
+    def _shown_below(self, result: Comparison) -> dict[str, str]:
+        """``{"cosine" | "top1_agreement": value in words}`` for each of the two below its limit."""
+        shown = {}
         if self.min_cosine is not None and not result.cosine >= self.min_cosine:
-            failed.append(f"cosine {below(result.cosine, self.min_cosine)} < {self.min_cosine:g}")
+            shown["cosine"] = below(result.cosine, self.min_cosine)
         top1 = result.top1_agreement
         if self.min_top1 is not None and top1 is not None and not top1 >= self.min_top1:
-            failed.append(f"top-1 agreement {top1:.3f} < {self.min_top1:g}")
-        return failed
+            shown["top1_agreement"] = below(top1, self.min_top1)
+        return shown
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -399,10 +399,7 @@ def check_parity(
         results[b] = result
         failures += [f"batch {b}: {v}" for v in tolerance.violations(result)]
     if failures:
-        numbers = "; ".join(
-            f"batch_{b}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.to_dict().items() if v is not None)
-            for b, r in results.items()
-        )
+        numbers = "; ".join(f"batch_{b}: {tolerance.measured(r)}" for b, r in results.items())
         raise ParityError(
             f"{label}: parity gate failed ({'; '.join(failures)}). Measured: {numbers}. "
             "Nothing was written. Loosen the limit that failed (--atol, --min-cosine, --min-top1) only if "

@@ -150,11 +150,16 @@ def test_tolerance_names_each_violation():
     ]
     assert PRECISIONS["fp16"].tolerance.violations(result) == [
         "cosine 0.998000 < 0.999",
-        "top-1 agreement 0.500 < 0.85",
+        "top-1 agreement 0.500000 < 0.85",
     ]
     assert PRECISIONS["fp16"].tolerance.with_limits(atol=1e-2, min_cosine=0.99).violations(result) == [
-        "top-1 agreement 0.500 < 0.85"
+        "top-1 agreement 0.500000 < 0.85"
     ]
     assert PRECISIONS["bf16"].tolerance.violations(replace(result, top1_agreement=None)) == []
     just_below = replace(result, cosine=0.99999999)  # as many digits as show it below the limit
     assert PRECISIONS["fp32"].tolerance.with_limits(min_cosine=1.0).violations(just_below)[1] == "cosine 0.99999999 < 1"
+    exact = PRECISIONS["fp32"].tolerance.with_limits(min_cosine=1.0, min_top1=1.0)
+    almost_all = replace(just_below, top1_agreement=999 / 1000)
+    assert exact.violations(almost_all)[1:] == ["cosine 0.99999999 < 1", "top-1 agreement 0.999000 < 1"]
+    assert exact.measured(almost_all) == "max_abs=0.002, max_rel=0.1, cosine=0.99999999, top1_agreement=0.999000"
+    assert exact.measured(replace(almost_all, top1_agreement=None)).endswith(", cosine=0.99999999")

@@ -1419,17 +1419,21 @@ def test_every_out_of_range_option_value_exits_2_naming_the_option(work, command
 def test_evaluation_images_of_one_colour_are_warned_about_not_refused_as_calibration(work):
     """bench --data of black images: nothing is calibrated on them, so they are not refused for
     singular calibration statistics; the warning names them as evaluation images, on stderr and in
-    the reports a CI job reads (JSON ``fidelity.data.warnings``, Markdown), labelled folder or not."""
+    the reports a CI job reads (JSON ``fidelity.data.warnings``, Markdown), labelled folder or not,
+    each once (bench reads the images twice: for parity, then for fidelity)."""
     data = plain(work.parent / "black", ((0, 0, 0),) * 2)
     labelled = plain(work.parent / "labelled" / "a", ((0, 0, 0),) * 2).parent
     (labelled / "class_index.json").write_text('{"a": 0}')
     for folder in (data, labelled):
         reports = ["--json", work / "r.json", "--markdown", work / "r.md"]
         args = ["bench", work / "art", *BENCH, "--backends", "torch", "--data", folder, *reports]
-        with pytest.warns(UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what"):
+        with pytest.warns(
+            UserWarning, match=r"all 2 evaluation images are of one colour \(e\.g\. all black\): what"
+        ) as given:
             code, text, exception = invoke(args, work.parent / "state")
         assert code == 0 and exception is None and "calibration images" not in text, text
         said = json.loads((work / "r.json").read_text())["fidelity"]["data"]["warnings"]
+        assert sorted(str(w.message) for w in given if str(w.message) in said) == sorted(said)
         assert said[0].startswith("all 2 evaluation images are of one colour (e.g. all black): what is measured")
         assert said[1].startswith("the 2 evaluation images are near-identical: they vary by 0 across images")
         assert f"- warning: {said[0]}" in (work / "r.md").read_text()
@@ -1666,7 +1670,7 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_the_work(work, monk
 
 def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, monkeypatch):
     """A MAC budget the model cannot meet with every unit at its floor is refused before the
-    calibration images are read and embedded, in MACs where GMACs would round it to 0."""
+    calibration images are read and embedded, every amount in one unit and as a share of the dense model."""
     import corp_deploy.engine
 
     def embedded(*args, **kwargs):
@@ -1674,7 +1678,11 @@ def test_a_budget_below_the_floors_is_refused_before_any_image_is_read(work, mon
 
     monkeypatch.setattr(corp_deploy.engine, "embed_all", embedded)
     code, text, exception = invoke([*BASE, "--macs", "1e-30", "-o", work / "o"], work.parent / "state")
-    assert_one_message(code, text, exception, 2, "the budget of 0 MACs is below what the floors allow")
+    refusal = (
+        "the budget (0 GMACs, 0 of the dense model's 0.001191 GMACs) is below what the floors allow: with "
+        "every unit at its floor (10% of its dims, at least 1 dim) the model still needs 0.0003068 GMACs, 0.258 of"
+    )
+    assert_one_message(code, text, exception, 2, refusal)
     assert not (work / "o").exists()
 
 

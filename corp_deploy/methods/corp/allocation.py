@@ -42,9 +42,10 @@ def candidate_sizes(total: int, round_to: int, floor: float) -> list[int]:
     return [total] + list(range(top, lowest - 1, -round_to))
 
 
-def _macs_text(macs: int) -> str:
-    """``macs`` in GMACs, or in MACs where GMACs would round it away (a budget of ``--macs 1e-30``)."""
-    return f"{macs / 1e9:.4g} GMACs" if macs >= 1e6 else f"{macs:,} MACs"
+def _macs_text(macs: int, dense_macs: int) -> str:
+    """``macs`` in the unit that suits the dense model's ``dense_macs``: GMACs, or MACs for a model
+    of under a million (so that every number of one message is in one unit)."""
+    return f"{macs / 1e9:.4g} GMACs" if dense_macs >= 1e6 else f"{macs:,} MACs"
 
 
 def check_feasible(
@@ -54,10 +55,15 @@ def check_feasible(
     unit's ``(total, macs_per_dim)``."""
     lowest = fixed_macs + sum(candidate_sizes(total, round_to, floor)[-1] * per_dim for total, per_dim in shapes)
     if lowest > budget_macs:
+        dense = fixed_macs + sum(total * per_dim for total, per_dim in shapes)
+
+        def amount(macs: int) -> str:
+            return f"{_macs_text(macs, dense)}, {macs / dense:.3g} of the dense model's"
+
         needs = (
-            f"the budget of {_macs_text(budget_macs)} is below what the floors allow: with every unit "
-            f"at its floor ({floor_text(floor, round_to)}) the model still needs {lowest / 1e9:.4g} GMACs; "
-            "raise the budget"
+            f"the budget ({amount(budget_macs)} {_macs_text(dense, dense)}) is below what the floors "
+            f"allow: with every unit at its floor ({floor_text(floor, round_to)}) the model still needs "
+            f"{amount(lowest)}; raise the budget"
         )
         if floor > 0:
             raise SettingError(f"{needs} or lower {{setting}}", "unit_floor")
