@@ -56,7 +56,7 @@ def int8_graphs(artifact: Path | Artifact) -> Int8Graphs:
         manifest = read_manifest(folder)
         check_made_from(artifact, folder, manifest)
         for model, key in _MODEL_KEYS.items():
-            if key not in manifest["models"]:
+            if key not in manifest.models:
                 return Int8Graphs(skipped=f"{folder.name}/ has no dense graph (export it with --dense)")
             graphs[f"{model}-{precision}"] = model_files(folder, manifest, key)["onnx"]
     return Int8Graphs(graphs={name: graphs[name] for name in VARIANTS})
@@ -145,5 +145,5 @@ def _graph_bytes(path: Path) -> int:
 
 def _kept_float(path: Path) -> int:
     """How many Linear layers the int8 graph ``path`` keeps in float, from its ``export.json``."""
-    models = read_manifest(path.parent)["models"].values()
-    return len(next(entry["int8"]["kept_float"] for entry in models if entry["onnx"][0] == path.name))
+    models = read_manifest(path.parent).models.values()
+    return len(next(entry.int8["kept_float"] for entry in models if entry.onnx[0] == path.name))

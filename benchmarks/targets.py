@@ -8,7 +8,7 @@ from corp_deploy import CorpError, latest_artifact
 from corp_deploy.artifact import CONFIG_FILE, Artifact
 from corp_deploy.files import checked_path
 from corp_deploy.outputs import read_record
-from exporters.manifest import MANIFEST, model_files, read_manifest
+from exporters.manifest import MANIFEST, ExportManifest, model_files, read_manifest
 from exporters.precision import PRECISIONS
 
 from .backends import ModelFiles
@@ -36,7 +36,7 @@ def find_target(path: str | Path | None) -> tuple[Artifact, Path | None]:
         manifest = read_manifest(path)
         # an export inside an artifact belongs to it (also after both were moved or copied)
         inside = (path.parent / CONFIG_FILE).is_file()
-        artifact = Artifact.read(path.parent if inside else Path(manifest["artifact"]["path"]))
+        artifact = Artifact.read(path.parent if inside else Path(manifest.artifact.path))
         check_made_from(artifact, path, manifest)
         return artifact, path
     artifact = Artifact.read(path)
@@ -58,17 +58,18 @@ def _export_preference(export: Path) -> tuple[int, str]:
     return (runs_on_cpu.index(named) if named in runs_on_cpu else len(runs_on_cpu), export.name)
 
 
-def check_made_from(artifact: Path | Artifact, export: Path, manifest: dict) -> None:
+def check_made_from(artifact: Path | Artifact, export: Path, manifest: ExportManifest) -> None:
     """CorpError unless ``export`` (with its read ``manifest``) was made from ``artifact`` as it was
     read, and holds the precision its name says (``export-int8`` int8, ...): bench finds the graphs
     it compares by those names."""
     artifact = Artifact.of(artifact)
-    if artifact.checksums != {key: manifest["artifact"][key] for key in ("config_sha256", "weights_sha256")}:
+    made_from = manifest.artifact
+    if artifact.checksums != {"config_sha256": made_from.config_sha256, "weights_sha256": made_from.weights_sha256}:
         raise CorpError(f"{export} was exported from a different version of {artifact}; export it again")
     named = export.name.removeprefix("export-")
-    if export.name.startswith("export-") and named in PRECISIONS and manifest.get("precision") != named:
+    if export.name.startswith("export-") and named in PRECISIONS and manifest.precision != named:
         raise CorpError(
-            f"{export} holds {manifest.get('precision')} graphs, not {named} ones as its name says "
+            f"{export} holds {manifest.precision} graphs, not {named} ones as its name says "
             f"(bench reads export-fp32/ and export-int8/ by name); export it again into export-{named}/"
         )
 
@@ -80,8 +81,8 @@ def load_models(artifact: Path | Artifact, export: Path | None) -> tuple[ModelFi
     files = {"model": {}, "dense": {}}
     if export is not None:
         manifest = read_manifest(export)
-        for key in manifest["models"]:
-            made = {name: manifest.get(name) for name in ("precision", "exporter", "opset")}
+        for key in manifest.models:
+            made = {"precision": manifest.precision, "exporter": manifest.exporter, "opset": manifest.opset}
             files[key] = {**model_files(export, manifest, key), **made}
     compressed = ModelFiles(artifact.model, **files["model"])
     dense = ModelFiles(artifact.dense(), **files["dense"])
@@ -96,7 +97,7 @@ def copied_calibration_images(artifact: Artifact, eval_digests: set[str], eval_p
     recorded is compared by :func:`~corp_deploy.calibration.file_digest` (``eval_digests``) against its
     ``image_digests``: byte-identical copies only. ``(0, 0)`` for an artifact calibrated on the bundled
     photos, or made before any digest was recorded."""
-    calibration = artifact.config.get("calibration", {})
+    calibration = artifact.config.calibration
     byte_identical = len(eval_digests & set(calibration.get("image_digests", [])))
     if "pixel_digests" not in calibration:
         return byte_identical, 0
@@ -108,7 +109,7 @@ def calibration_overlap(artifact: Artifact, eval_description: dict) -> bool:
     """Whether the evaluation images may have been seen in calibration (then they are not
     held out): folders that can share files (:func:`~benchmarks.data.folders_overlap`), or
     bundled photos that calibration also used."""
-    calib = artifact.config.get("calibration", {})
+    calib = artifact.config.calibration
     if eval_description["source"] == "builtin":
         return calib.get("source") == "builtin" and bool(set(calib.get("photos", [])) & set(eval_description["photos"]))
     return calib.get("source") == "directory" and folders_overlap(calib["path"], eval_description["path"])

@@ -17,6 +17,7 @@ import importlib
 #: package (and the command's launcher, :mod:`corp_deploy.launch`) does not import torch and timm.
 _API = {
     "Artifact": "artifact",
+    "ArtifactConfig": "artifact_config",
     "latest_artifact": "latest",
     "load_base_model": "artifact",
     "load_compressed": "artifact",

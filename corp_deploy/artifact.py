@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .artifact_config import CONFIG_FILE, CONFIG_FORMAT, ArtifactConfig, BaseModelRecord, InputRecord
 from .base_model import base_model_spec, check_base_model_form, complete_base_model, rebuilt_dense
 from .config import CompressConfig
 from .cost import count_params
@@ -37,10 +38,7 @@ from .models import (
 from .outputs import read_record, read_recorded_json, staged_output, verify_files
 from .plots import plot_allocation
 
-WEIGHTS_FILE, CONFIG_FILE, REPORT_FILE = "model.safetensors", "config.json", "report.json"
-#: ``config.json``'s format (also the weights file's ``format`` metadata). 2: the artifact has a record
-#: with every file's SHA-256 (version 1 had none and is not read).
-CONFIG_FORMAT = DocumentFormat("corp-deploy-artifact", 2, "artifact", "compress the model again", file=CONFIG_FILE)
+WEIGHTS_FILE, REPORT_FILE = "model.safetensors", "report.json"
 #: ``report.json``'s format. 1: the report names its format; before, it held the compress report alone
 #: (still read).
 REPORT_FORMAT = DocumentFormat(
@@ -55,10 +53,10 @@ REPORT_FORMAT = DocumentFormat(
 ALLOCATION_PLOT = "allocation.png"
 
 
-def _check_input_size(config: dict, data_config: dict, path: str | Path) -> None:
+def _check_input_size(config: ArtifactConfig, data_config: dict, path: str | Path) -> None:
     """CorpError unless ``config.json``'s ``input.input_size`` is the input size of the model it
     describes (``data_config``: that model's), which export and bench feed it."""
-    recorded, own = config["input"]["input_size"], list(data_config["input_size"])
+    recorded, own = list(config.input.input_size), list(data_config["input_size"])
     if recorded != own:
         raise CorpError(
             f"{Path(path) / CONFIG_FILE} is malformed: input.input_size {recorded} is not the input size of the "
@@ -66,20 +64,20 @@ def _check_input_size(config: dict, data_config: dict, path: str | Path) -> None
         )
 
 
-def build_skeleton(config: dict) -> nn.Module:
-    """The compressed model's structure with random weights, from a ``config.json`` dict."""
-    base = config["base_model"]
-    return _reshaped(create_base_model(base["name"], base["model_kwargs"], pretrained=False), config)
+def build_skeleton(config: ArtifactConfig) -> nn.Module:
+    """The compressed model's structure with random weights, from its ``config.json``."""
+    base = config.base_model
+    return _reshaped(create_base_model(base.name, base.model_kwargs, pretrained=False), config)
 
 
-def _reshaped(model: nn.Module, config: dict) -> nn.Module:
+def _reshaped(model: nn.Module, config: ArtifactConfig) -> nn.Module:
     """The dense ``model`` (in standard form) with its blocks resized as ``config.json`` records
     them (empty layers where a block was pruned), in eval mode."""
-    fc2_bias, proj_bias = config.get("fc2_bias"), config.get("proj_bias")
-    for i, (block, dims) in enumerate(zip(blocks_of(model), config["blocks"])):
+    fc2_bias, proj_bias = config.fc2_bias, config.proj_bias
+    for i, (block, dims) in enumerate(zip(blocks_of(model), config.blocks)):
         reshape_block(
             block,
-            BlockDims(**dims),
+            dims,
             fc2_bias=None if fc2_bias is None else fc2_bias[i],
             proj_bias=None if proj_bias is None else proj_bias[i],
         )
@@ -151,19 +149,19 @@ def write_artifact(
 
     check_finite(model, "the model to save", "no export or measurement of it could mean anything; nothing was written")
     out_dir = checked_path(out_dir, "out_dir")
-    config = {
-        **CONFIG_FORMAT.header(),
-        "base_model": base_model,
-        "input": {"input_size": list(data_config["input_size"]), "data_config": _jsonable(data_config)},
-        "blocks": [block_dims(b).to_dict() for b in blocks_of(model)],
-        "allocation": (report or {}).get("budget"),
-        "fc2_bias": [b.mlp.fc2.bias is not None for b in blocks_of(model)],
-        "proj_bias": [b.attn.proj.bias is not None for b in blocks_of(model)],
-        "settings": settings or {},
-        "calibration": calibration or {},
-        "versions": library_versions(),
-        "created": timestamp(),
-    }
+    blocks = blocks_of(model)
+    config = ArtifactConfig(
+        base_model=BaseModelRecord(**base_model),
+        input=InputRecord(tuple(data_config["input_size"]), _jsonable(data_config)),
+        blocks=tuple(block_dims(b) for b in blocks),
+        allocation=(report or {}).get("budget"),
+        fc2_bias=tuple(b.mlp.fc2.bias is not None for b in blocks),
+        proj_bias=tuple(b.attn.proj.bias is not None for b in blocks),
+        settings=settings or {},
+        calibration=calibration or {},
+        versions=library_versions(),
+        created=timestamp(),
+    )
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     _check_rebuildable(config, state)
     _check_records(model, config, report)
@@ -171,16 +169,17 @@ def write_artifact(
     weights = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
     with staged_output(out_dir, "artifact", needs=weights) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": CONFIG_FORMAT.name})
-        write_json(tmp / CONFIG_FILE, config)
+        write_json(tmp / CONFIG_FILE, config.to_dict())
         write_json(tmp / REPORT_FILE, {**REPORT_FORMAT.header(), **(report or {})})
-        if plots and config["allocation"]:
-            plot_allocation(config["allocation"], tmp / ALLOCATION_PLOT, title=base_model["name"])
+        if plots and config.allocation:
+            plot_allocation(config.allocation, tmp / ALLOCATION_PLOT, title=config.base_model.name)
     return out_dir
 
 
-def read_config(path: str | Path) -> dict:
-    """The ``config.json`` of an artifact directory, checked against the artifact's record (BadUsage
-    for what is not a path the tool can take: :func:`~corp_deploy.files.checked_path`)."""
+def read_config(path: str | Path) -> ArtifactConfig:
+    """The ``config.json`` of an artifact directory, checked against the artifact's record and
+    entry by entry (CorpError naming the first bad one; BadUsage for what is not a path the tool
+    can take: :func:`~corp_deploy.files.checked_path`)."""
     path = checked_path(path, "path")
     if not path.is_dir():
         raise CorpError(f"{path} is not a corp-deploy artifact ({'not a directory' if path.exists() else 'not found'})")
@@ -189,11 +188,7 @@ def read_config(path: str | Path) -> dict:
             f"{path} is not a corp-deploy artifact (no {CONFIG_FILE}; an export or bench folder is not one: "
             "give the folder compress wrote)"
         )
-    config = read_recorded_json(path, "artifact", CONFIG_FORMAT)
-    problem = _config_problem(config)
-    if problem is not None:
-        raise CorpError(f"{path / CONFIG_FILE} is malformed: {problem}")
-    return config
+    return ArtifactConfig.from_dict(read_recorded_json(path, "artifact", CONFIG_FORMAT), path / CONFIG_FILE)
 
 
 def read_report(path: str | Path) -> dict:
@@ -202,31 +197,6 @@ def read_report(path: str | Path) -> dict:
     named its format is read as it is."""
     read_config(path)
     return read_recorded_json(path, "artifact", REPORT_FORMAT)
-
-
-def _config_problem(config: dict) -> str | None:
-    """What in a ``config.json`` (its record matching, i.e. edited along with the record) this
-    corp-deploy cannot interpret, or None."""
-    base, size, blocks = config.get("base_model"), (config.get("input") or {}), config.get("blocks")
-    if not (
-        isinstance(base, dict)
-        and isinstance(base.get("name"), str)
-        and isinstance(base.get("model_kwargs"), dict)
-        and isinstance(base.get("weights") or {}, dict)
-    ):
-        return "base_model needs a name, model_kwargs and a weights record"
-    size = size.get("input_size") if isinstance(size, dict) else None
-    if not (isinstance(size, list) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size)):
-        return "input.input_size needs three positive integers"
-    if not (isinstance(blocks, list) and all(isinstance(b, dict) for b in blocks)):
-        return "blocks needs one object per block"
-    for key in ("fc2_bias", "proj_bias"):
-        flags = config.get(key)
-        if flags is not None and not (isinstance(flags, list) and len(flags) == len(blocks)):
-            return f"{key} needs one entry per block"
-    if not all(isinstance(config.get(key, {}), dict) for key in ("settings", "calibration")):
-        return "settings and calibration must be objects"
-    return None
 
 
 def recorded_checksums(path: str | Path) -> dict[str, str] | None:
@@ -259,7 +229,7 @@ class Artifact:
     constructor refuses to be called, pointing there (it would take the files unchecked)."""
 
     path: Path
-    config: dict
+    config: ArtifactConfig
     checksums: dict[str, str] | None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -286,15 +256,15 @@ class Artifact:
         return str(self.path)
 
     @property
-    def base_model(self) -> dict[str, Any]:
+    def base_model(self) -> BaseModelRecord:
         """The dense model's record: timm name, creation arguments and the complete weights record
         (:func:`complete_base_model`'s form, as compress wrote it)."""
-        return self.config["base_model"]
+        return self.config.base_model
 
     @property
     def input_size(self) -> tuple[int, ...]:
         """``(C, H, W)``, the size of the images the model takes."""
-        return tuple(self.config["input"]["input_size"])
+        return self.config.input.input_size
 
     def verified_weights(self) -> Path:
         """The weights file, verified against the record (CorpError naming it otherwise) the first
@@ -347,7 +317,7 @@ class Artifact:
         module at each call) and checked to have the artifact's patch embedding. CorpError when the
         source cannot be reproduced."""
         base = self.base_model
-        dense = rebuilt_dense(base["name"], base["model_kwargs"], base.get("weights") or {}, f"the artifact {self}")
+        dense = rebuilt_dense(base.name, base.model_kwargs, base.weights or {}, f"the artifact {self}")
         _check_patch_embedding(self, dense)
         return dense
 
@@ -381,28 +351,28 @@ def _check_patch_embedding(artifact: Artifact, dense: nn.Module) -> None:
         )
 
 
-def _check_rebuildable(config: dict, state: dict[str, torch.Tensor]) -> None:
+def _check_rebuildable(config: ArtifactConfig, state: dict[str, torch.Tensor]) -> None:
     """CorpError unless ``config`` rebuilds a model whose state dict has exactly the keys of
     ``state``, each of the same shape: checked on a skeleton without weights
     (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
-    base = config["base_model"]
-    skeleton = _reshaped(base_skeleton(base["name"], base["model_kwargs"]), config).state_dict()
+    base = config.base_model
+    skeleton = _reshaped(base_skeleton(base.name, base.model_kwargs), config).state_dict()
     problem = state_mismatch(skeleton, state, "the compressed model", "the model the record rebuilds")
     if problem is not None:
         raise CorpError(
-            f"the recorded base model {config['base_model']} does not rebuild this model ({problem}); pass "
+            f"the recorded base model {base.to_dict()} does not rebuild this model ({problem}); pass "
             "the timm name and model kwargs it was created with"
         )
 
 
-def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
+def _check_records(model: nn.Module, config: ArtifactConfig, report: dict | None) -> None:
     """BadUsage, before anything is written, when what :func:`save_artifact` was given to record
     cannot be written as JSON or contradicts ``model``: a report of another parameter count, or
     settings of uniform CORP whose kept dims are not the model's."""
     for name, value in (
-        ("base_model", config["base_model"]),
-        ("settings", config["settings"]),
-        ("calibration", config["calibration"]),
+        ("base_model", config.base_model.to_dict()),
+        ("settings", config.settings),
+        ("calibration", config.calibration),
         ("report", report or {}),
     ):
         try:
@@ -414,19 +384,18 @@ def _check_records(model: nn.Module, config: dict, report: dict | None) -> None:
         raise BadUsage(
             f"report is of another model: {recorded} parameters in it, {count_params(model)} in the model saved"
         )
-    if not CompressConfig.setting_names() & set(config["settings"]):
+    if not CompressConfig.setting_names() & set(config.settings):
         return  # only the calibration's settings: none of compression's to compare
-    settings = CompressConfig.from_dict(config["settings"])
+    settings = CompressConfig.from_dict(config.settings)
     if settings.method != "corp" or settings.has_budget:
         return  # kept dims allocated by the method or the budget: nothing to compare them with here
-    base = config["base_model"]
-    dense = blocks_of(base_skeleton(base["name"], base["model_kwargs"]))
+    dense = blocks_of(base_skeleton(config.base_model.name, config.base_model.model_kwargs))
 
-    def sizes(dims: dict) -> dict[str, int]:
-        return {"mlp": dims["mlp_hidden"], "qk": dims["qk_head_dim"], "v": dims["v_head_dim"]}
+    def sizes(dims: BlockDims) -> dict[str, int]:
+        return {"mlp": dims.mlp_hidden, "qk": dims.qk_head_dim, "v": dims.v_head_dim}
 
-    for index, (block, dims) in enumerate(zip(dense, config["blocks"])):
-        pruned, whole = uniform_sizes(block, settings), sizes(block_dims(block).to_dict())
+    for index, (block, dims) in enumerate(zip(dense, config.blocks)):
+        pruned, whole = uniform_sizes(block, settings), sizes(block_dims(block))
         for part, size in sizes(dims).items():
             expected = getattr(pruned, part) or whole[part]
             if size != expected:

@@ -569,19 +569,20 @@ class CalibrationSpec:
     @classmethod
     def recorded(
         cls,
-        config: dict,
+        calibration: dict,
+        settings: dict,
         *,
         source: Path | None = None,
         samples: int | None = None,
         batch_size: int | None = None,
     ) -> CalibrationSpec:
-        """The calibration an artifact's ``config.json`` records (its directory, or the built-in
-        photos; how many images, the batch size and the seed), with ``source``, ``samples`` or
+        """The calibration an artifact's ``config.json`` records (its ``calibration`` summary and its
+        ``settings``: its directory, or the built-in photos; how many images, the batch size and the
+        seed), with ``source``, ``samples`` or
         ``batch_size`` taking the place of the recorded value where given. CorpError when the
         recorded directory is not there any more, or a recorded setting is not valid."""
-        recorded, settings = config.get("calibration", {}), config.get("settings", {})
-        if source is None and recorded.get("source") == "directory":
-            source = Path(recorded["path"])
+        if source is None and calibration.get("source") == "directory":
+            source = Path(calibration["path"])
             if not source.is_dir():
                 raise CorpError(
                     f"the artifact was calibrated on {source}, which is not there any more; "

@@ -298,7 +298,7 @@ def fields_from_json(cls: type, data: Any, where: str) -> Any:
     try:
         return cls(**values)
     except CorpError as exc:  # the record's own checks (__post_init__)
-        raise Malformed(f"{where or 'it'}: {exc}") from None
+        raise Malformed(f"{where}: {exc}" if where else str(exc)) from None
 
 
 def _item(where: str, index: int, kind: Any) -> str:

@@ -230,7 +230,7 @@ def recover_artifact(
         check_instance("calibration", calibration, CalibrationSpec)
     artifact = Artifact.of(artifact)
     artifact.verified_weights()  # not read here, but a damaged artifact is not recovered
-    settings = artifact.config["settings"]
+    settings = artifact.config.settings
     missing = [name for name in ("method", *CalibrationSpec.ALWAYS_RECORDED) if name not in settings]
     if missing:
         raise CorpError(
@@ -241,7 +241,7 @@ def recover_artifact(
     compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})
     dense = artifact.dense()  # rebuilt from the artifact's record, and checked against its weights
-    calibration = calibration or CalibrationSpec.recorded(artifact.config)
+    calibration = calibration or CalibrationSpec.recorded(artifact.config.calibration, settings)
     check_output_dir(out_dir, "artifact")  # before any work (checked again where it is written)
     check_apart([out_dir], {"the calibration folder": calibration.source})
     transform, data_config = model_transform(dense)
@@ -250,7 +250,7 @@ def recover_artifact(
         compression,
         calibration,
         out_dir,
-        artifact.base_model,
+        artifact.base_model.to_dict(),
         transform,
         data_config,
         progress=progress,

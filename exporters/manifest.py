@@ -6,10 +6,12 @@ names inside the export folder."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from corp_deploy import CorpError
-from corp_deploy.documents import DocumentFormat, library_versions
+from corp_deploy.documents import Document, DocumentFormat, Record, library_versions, optional_entry
 from corp_deploy.outputs import read_record, read_recorded_json, verify_files
 
 MANIFEST = "export.json"
@@ -22,48 +24,82 @@ def versions() -> dict:
     return library_versions(("torch", "timm", "onnx", "onnxruntime", "polygraphy"), optional=("tensorrt",))
 
 
-def read_manifest(folder: str | Path) -> dict:
-    """The ``export.json`` of an export directory, checked against the export's record."""
+@dataclass(frozen=True, kw_only=True)
+class MadeFrom(Record):
+    """The artifact an export was made from: its ``path``, its dense model's timm name, its method,
+    and its record's SHA-256 of its ``config.json`` and weights (what bench checks the artifact
+    against)."""
+
+    path: str
+    base_model: str | None = optional_entry()
+    method: str | None = None
+    config_sha256: str
+    weights_sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelEntry(Record):
+    """One model of an export (``model``, the compressed one, or ``dense``): its ONNX file(s), the
+    first the graph and the others its external data; its engine (None until built); its size; its
+    parity checks by name; the int8 quantizer's record (int8 only) and the engine's build."""
+
+    onnx: tuple[str, ...]
+    engine: str | None = None
+    params: int | None = optional_entry()
+    macs: int | None = optional_entry()
+    parity: dict = field(default_factory=dict)
+    int8: dict | None = optional_entry()
+    engine_build: dict | None = optional_entry()
+
+    def __post_init__(self) -> None:
+        if not self.onnx:
+            raise CorpError("onnx needs at least one ONNX file name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportManifest(Document):
+    """``export.json``: when, from which artifact (:class:`MadeFrom`), the precision, exporter and
+    opset, the graph's inputs, outputs and dynamic axes, the model's data config, the parity inputs and
+    limits, every model (:class:`ModelEntry`; ``model`` always), TensorRT's settings and whether it
+    built, and the libraries' versions. Entries an older export lacks are left out as they were."""
+
+    FORMAT: ClassVar[DocumentFormat] = MANIFEST_FORMAT
+
+    created: str | None = optional_entry()
+    artifact: MadeFrom
+    precision: str
+    exporter: str
+    opset: int
+    inputs: list | None = optional_entry()
+    outputs: list | None = optional_entry()
+    dynamic_axes: dict | None = optional_entry()
+    data_config: dict | None = optional_entry()
+    parity_inputs: dict | None = optional_entry()
+    tolerance: dict | None = optional_entry()
+    models: dict[str, ModelEntry]
+    tensorrt: dict = field(default_factory=dict)
+    versions: dict | None = optional_entry()
+
+    def __post_init__(self) -> None:
+        if "model" not in self.models:
+            raise CorpError("models needs the compressed model")
+
+
+def read_manifest(folder: str | Path) -> ExportManifest:
+    """The ``export.json`` of an export directory, checked against the export's record and entry by
+    entry (CorpError naming the first bad one)."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file() and read_record(folder) is None:  # with a record: "export.json is missing"
         raise CorpError(f"{folder} is not a corp-deploy export (no {MANIFEST})")
-    manifest = read_recorded_json(folder, "export", MANIFEST_FORMAT)
-    problem = _manifest_problem(manifest)
-    if problem is not None:
-        raise CorpError(f"{path} is malformed: {problem}")
-    return manifest
+    return ExportManifest.from_dict(read_recorded_json(folder, "export", MANIFEST_FORMAT), path)
 
 
-def _manifest_problem(manifest: dict) -> str | None:
-    """What in an ``export.json`` (its record matching, i.e. edited along with the record) a reader
-    cannot use, or None."""
-    artifact, models = manifest.get("artifact"), manifest.get("models")
-    if not (
-        isinstance(artifact, dict)
-        and all(isinstance(artifact.get(key), str) for key in ("path", "config_sha256", "weights_sha256"))
-    ):
-        return "artifact needs its path and the SHA-256 of its config and weights"
-    if not (isinstance(models, dict) and "model" in models):
-        return "models needs the compressed model"
-    for key, entry in models.items():
-        if not (
-            isinstance(entry, dict)
-            and isinstance(entry.get("onnx"), list)
-            and entry["onnx"]
-            and all(isinstance(name, str) for name in entry["onnx"])
-            and (entry.get("engine") is None or isinstance(entry["engine"], str))
-        ):
-            return f"models.{key} needs a list of ONNX file names and an engine name or null"
-    return None
-
-
-def model_files(folder: str | Path, manifest: dict, key: str) -> dict[str, Path | None]:
+def model_files(folder: str | Path, manifest: ExportManifest, key: str) -> dict[str, Path | None]:
     """``{"onnx": graph path, "engine": engine path or None}`` of the manifest's model ``key``
     (``model`` or ``dense``), every file (the graph's external weights too) checked against the
     export's record."""
     folder = Path(folder)
-    entry = manifest["models"][key]
-    names = [*entry["onnx"], *([entry["engine"]] if entry["engine"] else [])]
-    verify_files(folder, "export", names)
-    return {"onnx": folder / entry["onnx"][0], "engine": folder / entry["engine"] if entry["engine"] else None}
+    entry = manifest.models[key]
+    verify_files(folder, "export", [*entry.onnx, *([entry.engine] if entry.engine else [])])
+    return {"onnx": folder / entry.onnx[0], "engine": folder / entry.engine if entry.engine else None}

@@ -32,7 +32,7 @@ from corp_deploy.resources import FLOAT32, check_disk, check_fits, inference_byt
 from . import tensorrt as trt_backend
 from .int8_options import Int8Options
 from .keep_float import AUTO, quantize_keeping_float
-from .manifest import MANIFEST, MANIFEST_FORMAT, versions
+from .manifest import MANIFEST, ExportManifest, MadeFrom, versions
 from .onnx_export import export_onnx
 from .options import ExportOptions
 from .parity import Comparison, ParityCheck, Tolerance, compare_outputs
@@ -142,7 +142,7 @@ def export_artifact(
         if recorded_checksums(artifact.path) != made_from:
             raise CorpError(f"{artifact} was replaced while it was exported; nothing was written. Export it again")
         manifest = _manifest(artifact, made_from, graph, entries, options, run.tolerance, trt_missing)
-        write_json(tmp / MANIFEST, manifest)
+        write_json(tmp / MANIFEST, manifest.to_dict())
     return ExportResult(out_dir, manifest, entries, run.incomplete)
 
 
@@ -362,8 +362,9 @@ def int8_calibration_images(artifact: Artifact, int8: Int8Options, folder: Path)
     step (one batch in memory at a time), preprocessed as the artifact's model, and their summary:
     ``int8.calib`` or the artifact's own calibration source (a directory, or the built-in photos with
     the same seed)."""
+    recorded = artifact.config
     spec = CalibrationSpec.recorded(
-        artifact.config, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH
+        recorded.calibration, recorded.settings, source=int8.calib, samples=int8.calib_samples, batch_size=DEFAULT_BATCH
     )
     transform, data_config = artifact.transform
     images = spec.images(transform)  # the files listed once, decoded below
@@ -481,30 +482,29 @@ def _manifest(
     options: ExportOptions,
     tolerance: Tolerance,
     trt_missing: str | None,
-) -> dict:
-    return {
-        **MANIFEST_FORMAT.header(),
-        "created": timestamp(),
-        "artifact": {
-            "path": str(artifact.path.resolve()),
-            "base_model": artifact.base_model["name"],
-            "method": artifact.config["settings"].get("method"),
+) -> ExportManifest:
+    return ExportManifest(
+        created=timestamp(),
+        artifact=MadeFrom(
+            path=str(artifact.path.resolve()),
+            base_model=artifact.base_model.name,
+            method=artifact.config.settings.get("method"),
             **made_from,
-        },
-        "precision": options.precision,
-        "exporter": graph["exporter"],
-        "opset": graph["opset"],
-        "inputs": graph["inputs"],
-        "outputs": graph["outputs"],
-        "dynamic_axes": graph["dynamic_axes"],
-        "data_config": artifact.config["input"]["data_config"],
-        "parity_inputs": {
+        ),
+        precision=options.precision,
+        exporter=graph["exporter"],
+        opset=graph["opset"],
+        inputs=graph["inputs"],
+        outputs=graph["outputs"],
+        dynamic_axes=graph["dynamic_axes"],
+        data_config=artifact.config.input.data_config,
+        parity_inputs={
             "images": "seeded random crops of scikit-image's bundled photos, preprocessed with the model's data config",
             "batches": list(PARITY_BATCHES),
         },
-        "tolerance": tolerance.to_dict(),
-        "models": {name: entry.to_dict() for name, entry in models.items()},
-        "tensorrt": {
+        tolerance=tolerance.to_dict(),
+        models={name: entry.entry() for name, entry in models.items()},
+        tensorrt={
             "requested": options.trt,
             "built": options.trt and trt_missing is None,
             "not_built_reason": trt_missing,
@@ -513,5 +513,5 @@ def _manifest(
             "timing_cache": str(Path(options.timing_cache).resolve()) if options.timing_cache else None,
             "script": trt_backend.SCRIPT_NAME if options.trt else None,
         },
-        "versions": versions(),
-    }
+        versions=versions(),
+    )

@@ -1,6 +1,7 @@
 """What ``export_artifact`` returns: per model, the files it wrote and how they were checked.
 
-Typed records that serialise (``to_dict``) to exactly the entries of ``export.json``.
+Typed records whose entries (``entry()``, :class:`~exporters.manifest.ModelEntry`) are exactly those
+of ``export.json``.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .manifest import ExportManifest, ModelEntry
 from .parity import ParityCheck
 from .tensorrt import EngineBuild
 
@@ -26,20 +28,17 @@ class ModelExport:
     engine: str | None = None
     engine_build: EngineBuild | None = None
 
-    def to_dict(self) -> dict:
+    def entry(self) -> ModelEntry:
         """The model's entry in ``export.json``."""
-        entry = {
-            "onnx": self.onnx,
-            "engine": self.engine,
-            "params": self.params,
-            "macs": self.macs,
-            "parity": {check.key: check.to_dict() for check in self.parity},
-        }
-        if self.int8 is not None:
-            entry["int8"] = self.int8
-        if self.engine_build is not None:
-            entry["engine_build"] = self.engine_build.to_dict()
-        return entry
+        return ModelEntry(
+            onnx=tuple(self.onnx),
+            engine=self.engine,
+            params=self.params,
+            macs=self.macs,
+            parity={check.key: check.to_dict() for check in self.parity},
+            int8=self.int8,
+            engine_build=None if self.engine_build is None else self.engine_build.to_dict(),
+        )
 
 
 @dataclass
@@ -47,7 +46,7 @@ class ExportResult:
     """``out_dir``, the export folder; ``manifest``, its ``export.json``; ``models`` by manifest key."""
 
     out_dir: Path
-    manifest: dict
+    manifest: ExportManifest
     models: dict[str, ModelExport]
     #: Why the export is not complete here (TensorRT or a GPU missing); empty when complete.
     incomplete: list[str] = field(default_factory=list)
@@ -59,7 +58,7 @@ class ExportResult:
         manifest = self.manifest
         table = Table(
             title=f"corp-deploy export -> {self.out_dir}",
-            caption=f"{manifest['precision']}, {manifest['exporter']} exporter, opset {manifest['opset']}",
+            caption=f"{manifest.precision}, {manifest.exporter} exporter, opset {manifest.opset}",
         )
         for column in ("file", "checked against", "max abs err", "min cosine", "top-1 agree"):
             justify = "left" if column in ("file", "checked against") else "right"

@@ -61,10 +61,12 @@ def test_config_describes_the_model(compressed, tmp_path):
         "report.json",
     ]
     cfg = read_config(path)
-    assert cfg["format_version"] == 2 and cfg["settings"]["method"] == "corp"
-    assert "method" not in cfg  # recorded once, in the settings
-    assert cfg["base_model"]["name"] == "deit_tiny_patch16_224"
-    assert cfg["blocks"][0] == {
+    written = json.loads((path / "config.json").read_text())
+    assert cfg.to_dict() == written  # the typed document is the file, entry for entry
+    assert written["format_version"] == 2 and cfg.settings["method"] == "corp"
+    assert "method" not in written  # recorded once, in the settings
+    assert cfg.base_model.name == "deit_tiny_patch16_224"
+    assert cfg.blocks[0].to_dict() == {
         "mlp_hidden": 96,
         "num_heads": 3,
         "qk_head_dim": 8,
@@ -72,8 +74,8 @@ def test_config_describes_the_model(compressed, tmp_path):
         "attention": "pruned",
         "scale": 0.25,
     }
-    assert cfg["input"]["input_size"] == [3, 32, 32]
-    assert {"torch", "timm", "corp_deploy", "safetensors"} <= set(cfg["versions"])
+    assert cfg.input.input_size == (3, 32, 32)
+    assert {"torch", "timm", "corp_deploy", "safetensors"} <= set(cfg.versions)
     saved_report = json.loads((path / "report.json").read_text())
     assert saved_report["params"] == report["params"]
     assert len(saved_report["layers"]) == 2 and "ridge_lambda" in saved_report["layers"][0]["mlp"]
@@ -145,7 +147,7 @@ def test_base_model_is_inferred_when_not_given(tmp_path, image_batches):
     dense = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7).eval()
     model, report = compress(dense, image_batches(1, 4), CompressConfig(s_mlp=0.5, s_attn=0.5))
     path = save_artifact(model, tmp_path / "art", report=report)
-    assert read_config(path)["base_model"]["model_kwargs"] == {"img_size": [32, 32], "num_classes": 7}
+    assert read_config(path).base_model.model_kwargs == {"img_size": [32, 32], "num_classes": 7}
     x = image_batches(1, 2, seed=5)[0]
     with torch.no_grad():
         assert torch.equal(load_compressed(path)(x), model(x))

@@ -78,8 +78,8 @@ def test_the_spec_records_crops_and_reads_an_older_artifact_as_files_alone(folde
     assert spec.crops and spec.settings()["calib_crops"] is True
     assert spec.images(to_tensor).most == 8
     older = {"calibration": {"source": "directory", "path": str(folder)}, "settings": {"calib_samples": 8}}
-    assert CalibrationSpec.recorded(older).crops is False
-    assert CalibrationSpec.recorded({**older, "settings": {"calib_samples": 8, "calib_crops": True}}).crops
+    assert CalibrationSpec.recorded(older["calibration"], older["settings"]).crops is False
+    assert CalibrationSpec.recorded(older["calibration"], {"calib_samples": 8, "calib_crops": True}).crops
     assert CalibrationSpec(folder, 8, crops=False).images(to_tensor).most == 3
 
 

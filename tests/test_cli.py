@@ -62,11 +62,11 @@ def test_compress_end_to_end_on_a_directory(tmp_path, calib_dir):
     assert result.exit_code == 0, text
     assert "skipped 1 unreadable" in text and "parameters (M)" in text and "fewer than" not in text
     cfg = read_config(out)
-    assert cfg["calibration"]["images_used"] == 10 and cfg["calibration"]["files_skipped"] == 1  # 6 files, 4 crops
-    assert "crops" in cfg["calibration"] and cfg["settings"]["calib_crops"] is True
-    assert cfg["settings"]["s_mlp"] == 0.5 and cfg["settings"]["s_attn"] == 0.25
-    assert [b["qk_head_dim"] for b in cfg["blocks"]] == [12, 12]
-    assert cfg["base_model"]["weights"]["source"] == "random"
+    assert cfg.calibration["images_used"] == 10 and cfg.calibration["files_skipped"] == 1  # 6 files, 4 crops
+    assert "crops" in cfg.calibration and cfg.settings["calib_crops"] is True
+    assert cfg.settings["s_mlp"] == 0.5 and cfg.settings["s_attn"] == 0.25
+    assert [b.qk_head_dim for b in cfg.blocks] == [12, 12]
+    assert cfg.base_model.weights["source"] == "random"
     model = load_compressed(out)
     with torch.no_grad():
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 1000)
@@ -97,8 +97,8 @@ def test_default_output_dir_builtin_calibration_and_pth_checkpoint(tmp_path, mon
     assert "built-in photos" in text
     out = tmp_path / "corp-deploy" / "deit_tiny-mlp-s0.5"
     cfg = read_config(out)
-    assert cfg["calibration"]["source"] == "builtin" and cfg["calibration"]["images_used"] == 6
-    assert cfg["base_model"]["weights"]["source"] == "checkpoint"
+    assert cfg.calibration["source"] == "builtin" and cfg.calibration["images_used"] == 6
+    assert cfg.base_model.weights["source"] == "checkpoint"
     assert torch.equal(load_compressed(out).blocks[0].attn.qkv.weight, dense.blocks[0].attn.qkv.weight)
 
 
@@ -238,7 +238,7 @@ def test_budget_compress_prints_the_allocation_and_draws_it(tmp_path):
     )
     assert result.exit_code == 0, text
     assert "budget 0.6 of the dense MACs" in text and "query/key dims" in text
-    allocation = read_config(out)["allocation"]
+    allocation = read_config(out).allocation
     assert allocation["planned_macs"] <= allocation["budget_macs"] and len(allocation["units"]) == 6
     assert (out / "allocation.png").stat().st_size > 10_000
     model = load_compressed(out)

@@ -42,7 +42,8 @@ def test_export_writes_checked_onnx_files_and_a_manifest(tiny_artifact, dense_ex
         "model.onnx",
     ]
     assert "│ dense.onnx │ pytorch" in text and "fp32, dynamo exporter, opset 18" in text
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_dict()
+    assert manifest == json.loads((out / "export.json").read_text())  # the typed document is the file
     record = json.loads((out / "corp-deploy-record.json").read_text())
     assert sorted(record["files"]) == ["dense.onnx", "export.json", "model.onnx"]
     for name, entry in record["files"].items():
@@ -111,7 +112,7 @@ def test_trt_without_tensorrt_writes_onnx_and_script_and_exits_3(trt_export):
     ]
     assert os.stat(out / "build_engine.sh").st_mode & stat.S_IXUSR
     manifest = read_manifest(out)
-    assert manifest["tensorrt"] == {
+    assert manifest.tensorrt == {
         "requested": True,
         "built": False,
         "not_built_reason": NO_TENSORRT,
@@ -120,7 +121,7 @@ def test_trt_without_tensorrt_writes_onnx_and_script_and_exits_3(trt_export):
         "timing_cache": str((out.parent / "trt.cache").resolve()),
         "script": "build_engine.sh",
     }
-    assert manifest["models"]["model"]["engine"] is None
+    assert manifest.models["model"].engine is None
     record = json.loads((out / "corp-deploy-record.json").read_text())
     assert record["files"]["build_engine.sh"]["sha256"] == sha256(out / "build_engine.sh")
 
@@ -187,7 +188,7 @@ def test_latest_artifact_default_directory_and_bf16_that_cannot_be_checked_here(
     assert f"exporting the most recent artifact: {art}" in text and "no bfloat16 kernels" in text
     assert "ONNX Runtime's CUDA provider" in text and "corp-deploy[trt]" not in text  # what the check needs
     manifest = read_manifest(art / "export-bf16")
-    assert "no bfloat16 kernels" in manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"]["skipped"]
+    assert "no bfloat16 kernels" in manifest.models["model"].parity["onnxruntime_vs_pytorch"]["skipped"]
     assert load_compressed(art) is not None  # the export inside does not disturb the artifact
 
 

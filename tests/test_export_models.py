@@ -23,14 +23,14 @@ def export_and_check(dense, sparsity, tmp_path, *, with_dense, base_model=None):
     result = export_artifact(
         artifact, tmp_path / "out", ExportOptions(dense=with_dense), dense_model=dense if with_dense else None
     )
-    models = result.manifest["models"]
+    models = result.manifest.models
     assert sorted(models) == (["dense", "model"] if with_dense else ["model"])
     for entry in models.values():
-        parity = entry["parity"]["onnxruntime_vs_pytorch"]
+        parity = entry.parity["onnxruntime_vs_pytorch"]
         assert sorted(parity) == [f"batch_{b}" for b in sorted(PARITY_BATCHES)]
         for numbers in parity.values():
             assert numbers["max_abs"] < 1e-4 and numbers["cosine"] > 0.99999, numbers
-    return result.manifest
+    return result.manifest.to_dict()
 
 
 def test_deit_tiny_dense_and_compressed(tmp_path):

@@ -128,7 +128,7 @@ def test_family_compresses_round_trips_and_exports(family, kind, tmp_path):
         assert torch.equal(loaded(images[0]), model(images[0]))
 
     result = export_artifact(artifact, tmp_path / "out", ExportOptions())
-    for numbers in result.manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"].values():
+    for numbers in result.manifest.models["model"].parity["onnxruntime_vs_pytorch"].values():
         assert numbers["max_abs"] < 1e-4, numbers
 
 

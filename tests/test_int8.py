@@ -48,7 +48,7 @@ def int8_export(tiny_artifact, tmp_path_factory, run_cli):
 def test_int8_graphs_are_checked_qdq_graphs_with_int8_weights(int8_export):
     artifact, out, fp32 = int8_export
     models = {"model": load_compressed(artifact), "dense": load_base_model(artifact)}
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_dict()
     assert manifest["precision"] == "int8"
     for name in ("model", "dense"):
         path = out / f"{name}.onnx"
@@ -108,8 +108,8 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
         tmp_path / "state",
     )
     assert result.exit_code == 0, text
-    entry = read_manifest(tmp_path / "out")["models"]["model"]
-    assert entry["int8"]["activations"] == "uint8" and entry["int8"]["kept_float"] == []
+    int8 = read_manifest(tmp_path / "out").models["model"].int8
+    assert int8["activations"] == "uint8" and int8["kept_float"] == []
     graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
     arrays = {t.name: t for t in graph.initializer}
     activation_points = [arrays[node.input[2]] for node in graph.node if node.op_type == "QuantizeLinear"]
@@ -126,7 +126,7 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
     ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), options, providers=["CPUExecutionProvider"])
     optimized = [node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     integer_matmuls = optimized.count("MatMulIntegerToFloat") + optimized.count("QGemm")
-    assert integer_matmuls == sum(entry["int8"]["quantized_ops"].values())
+    assert integer_matmuls == sum(int8["quantized_ops"].values())
 
 
 def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(int8_export, tmp_path, run_cli):
@@ -160,7 +160,7 @@ def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(i
     assert fidelity["dense-int8"]["cosine_mean"] < fidelity["dense-fp32"]["cosine_mean"]
     assert report["bytes"]["compressed-int8"] < report["bytes"]["compressed-fp32"] < report["bytes"]["dense-fp32"]
     exported = {
-        v: read_manifest(int8)["models"][key]["int8"]["kept_float"]
+        v: read_manifest(int8).models[key].int8["kept_float"]
         for v, key in (("dense-int8", "dense"), ("compressed-int8", "model"))
     }
     assert report["kept_float"] == {v: len(kept) for v, kept in exported.items()}
@@ -261,7 +261,7 @@ def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, export
         tmp_path / "state",
     )
     assert result.exit_code == 0, text
-    int8 = read_manifest(tmp_path / "out")["models"]["model"]["int8"]
+    int8 = read_manifest(tmp_path / "out").models["model"].int8
     model = load_compressed(artifact)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert len(int8["kept_float"]) == 3 and set(int8["kept_float"]) <= set(linears)
@@ -317,15 +317,15 @@ def test_auto_keep_float_keeps_a_layer_with_an_outlier_input_in_float(tmp_path, 
         ExportOptions(precision="int8", dense=True, int8=Int8Options(smoothing=None)),
         dense_model=dense,
     )
-    models = result.manifest["models"]
-    assert models["dense"]["int8"]["kept_float"] == ["blocks.0.mlp.fc2"]
-    tries = models["dense"]["int8"]["keep_float_search"]["tries"]
+    models = result.manifest.models
+    assert models["dense"].int8["kept_float"] == ["blocks.0.mlp.fc2"]
+    tries = models["dense"].int8["keep_float_search"]["tries"]
     assert [(t["kept"], t["passed"]) for t in tries] == [(0, False), (1, True)] and tries[0]["cosine"] < 0.98
-    assert models["model"]["int8"]["kept_float"] == []
-    assert [t["kept"] for t in models["model"]["int8"]["keep_float_search"]["tries"]] == [0]
-    search = models["dense"]["int8"]["keep_float_search"]
+    assert models["model"].int8["kept_float"] == []
+    assert [t["kept"] for t in models["model"].int8["keep_float_search"]["tries"]] == [0]
+    search = models["dense"].int8["keep_float_search"]
     assert search["checked_images"] == 16 and search["held_back_images"] == 4  # --calib-samples 16
-    assert models["dense"]["int8"]["calibration_images"] == 16  # ranges refitted on all
+    assert models["dense"].int8["calibration_images"] == 16  # ranges refitted on all
 
 
 def test_auto_keep_float_stops_at_a_quarter_of_the_layers_and_the_gate_fails(tmp_path, tiny_artifact):
@@ -478,7 +478,7 @@ def test_int8_export_of_every_method_and_of_a_budgeted_model(args, tmp_path, run
         tmp_path / "state",
     )
     assert result.exit_code == 0, text
-    assert read_manifest(tmp_path / "out")["models"]["model"]["int8"]["calibration_images"] == 8
+    assert read_manifest(tmp_path / "out").models["model"].int8["calibration_images"] == 8
 
 
 @pytest.mark.slow

@@ -73,13 +73,13 @@ def test_method_shapes_macs_round_trip_and_onnx_parity(vit, batches, tmp_path, c
         base_model={"name": "deit_tiny_patch16_224", "model_kwargs": SMALL_VIT_KWARGS},
     )
     recorded = read_config(artifact)
-    assert recorded["settings"]["method"] == config.method and "method" not in recorded  # recorded once
+    assert recorded.settings["method"] == config.method and "method" not in recorded.to_dict()  # recorded once
     x = image_batches(1, 3, seed=5)[0]
     with torch.no_grad():
         torch.testing.assert_close(load_compressed(artifact)(x), model(x), rtol=0, atol=0)
     result = export_artifact(artifact, tmp_path / "export", ExportOptions())
-    assert result.manifest["artifact"]["method"] == config.method
-    for numbers in result.manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"].values():
+    assert result.manifest.artifact.method == config.method
+    for numbers in result.manifest.models["model"].parity["onnxruntime_vs_pytorch"].values():
         assert numbers["max_abs"] < 1e-4 and numbers["top1_agreement"] == 1.0, numbers
 
 
@@ -138,7 +138,7 @@ def test_cli_vbp_defaults_to_the_mlp_and_names_its_output(tmp_path, monkeypatch,
     )
     assert result.exit_code == 0, text
     artifact = tmp_path / "corp-deploy" / "deit_tiny-vbp-mlp-s0.3"
-    settings = read_config(artifact)["settings"]
+    settings = read_config(artifact).settings
     assert (settings["method"], settings["target"], settings["s_mlp"]) == ("vbp", "mlp", 0.3)
     result, text = run_cli(["export", artifact], tmp_path / "state")
     assert result.exit_code == 0, text

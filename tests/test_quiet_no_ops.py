@@ -77,8 +77,8 @@ def test_a_feature_model_export_records_no_top1_limit(backbone, tmp_path, run_cl
     result, text = run_cli(["export", backbone, "--precision", "fp16", *limits, "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
     manifest = read_manifest(out)
-    assert manifest["tolerance"] == {"atol": None, "min_cosine": limits[1] if limits else 0.999, "min_top1": None}
-    parity = manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"]
+    assert manifest.tolerance == {"atol": None, "min_cosine": limits[1] if limits else 0.999, "min_top1": None}
+    parity = manifest.models["model"].parity["onnxruntime_vs_pytorch"]
     assert all(numbers["top1_agreement"] is None for numbers in parity.values())
 
 
@@ -88,8 +88,8 @@ def test_a_classifier_keeps_its_top1_limit_and_the_other_defaults(tiny_artifact,
     result, text = run_cli(["export", tiny_artifact, "--min-top1", 0.5, "-o", out], tmp_path / "state")
     assert result.exit_code == 0, text
     manifest = read_manifest(out)
-    assert manifest["tolerance"] == {"atol": 1e-4, "min_cosine": 0.99999, "min_top1": 0.5}
-    parity = manifest["models"]["model"]["parity"]["onnxruntime_vs_pytorch"]
+    assert manifest.tolerance == {"atol": 1e-4, "min_cosine": 0.99999, "min_top1": 0.5}
+    parity = manifest.models["model"].parity["onnxruntime_vs_pytorch"]
     assert all(numbers["top1_agreement"] == 1 for numbers in parity.values())
 
 

@@ -164,7 +164,7 @@ def test_bundled_name_implies_its_creation_arguments():
 def test_compress_from_the_command_line_records_the_wheel_and_rebuilds_offline(bundled_artifact, offline):
     from corp_deploy import load_base_model, load_compressed, read_config
 
-    base = read_config(bundled_artifact)["base_model"]
+    base = read_config(bundled_artifact).base_model.to_dict()
     assert base == {
         "name": BUNDLED,
         "model_kwargs": {"img_size": 224, "num_classes": 0},

@@ -548,9 +548,9 @@ def test_compress_and_recover_commands_write_recovered_artifacts_that_export(oth
     assert "recovering: step 1/3, loss " in text and "recovering: step 3/3, loss " in text
     for out in (tmp_path / "c", tmp_path / "r"):
         config, report = read_config(out), read_report(out)
-        assert config["settings"]["recover_steps"] == 3 and 1 <= report["recovery"]["steps_run"] <= 3
-        assert config["settings"]["recover_seed"] == 1 and report["recovery"]["settings"]["seed"] == 1
-        assert config["blocks"] == read_config(other_tiny_artifact)["blocks"]
+        assert config.settings["recover_steps"] == 3 and 1 <= report["recovery"]["steps_run"] <= 3
+        assert config.settings["recover_seed"] == 1 and report["recovery"]["settings"]["seed"] == 1
+        assert config.blocks == read_config(other_tiny_artifact).blocks
     recovered, replayed = (load_file(tmp_path / out / "model.safetensors") for out in ("c", "r"))
     assert recovered.keys() == replayed.keys() and all(torch.equal(recovered[k], replayed[k]) for k in recovered)
     # the latest, the one recover wrote: recovered anew from its compression, as the first time

@@ -55,8 +55,8 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
     assert sweep["base_model"]["weights"] == {"source": "random", "seed": 0}
     for row in sweep["rows"]:
         config = read_config(out / f"{row['method']}-s{row['sparsity']:g}")
-        assert config["settings"]["method"] == ("corp" if row["method"] == "uncompensated" else row["method"])
-        assert config["settings"]["compensation"] == (row["method"] != "uncompensated")
+        assert config.settings["method"] == ("corp" if row["method"] == "uncompensated" else row["method"])
+        assert config.settings["compensation"] == (row["method"] != "uncompensated")
         assert row["target"] == ("mlp" if row["method"] == "vbp" else "both")
         assert [(r["backend"], r["batch"]) for r in row["latency"]] == [("ort-cpu", 1), ("ort-cpu", 2)]
         assert row["ideal_speedup"] == row["macs"]["dense"] / row["macs"]["compressed"] > 1
@@ -76,8 +76,8 @@ def test_sweep_compares_methods_in_one_table_and_plot(tmp_path, run_cli):
         < rows["vbp", 0.5]["macs"]["compressed"]
     )
     # the dense model is exported once, with the first run, and benchmarked from there
-    assert sorted(read_manifest(out / "corp-s0.25" / "export-fp32")["models"]) == ["dense", "model"]
-    assert sorted(read_manifest(out / "vbp-s0.5" / "export-fp32")["models"]) == ["model"]
+    assert sorted(read_manifest(out / "corp-s0.25" / "export-fp32").models) == ["dense", "model"]
+    assert sorted(read_manifest(out / "vbp-s0.5" / "export-fp32").models) == ["model"]
     table = (out / "sweep.md").read_text()
     assert "| s | corp | vbp | toast | uncompensated |" in table
     assert "| GMACs | corp | vbp | toast | uncompensated |" in table
@@ -147,7 +147,7 @@ def test_sweep_over_mac_budgets(tmp_path, run_cli):
     ]
     for row in sweep["rows"]:
         config = read_config(out / f"{row['method']}-macs{row['budget']:g}")
-        assert config["settings"]["macs"] == row["budget"] and config["allocation"]["budget_macs"] > 0
+        assert config.settings["macs"] == row["budget"] and config.allocation["budget_macs"] > 0
         assert row["macs"]["compressed"] <= row["budget"] * row["macs"]["dense"]
     rows = {(row["method"], row["budget"]): row for row in sweep["rows"]}
     assert rows["corp", 0.5]["macs"] == rows["uncompensated", 0.5]["macs"]  # same allocation, only sliced
@@ -176,7 +176,7 @@ def test_a_sweep_with_recovery_runs_every_point_also_recovered(tmp_path, run_cli
         ("corp+rec2", "corp+rec2-s0.5"),
     ]
     assert sweep.spec.recovery.steps == 2 and sweep.rows[0].macs == sweep.rows[1].macs
-    plain, recovered = (read_config(out / row.artifact)["settings"] for row in sweep.rows)
+    plain, recovered = (read_config(out / row.artifact).settings for row in sweep.rows)
     assert "recover_steps" not in plain and recovered["recover_steps"] == 2
     assert recovered["recover_seed"] == recovered["seed"] == 3  # the recovery's seed is the sweep's, as in compress
     assert (out / "corp+rec2-s0.5" / "report.json").exists() and "| s | corp | corp+rec2 |" in text

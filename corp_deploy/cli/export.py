@@ -230,7 +230,7 @@ def export(
         artifact = Artifact.of(artifact)  # its model loaded once, here, and exported (it tells a classifier)
         options = replace(options, tolerance=gate_tolerance(record, artifact.model.num_classes > 0, **limits))
     result = export_artifact(artifact, output, options, log=lambda message: click.echo(message, err=True))
-    int8 = result.manifest["models"]["model"].get("int8")
+    int8 = result.manifest.models["model"].int8
     for message in summary_warnings(int8["source"]) if int8 else ():
         warn(message)
     with results_output() as console:
@@ -255,7 +255,7 @@ def _int8_calibration_folder(artifact, int8: Int8Options) -> dict:
     source), by the name a message gives it: the export must not lie in it."""
     from ..calibration import CalibrationSpec
 
-    source = CalibrationSpec.recorded(artifact.config, source=int8.calib).source
+    source = CalibrationSpec.recorded(artifact.config.calibration, artifact.config.settings, source=int8.calib).source
     return {"--calib" if int8.calib is not None else "the artifact's calibration folder": source}
 
 
@@ -267,7 +267,7 @@ def _say_how_to_finish(result, trt: bool, chosen_artifact) -> None:
     for reason in result.incomplete:
         click.secho(f"not done here: {reason}", fg="yellow", err=True)
     command = command_to_paste(argument=chosen_artifact)
-    if trt and not result.manifest["tensorrt"]["built"]:
+    if trt and not result.manifest.tensorrt["built"]:
         click.echo(
             f"To build the engines on the target GPU machine, either run this command there (it builds "
             f"and checks them)\n"

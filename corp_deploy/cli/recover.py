@@ -65,7 +65,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
         artifact = input_dir(artifact, "ARTIFACT")
     artifact = Artifact.read(artifact)  # read once: recover_artifact is given it
     config = artifact.config
-    steps = config.get("settings", {}).get("recover_steps")
+    steps = config.settings.get("recover_steps")
     if steps:
         click.echo(
             f"{artifact} was recovered already ({steps} step{'s' if steps != 1 else ''}): recover starts again from "
@@ -73,7 +73,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
             err=True,
         )
     # the recovery's seed is the compression's, as compress --seed gives it to both
-    seed = config.get("settings", {}).get("seed", 0)
+    seed = config.settings.get("seed", 0)
     recovery = RecoveryConfig.from_settings({**recovery_settings, "recover_seed": seed})
     out_dir = check_output_dir(output or DEFAULT_OUTPUT_ROOT / f"{artifact.path.name}-rec{recovery.steps}", "artifact")
     calib = input_dir(calib, "--calib")
@@ -81,7 +81,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     resolve_device(device)
     calibration = None
     if calib is not None or calib_samples is not None:
-        calibration = CalibrationSpec.recorded(config, source=calib, samples=calib_samples)
+        calibration = CalibrationSpec.recorded(config.calibration, config.settings, source=calib, samples=calib_samples)
     result = recover_artifact(
         artifact,
         recovery,
@@ -92,7 +92,7 @@ def recover(artifact, calib, calib_samples, device, output, **recovery_settings)
     )
     for message in result.calibration_warnings():
         warn(message)
-    recorded = set(config.get("calibration", {}).get("image_digests", []))
+    recorded = set(config.calibration.get("image_digests", []))
     used = set(result.calibration.get("image_digests", []))
     if calibration is None and recorded and used != recorded:  # its own images, changed since compress read them
         warn(

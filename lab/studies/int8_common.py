@@ -38,7 +38,7 @@ def load_int8_study(args: argparse.Namespace) -> tuple[Path, nn.Module, list[tor
     """``(fp32 graph path, its PyTorch model in eval mode, calibration batches (B, C, H, W),
     held-out images (args.images, C, H, W) float32)``."""
     export = args.artifact / "export-fp32"
-    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
+    fp32 = export / read_manifest(export).models[args.graph].onnx[0]
     model = (load_base_model if args.graph == "dense" else load_compressed)(args.artifact).eval()
     transform, _ = model_transform(model)
     calibration = list(CalibrationImages.from_builtin(transform, count=args.calib, batch_size=32))

@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     export = args.artifact / "export-fp32"
-    fp32 = export / read_manifest(export)["models"][args.graph]["onnx"][0]
+    fp32 = export / read_manifest(export).models[args.graph].onnx[0]
     model = load_base_model(args.artifact)
     transform, _ = model_transform(model)
     calibration = [b.numpy() for b in CalibrationImages.from_builtin(transform, count=args.calib, batch_size=16)]

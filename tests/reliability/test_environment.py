@@ -1,14 +1,17 @@
 """Ordinary failures of the environment a command runs in, each one message and a non-zero exit,
-never "internal error ... a bug" nor a library's own lines on the terminal: running out of memory
-inside ONNX Runtime, a batch whose ONNX Runtime sessions cannot fit, a standard output whose encoding
-cannot write what is printed, a full disk that a library reports without naming the file, and torch's
-log lines at import. Cases in the style of ``tests/test_reliability.py`` (whose helpers they use)."""
+never "internal error ... a bug" nor a library's own lines on the terminal: standard streams closed,
+full or unable to encode, no home for the state, memory (torch's and ONNX Runtime's) and disk
+running out, a library that cannot be loaded or is missing, narrow terminals."""
 
 from __future__ import annotations
 
 import errno
+import io
+import json
 import os
+import re
 import shutil
+import shutil as shell
 import subprocess
 import sys
 import tempfile
@@ -16,11 +19,304 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+from rich.console import Console
 
-from corp_deploy.outputs import verify_files
-from tests.test_reliability import BASE, BENCH, assert_one_message, built, debris, invoke, setting, snapshot, work
+import benchmarks.harness
+import benchmarks.pipeline
+import benchmarks.report
+import exporters.pipeline
+import exporters.runners
+from benchmarks.harness import onnxruntime_growth, probe_batches
+from benchmarks.pipeline import timing_bytes
+from benchmarks.results import BenchSettings
+from benchmarks.targets import find_target, load_models
+from corp_deploy import load_compressed, resources
+from corp_deploy.cli import cli
+from corp_deploy.cli.group import _failure
+from corp_deploy.latest import state_dir
+from corp_deploy.outputs import NotedOutputs, verify_files
+from corp_deploy.resources import check_fits, onnxruntime_bytes
+from exporters.runners import OnnxRuntimeRunner
+from tests.helpers import build_small_vit
+from tests.reliability.common import BASE, BENCH, assert_one_message, debris, image_folder, invoke, setting, snapshot
 
-__all__ = ["built", "work"]  # the fixtures of tests/test_reliability.py, requested below
+
+@pytest.fixture
+def nobody_reads():
+    """The write end of a pipe whose read end is closed already: a reader gone before the child starts,
+    so that every write of the child to it fails, its first one included."""
+    read, write = os.pipe()
+    os.close(read)
+    yield write
+    os.close(write)
+
+
+def test_a_closed_standard_output_after_the_artifact_is_written_says_the_artifact_is_complete(tmp_path, nobody_reads):
+    """``corp-deploy compress ... | head -0``: the summary cannot be printed once the artifact is in
+    place. The message says the artifact is complete and what failed, with its own exit status
+    (5), never "nothing partial was left behind"; no traceback and no failing flush at exit."""
+    done = subprocess.run(
+        [sys.executable, "-m", "corp_deploy.launch", *BASE, "-o", str(tmp_path / "art")],
+        stdout=nobody_reads,  # the reader went away before the summary
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    stderr = done.stderr
+    assert done.returncode == 5, stderr
+    assert f"{tmp_path / 'art'} is complete (written before the failure), but a later step failed: " in stderr
+    assert "printing the results on the standard output failed (Broken pipe)" in stderr
+    assert "nothing partial" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
+    assert stderr.count("Error:") == 1, stderr
+    verify_files(tmp_path / "art", "artifact")
+
+
+def test_a_standard_output_closed_from_the_start_is_a_failed_print_not_a_silent_one(tmp_path):
+    """``corp-deploy compress ... >&-``: Python starts with no ``sys.stdout`` and ``print`` would
+    write nowhere; the run says its artifact is complete and that printing failed (exit 5), and the
+    group's own --help fails with one line."""
+    env = {**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")}
+    closed = {"preexec_fn": lambda: os.close(1), "stderr": subprocess.PIPE, "text": True, "cwd": tmp_path, "env": env}
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", *map(str, BASE), "-o", "art"], **closed)
+    assert done.returncode == 5, done.stderr
+    assert f"{tmp_path / 'art'} is complete (written before the failure), but a later step failed: " in done.stderr
+    assert "printing the results on the standard output failed (standard output is closed)" in done.stderr
+    verify_files(tmp_path / "art", "artifact")
+    done = subprocess.run([sys.executable, "-m", "corp_deploy.launch", "--help"], **closed)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "corp-deploy: printing on the standard output failed (standard output is closed)"
+    ), done.stderr
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
+    """bench's timing batch and recovery's training batch are checked against the memory available
+    (lower bounds: the batch, the activations a step must hold) before any image is read."""
+
+    monkeypatch.setattr(resources, "available_bytes", lambda: 60 * 2**20)  # 60 MiB; recovery needs 100 MB
+    args = ["bench", work / "art", *setting(BENCH, "--batch", 8192)]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "timing at batch 8192 needs at least")
+    args = [*BASE, "--recover-steps", 2, "--recover-batch-size", 4096, "-o", work / "o"]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "recovering at 4096 images per step needs at least")
+    assert "--recover-checkpointing" in text and not (work / "o").exists()
+
+
+def test_a_standard_error_that_cannot_be_written_does_not_stop_the_work(tmp_path, nobody_reads):
+    """``compress ... 2>/dev/full`` (here: a pipe whose reader went away): progress and warnings
+    that cannot be written are dropped, as for a closed standard error, and the command does its job."""
+    done = subprocess.run(
+        [sys.executable, "-m", "corp_deploy.launch", *map(str, BASE), "-o", "art"],
+        stdout=subprocess.PIPE,
+        stderr=nobody_reads,  # nobody reads the diagnostics
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert done.returncode == 0
+    assert "corp-deploy compress" in done.stdout
+    verify_files(tmp_path / "art", "artifact")
+
+
+def test_a_failure_after_the_reports_are_written_says_they_are_complete(work, monkeypatch):
+    """bench: the reports are in place when printing the table fails (a full disk behind stdout):
+    exit 5, naming the reports as complete."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(benchmarks.report, "print_terminal", full)
+    args = ["bench", work / "art", *BENCH, "--backends", "torch", "--json", work / "r.json", "-o", work / "b"]
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 5, "are complete (written before the failure), but a later step failed")
+    assert "printing the results on the standard output failed (No space left on device)" in text
+    assert str(work / "r.json") in text and str(work / "b") in text and "nothing partial" not in text
+    verify_files(work / "b", "bench")
+    assert json.loads((work / "r.json").read_text())["format"] == "corp-deploy-bench"
+
+
+def test_a_failed_state_write_does_not_fail_a_run_that_succeeded(work):
+    blocker = work.parent / "state-file"
+    blocker.write_text("not a directory")
+    result = CliRunner().invoke(
+        cli, [str(a) for a in [*BASE, "-o", work / "o"]], env={"CORP_DEPLOY_STATE_DIR": str(blocker / "state")}
+    )
+    assert result.exit_code == 0, result.output
+    assert "warning: could not record" in result.output and load_compressed(work / "o") is not None
+
+
+def test_without_a_home_no_state_is_kept_and_the_commands_say_so(tmp_path, built, monkeypatch):
+    """``HOME`` empty, relative or unset (and no ``XDG_STATE_HOME`` or ``CORP_DEPLOY_STATE_DIR``):
+    no state folder (never ``/.local/state`` at the file system's root); compress warns that it
+    keeps no record and completes, a command without an artifact says why it has none."""
+
+    monkeypatch.delenv("CORP_DEPLOY_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    for home in ("", "relative/home", None):
+        if home is None:
+            monkeypatch.delenv("HOME")
+        else:
+            monkeypatch.setenv("HOME", home)
+        assert state_dir() is None
+    unset = {"CORP_DEPLOY_STATE_DIR": None, "XDG_STATE_HOME": None, "HOME": ""}
+    result = CliRunner().invoke(cli, [str(a) for a in [*BASE, "-o", tmp_path / "art"]], env=unset)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0 and "keeps no record of the most recent artifact: pass" in said, result.output
+    result = CliRunner().invoke(cli, ["export"], env=unset)
+    assert_one_message(result.exit_code, result.output, result.exception, 1, "pass the artifact directory")
+    assert "keeps no record" in result.output
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_the_work(work, monkeypatch):
+    monkeypatch.setattr("corp_deploy.resources.available_bytes", lambda: 1024)  # a machine with 1 KiB free
+    three = image_folder(work.parent / "three", 3)
+    for args, what in (
+        ([*BASE, "-o", work / "o"], "compressing deit_tiny_patch16_224 on 4 images"),
+        (  # the files alone: at most 10**7 asked for, the 3 there are counted
+            [*BASE[:-2], "--calib", three, "--calib-samples", 10**7, "--no-calib-crops", "-o", work / "o"],
+            "compressing deit_tiny_patch16_224 on 3 images",
+        ),
+        (  # filled with crops of the 3: every image asked for is counted
+            [*BASE[:-2], "--calib", three, "--calib-samples", 10**7, "-o", work / "o"],
+            "compressing deit_tiny_patch16_224 on 10000000 images",
+        ),
+        (["export", work / "art", "-o", work / "o"], "the export"),
+        (["bench", work / "art", *BENCH], "timing at batch 1"),
+    ):
+        before = snapshot(work)
+        code, text, exception = invoke(args, work.parent / "state")
+        assert_one_message(code, text, exception, 1, f"{what} needs at least")
+        assert "GiB are available" in text and snapshot(work) == before
+
+
+def test_running_out_of_memory_or_disk_is_one_message_not_a_bug_report(work, monkeypatch):
+
+    failures = {
+        "memory": RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 123 bytes"
+        ),
+        "disk": OSError(errno.ENOSPC, "No space left on device", "model.safetensors"),
+    }
+    for kind, failure in failures.items():
+
+        def fail(*args, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+        before = snapshot(work)
+        code, text, exception = invoke([*BASE, "-o", work / "o"], work.parent / "state")
+        message = "ran out of memory" if kind == "memory" else "the file system refused: No space left on device"
+        assert_one_message(code, text, exception, 1, message)
+        assert "bug" not in text and snapshot(work) == before and not debris(work)
+
+
+def _exporter_error_from_a_full_disk() -> Exception:
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as cause:
+        try:
+            raise torch.onnx.OnnxExporterError("Failed to export the model to ONNX") from cause
+        except torch.onnx.OnnxExporterError as error:
+            return error
+
+
+#: How libraries report a full disk in their own exception types: the failure, and the command
+#: whose write raises it (compress saving the weights, export the graph).
+LIBRARY_DISK_FAILURES = {
+    "safetensors": (
+        lambda: __import__("safetensors").SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+        "compress",
+    ),
+    "torch-stream-writer": (
+        lambda: RuntimeError(
+            "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
+        ),
+        "compress",
+    ),
+    "onnx-exporter-raised-from-the-os-error": (_exporter_error_from_a_full_disk, "export"),
+}
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARY_DISK_FAILURES))
+def test_a_full_disk_inside_a_library_is_one_plain_message(work, monkeypatch, library):
+    """A full disk reported by a library in its own exception type is the file system's refusal,
+    never "internal error ... a bug"; nothing is left."""
+
+    failure, command = LIBRARY_DISK_FAILURES[library]
+
+    def fail(*args, **kwargs):
+        raise failure()
+
+    if command == "compress":
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+        args = [*BASE, "-o", work / "o"]
+    else:
+        monkeypatch.setattr(exporters.pipeline, "export_onnx", fail)
+        args = ["export", work / "art", "-o", work / "o"]
+    before = snapshot(work)
+    code, text, exception = invoke(args, work.parent / "state")
+    assert_one_message(code, text, exception, 1, "the file system refused: ")
+    assert ("No space left on device" in text or "the disk may be full" in text) and "bug" not in text, text
+    assert snapshot(work) == before and not debris(work)
+
+
+def test_the_disk_check_counts_the_old_output_that_stays_until_the_swap(work, monkeypatch):
+    """Replacing an artifact: the old one keeps its room until the new one is complete, so the free
+    space must hold the whole new artifact; refused before anything is written, naming both."""
+
+    real = shell.disk_usage
+    weights = (work / "art" / "model.safetensors").stat().st_size
+    monkeypatch.setattr(shell, "disk_usage", lambda path: real(path)._replace(free=weights // 2))
+    before = snapshot(work)
+    code, text, exception = invoke([*BASE, "-o", work / "art"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "of disk in")
+    assert "both need room at once" in text and snapshot(work) == before and not debris(work)
+
+
+def test_a_dependency_missing_from_the_installation_is_named_not_reported_as_a_bug(work, monkeypatch):
+    # Seen on a GPU machine whose Polygraphy wheel went to another interpreter: export and bench
+    # ended with "internal error ... this is a bug in corp-deploy".
+    monkeypatch.setitem(sys.modules, "polygraphy", None)  # `import polygraphy` now raises ModuleNotFoundError
+    before = snapshot(work)
+    code, text, exception = invoke(["export", work / "art", "-o", work / "o"], work.parent / "state")
+    assert_one_message(code, text, exception, 1, "the Python module 'polygraphy' is not installed")
+    assert "bug" not in text and snapshot(work) == before and not debris(work)
+
+
+@pytest.mark.parametrize("exporter", [["--exporter", "torchscript"], ["--opset", "17"]])
+def test_library_warnings_stay_off_the_terminal(tmp_path, built, exporter):
+    """The exporters, timm and ONNX Runtime warn a lot (the dynamo exporter logs that it converts
+    opset 18 down to 17); through the command only corp-deploy speaks."""
+    shutil.copytree(built / "art", tmp_path / "art")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corp_deploy.launch",
+            "export",
+            str(tmp_path / "art"),
+            "--dense",
+            *exporter,
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert done.returncode == 0, done.stderr
+    assert not re.search(r"warn|deprecat", done.stderr, flags=re.I), done.stderr
+
 
 #: The message ONNX Runtime 1.31 raises (as ``onnxruntime.capi.onnxruntime_pybind11_state.Fail``) when its
 #: CPU arena cannot allocate, as seen in ``bench --backends ort --batch 65536`` under ``ulimit -v``.
@@ -36,15 +332,9 @@ def _child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "CORP_DEPLOY_STATE_DIR": str(tmp_path / "state"), **extra}
 
 
-# ---------------------------------------------------------------- memory
-
-
 def test_onnx_runtime_running_out_of_memory_is_one_message_not_a_bug_report(work, monkeypatch):
     """ONNX Runtime raises its own exception type when its arena cannot allocate: that is running out
     of memory (how much, in which op), never "internal error"."""
-    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
-
-    import exporters.runners
 
     def fail(self, images):
         raise Fail(ORT_ALLOCATION_FAILURE)
@@ -69,7 +359,6 @@ def test_a_batch_whose_onnx_runtime_sessions_cannot_fit_is_refused_before_the_wo
     12288 + 26112 (dense: the MLP's GELU, in and out) + 13056 (compressed, half the MLP) bytes an image,
     more than eager PyTorch's 12288 + 26112. Between the two, only ONNX Runtime's timing is refused,
     before any image is read."""
-    import benchmarks.pipeline
 
     def reached(*args, **kwargs):
         raise RuntimeError("the work began")  # an internal error, should the pre-check let the batch through
@@ -88,9 +377,6 @@ def test_a_batch_whose_onnx_runtime_sessions_cannot_fit_is_refused_before_the_wo
 def test_the_onnx_runtime_bound_stays_below_what_a_session_really_holds(built):
     """The bound is a lower bound: one run of each exported graph of the small ViT at batch 256, in a
     child process, adds more resident memory than it says (measured: about 4x)."""
-    from corp_deploy import load_compressed
-    from corp_deploy.resources import onnxruntime_bytes
-    from tests.helpers import build_small_vit
 
     batch, size = 256, (3, 32, 32)
     measure = textwrap.dedent(
@@ -121,10 +407,6 @@ def _measured_timing_bytes(export: Path, batch: int) -> int:
     """What bench's measurement (:func:`benchmarks.harness.check_onnxruntime_timing`) counts for
     timing the small ViT's two exported graphs at ``batch`` with ONNX Runtime, measured here: each
     session's memory at its two probe batches, extrapolated, and the input batch."""
-    from benchmarks.harness import onnxruntime_growth, probe_batches
-    from corp_deploy import load_compressed
-    from exporters.runners import OnnxRuntimeRunner
-    from tests.helpers import build_small_vit
 
     size, total = (3, 32, 32), batch * 4 * 3 * 32 * 32
     for graph, model in (("dense.onnx", build_small_vit()), ("model.onnx", load_compressed(export.parent))):
@@ -139,11 +421,6 @@ def test_onnx_runtime_timing_is_refused_by_its_measured_memory_where_the_bound_l
     Runtime's sessions, measured at two small batches and extrapolated per image, cannot hold: with the
     memory available between the two (both measured here), bench refuses it once its sessions are open,
     before anything is timed, and writes nothing."""
-    import benchmarks.harness
-    from benchmarks.pipeline import timing_bytes
-    from benchmarks.results import BenchSettings
-    from benchmarks.targets import find_target, load_models
-    from corp_deploy.resources import check_fits
 
     batch = 8192
     artifact, export_dir = find_target(work / "art")
@@ -200,14 +477,11 @@ def test_the_measured_onnx_runtime_memory_extrapolates_to_what_a_larger_batch_ho
             [sys.executable, "-c", measure, str(export / graph), str(batch), str(built / "art")],
             capture_output=True,
             text=True,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
         )
         assert done.returncode == 0, done.stderr
         probe, extrapolated, held = map(int, done.stdout.split())
         assert probe < batch and abs(extrapolated - held) <= 0.3 * held, (graph, extrapolated, held)
-
-
-# ---------------------------------------------------------------- printing
 
 
 def test_a_standard_output_that_cannot_encode_the_results_is_a_failed_print_not_a_bug(tmp_path):
@@ -248,11 +522,6 @@ def test_a_narrow_ascii_terminal_gets_the_whole_bench_table(work):
 def test_a_narrow_terminal_wraps_every_table_cell_and_loses_no_digit(work, monkeypatch):
     """The bench report rendered 50 columns wide holds every digit the 250-columns one does: a cell too
     wide for its column wraps onto the next line, never ends in "…" (a p90 cut to "2.8…")."""
-    import io
-
-    from rich.console import Console
-
-    import benchmarks.report
 
     reports, print_terminal = [], benchmarks.report.print_terminal
     monkeypatch.setattr(benchmarks.report, "print_terminal", lambda report, console=None: reports.append(report))
@@ -267,8 +536,6 @@ def test_a_narrow_terminal_wraps_every_table_cell_and_loses_no_digit(work, monke
 
     assert digits(50) == digits(250)
 
-
-# ---------------------------------------------------------------- full disks
 
 #: Ways a full disk reaches the command, as ``(the failure, what the message must say)`` given the
 #: case's output and temporary directory: a library's own exception type that names no file
@@ -294,7 +561,6 @@ DISK_FAILURES = {
 def test_a_full_disk_names_the_output_being_written(work, monkeypatch, case):
     """The file system's refusal names the output the command was writing, and the temporary directory
     ($TMPDIR, with its path) when the refused file lay there; nothing is left."""
-    import safetensors.torch
 
     failure, message = DISK_FAILURES[case]
     out, temp = work / "o", Path(tempfile.gettempdir())
@@ -314,7 +580,6 @@ def test_a_full_temporary_directory_is_named_as_tmpdir_when_the_library_names_no
     """The write that failed named no file, but the temporary directory's file system is the one left
     full when the output was abandoned (before its cleanup): the message says so, naming $TMPDIR and
     its path, and what to do."""
-    import safetensors.torch
 
     temp, real = Path(tempfile.gettempdir()), shutil.disk_usage
 
@@ -330,9 +595,6 @@ def test_a_full_temporary_directory_is_named_as_tmpdir_when_the_library_names_no
     said = " ".join(text.split())
     assert f"the file system of the temporary directory $TMPDIR ({temp}) is full" in said, text
     assert "point TMPDIR at a larger disk" in said and f"the file system of {work}" not in said and not debris(work)
-
-
-# ---------------------------------------------------------------- library log lines
 
 
 def _patched_inductor_bench(artifact: Path) -> str:
@@ -400,8 +662,6 @@ def test_a_refused_file_names_where_it_was_and_only_then_the_output_being_writte
     """Which output a refused write belongs to, by the file the OS error names: one in the output's
     staging folder, or a name without a folder (``model.safetensors``), is the output's; one anywhere
     else (an input the command reads) is not said to be."""
-    from corp_deploy.cli.group import _failure
-    from corp_deploy.outputs import NotedOutputs
 
     out, staging = tmp_path / "o", tmp_path / ".o.tmp-1"
     noted = NotedOutputs(abandoned=[(out, False, staging)])
