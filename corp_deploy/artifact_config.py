@@ -5,6 +5,7 @@ order; reading checks each one, and a document read is written back the same."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,6 +28,13 @@ class BaseModelRecord(Record):
     model_kwargs: dict
     name: str
     weights: dict | None = None
+
+    def __post_init__(self) -> None:
+        weights = self.weights or {}
+        needs = {"checkpoint": {"path": str, "sha256": str}, "random": {"seed": int}}.get(weights.get("source"), {})
+        for entry, kind in needs.items():
+            if not isinstance(weights.get(entry), kind) or isinstance(weights.get(entry), bool):
+                raise CorpError(f"weights needs its {entry} ({_KINDS[kind]}) for the source {weights['source']!r}")
 
 
 @dataclass(frozen=True)
@@ -69,3 +77,25 @@ class ArtifactConfig(Document):
             flags = getattr(self, name)
             if flags is not None and len(flags) != len(self.blocks):
                 raise CorpError(f"{name} needs one entry per block")
+        for index, dims in enumerate(self.blocks):
+            if dims.scale is not None and not (math.isfinite(dims.scale) and dims.scale > 0):
+                raise CorpError(f"blocks row {index}.scale must be a finite number > 0, not {dims.scale}")
+        problem = _calibration_problem(self.calibration)
+        if problem is not None:
+            raise CorpError(f"calibration.{problem}")
+
+
+#: How the messages name the JSON types the records' own checks want.
+_KINDS = {str: "a string", int: "an integer"}
+
+
+def _calibration_problem(calibration: dict) -> str | None:
+    """What of the calibration summary's entries that the tool reads (the source, a folder's path,
+    the photos' names, the files' digests) is missing or of the wrong type, or None."""
+    if calibration.get("source") == "directory" and not isinstance(calibration.get("path"), str):
+        return "path needs the calibration folder (a string) for the source 'directory'"
+    for entry in ("photos", "image_digests", "pixel_digests"):
+        names = calibration.get(entry, [])
+        if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+            return f"{entry} must be a list of strings"
+    return None

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from . import __version__
-from .errors import CorpError
+from .errors import CorpError, first_line
 
 #: The libraries an artifact's weights depend on (``config.json``'s ``versions``), besides Python
 #: and corp-deploy itself.
@@ -133,8 +133,8 @@ def read_json(path: str | Path, what: str, expected: str = "a JSON file") -> Any
         raise CorpError(f"{what} {path} not found") from None
     except IsADirectoryError:
         raise CorpError(f"{what} {path} is a directory, not {expected}") from None
-    except (OSError, ValueError) as exc:
-        raise CorpError(f"cannot read {what} {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python parses
+        raise CorpError(f"cannot read {what} {path}: {first_line(exc)}") from None
 
 
 #: The field metadata that marks an :func:`optional_entry`.

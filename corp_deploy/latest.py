@@ -71,7 +71,7 @@ def latest_artifact() -> Path:
         raise CorpError(f"cannot read {record}: {exc.strerror or exc}") from None
     try:
         state = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         state, problem = None, "malformed JSON"
     else:
         path = state.get("artifact") if isinstance(state, dict) else None

@@ -292,7 +292,7 @@ def read_record(folder: Path) -> dict | None:
         return None
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
         return None
     if not isinstance(record, dict):
         return None
@@ -349,13 +349,13 @@ def read_recorded_json(folder: str | Path, kind: str, document: DocumentFormat) 
     path = folder / document.file
     try:  # a first look for the version, so that an older output (without a record) gets the message that helps
         earlier = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         earlier = None
     if isinstance(earlier, dict) and earlier.get("format") == document.name:
         document.check(earlier, path)
     try:
         data = json.loads(read_verified(folder, kind, document.file))  # what is used is what was checked
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     return document.check(data, path)
 

@@ -83,6 +83,10 @@ class ExportManifest(Document):
     def __post_init__(self) -> None:
         if "model" not in self.models:
             raise CorpError("models needs the compressed model")
+        for key, entry in self.models.items():
+            kept = (entry.int8 or {}).get("kept_float")
+            if self.precision == "int8" and not (isinstance(kept, list) and all(isinstance(n, str) for n in kept)):
+                raise CorpError(f"models.{key}.int8 needs the quantizer's record (kept_float: a list of layer names)")
 
 
 def read_manifest(folder: str | Path) -> ExportManifest:

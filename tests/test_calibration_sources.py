@@ -168,8 +168,9 @@ def test_bench_finds_copies_in_other_formats_for_new_artifacts_and_byte_copies_f
     calib = [save_as(pixels(30 + i), tmp_path / "calib" / f"{i}.png") for i in range(3)]
     images = CalibrationImages.from_directory(tmp_path / "calib", to_tensor, limit=3)
     read_all(images)
-    new = SimpleNamespace(config={"calibration": images.summary()})
-    old = SimpleNamespace(config={"calibration": {k: v for k, v in images.summary().items() if k != "pixel_digests"}})
+    new = SimpleNamespace(config=SimpleNamespace(calibration=images.summary()))
+    old_summary = {k: v for k, v in images.summary().items() if k != "pixel_digests"}
+    old = SimpleNamespace(config=SimpleNamespace(calibration=old_summary))
     data = tmp_path / "data"
     save_as(load_rgb(calib[0]), data / "renamed.webp")  # another format
     (data / "copy.png").write_bytes(calib[1].read_bytes())  # byte-identical
@@ -178,7 +179,8 @@ def test_bench_finds_copies_in_other_formats_for_new_artifacts_and_byte_copies_f
     read_all(evaluation)
     assert copied_calibration_images(new, evaluation.digests, evaluation.pixel_digests) == (2, 1)
     assert copied_calibration_images(old, evaluation.digests, evaluation.pixel_digests) == (1, 0)
-    assert copied_calibration_images(SimpleNamespace(config={}), evaluation.digests, evaluation.pixel_digests) == (0, 0)
+    no_digests = SimpleNamespace(config=SimpleNamespace(calibration={}))
+    assert copied_calibration_images(no_digests, evaluation.digests, evaluation.pixel_digests) == (0, 0)
 
 
 def test_a_labelled_evaluation_folder_gives_the_pixel_digests_of_its_files(tmp_path):

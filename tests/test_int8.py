@@ -1,6 +1,7 @@
 """`corp-deploy export --precision int8`: a calibrated QDQ graph of the compressed (and dense) model,
 its fidelity gate against float32 PyTorch on held-out images, and bad options."""
 
+import copy
 import json
 import shutil
 import sys
@@ -23,6 +24,7 @@ from corp_deploy import (
 )
 from corp_deploy import compress as compress_model
 from corp_deploy.errors import EXIT_INCOMPLETE
+from corp_deploy.outputs import RECORD_FILE, write_record
 from exporters import ExportOptions, Int8Options, ParityError, export_artifact
 from exporters import tensorrt as trt_backend
 from exporters.keep_float import HeldBack, keep_float_ladder, linear_sensitivity, quantize_keeping_float
@@ -127,6 +129,25 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
     optimized = [node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     integer_matmuls = optimized.count("MatMulIntegerToFloat") + optimized.count("QGemm")
     assert integer_matmuls == sum(int8["quantized_ops"].values())
+
+
+def test_an_int8_manifest_edited_with_its_record_without_its_quantizer_record_is_refused(
+    int8_export, tmp_path, run_cli
+):
+    """export-int8/export.json whose int8 entry is gone or mistyped, its record rewritten to match: bench
+    refuses it when it reads it (one message, exit 1), not with a TypeError while it lists the graphs."""
+    artifact = shutil.copytree(int8_export[0], tmp_path / "art")
+    manifest = artifact / "export-int8" / "export.json"
+    original = json.loads(manifest.read_text())
+    for broken in (None, {**original["models"]["model"]["int8"], "kept_float": 3}):
+        edited = copy.deepcopy(original)
+        edited["models"]["model"]["int8"] = broken
+        manifest.write_text(json.dumps(edited))
+        (artifact / "export-int8" / RECORD_FILE).unlink()
+        write_record(artifact / "export-int8", "export")
+        result, text = run_cli(["bench", artifact, "--backends", "ort", "--batch", "1", "--min-time", 0.01], tmp_path)
+        assert result.exit_code == 1 and "internal error" not in text, text
+        assert "export.json is malformed: models.model.int8 needs the quantizer's record" in " ".join(text.split())
 
 
 def test_bench_times_fp32_and_int8_graphs_together_and_measures_their_fidelity(int8_export, tmp_path, run_cli):

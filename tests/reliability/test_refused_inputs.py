@@ -217,6 +217,12 @@ def _edited_with_record(folder: Path, name: str, kind: str, change: Callable[[di
     return folder
 
 
+def _rewritten_with_record(folder: Path, name: str, kind: str, text: str) -> Path:
+    (folder / name).write_text(text)
+    rerecord(folder, kind)
+    return folder
+
+
 def _symlink_loop(w: Path) -> Path:
     (w / "loop1").symlink_to(w / "loop2")
     (w / "loop2").symlink_to(w / "loop1")
@@ -857,6 +863,63 @@ REFUSALS: dict[str, Refusal] = {
         ),
         1,
         "export.json is malformed: models needs the compressed model",
+    ),
+    "recover-config-calibration-folder-null-with-its-record": Refusal(
+        lambda w: [
+            "recover",
+            _edited_with_record(
+                w / "art",
+                "config.json",
+                "artifact",
+                lambda c: c.update(calibration={"source": "directory", "path": None}),
+            ),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: calibration.path needs the calibration folder (a string) for the source 'directory'",
+    ),
+    "bench-config-pixel-digests-null-with-its-record": Refusal(
+        lambda w: [
+            "bench",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["calibration"].update(pixel_digests=None)
+            ),
+            *BENCH,
+        ],
+        1,
+        "config.json is malformed: calibration.pixel_digests must be a list of strings",
+    ),
+    "bench-config-checkpoint-weights-without-their-path-with-its-record": Refusal(
+        lambda w: [
+            "bench",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["base_model"].update(weights={"source": "checkpoint"})
+            ),
+            *BENCH,
+        ],
+        1,
+        "config.json is malformed: base_model: weights needs its path (a string) for the source 'checkpoint'",
+    ),
+    "export-config-softmax-scale-nan-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _edited_with_record(w / "art", "config.json", "artifact", lambda c: c["blocks"][0].update(scale=math.nan)),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: blocks row 0.scale must be a finite number > 0, not nan",
+    ),
+    "export-config-nested-too-deeply-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _rewritten_with_record(w / "art", "config.json", "artifact", "[" * 100_000 + "]" * 100_000),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "is not the config.json of a corp-deploy artifact",
     ),
     "bench-export-of-another-artifact": Refusal(
         lambda w: ["bench", _moved_export(w), *BENCH], 1, "was exported from a different version"
