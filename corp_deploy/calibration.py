@@ -25,6 +25,8 @@ from .outputs import RECORD_FILE
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 #: How many calibration images compress, sweep and an int8 export use unless told otherwise.
 DEFAULT_IMAGES = 256
+#: The most images a calibration or evaluation set may be asked for (``--calib-samples``, ``--data-samples``).
+MAX_IMAGES = 10_000_000
 #: How many calibration images are preprocessed and run at once unless told otherwise.
 DEFAULT_BATCH = 32
 #: The crops the bundled photos, and a directory of fewer files than the images asked for, are
@@ -561,6 +563,8 @@ class CalibrationSpec:
             value = getattr(self, name)
             if value < 1:
                 raise SettingError(f"{{setting}} must be an integer >= 1, got {value!r}", name)
+        if self.samples > MAX_IMAGES:
+            raise SettingError(f"{{setting}} must be at most {MAX_IMAGES:,}, got {self.samples!r}", "samples")
         if not 0 <= self.seed < 2**32:
             raise SettingError(f"{{setting}} must be an integer in [0, 2**32), got {self.seed!r}", "seed")
         if self.source is not None:

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from corp_deploy.calibration import (
+    MAX_IMAGES,
     CalibrationImages,
     CalibrationSpec,
     file_digest,
@@ -16,6 +17,8 @@ from corp_deploy.calibration import (
     random_crop_flip,
     summary_warnings,
 )
+from corp_deploy.cli.options import IMAGE_COUNT
+from corp_deploy.errors import CorpError, SettingError
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -71,6 +74,17 @@ def test_unreadable_files_are_counted_once_and_never_cropped(folder):
     summary = images.summary()
     assert got.shape[0] == 9 and summary["files_skipped"] == 1 and summary["files_found"] == 4
     assert all(path.name != "broken.jpg" for path in images.image_sources)
+
+
+def test_the_spec_takes_no_more_images_than_the_command_line_does():
+    """An artifact's recorded ``calib_samples`` above the range ``--calib-samples`` takes is refused as
+    a recorded setting, before any image is read (10**12 grew memory until the process was killed)."""
+    assert IMAGE_COUNT.max == MAX_IMAGES
+    CalibrationSpec(None, MAX_IMAGES)
+    with pytest.raises(SettingError, match="samples must be at most 10,000,000, got 10000001"):
+        CalibrationSpec(None, MAX_IMAGES + 1)
+    with pytest.raises(CorpError, match="the artifact records calibration settings this corp-deploy cannot use"):
+        CalibrationSpec.recorded({"source": "builtin"}, {"calib_samples": 10**12})
 
 
 def test_the_spec_records_crops_and_reads_an_older_artifact_as_files_alone(folder):

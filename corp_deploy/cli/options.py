@@ -97,7 +97,7 @@ class BatchSizes(CommaList):
 #: Every path option and argument.
 PATH = GivenPath(path_type=Path)
 #: How many images an option may ask for (a decoded 224 px image is 0.6 MB).
-IMAGE_COUNT = click.IntRange(1, 10_000_000)
+IMAGE_COUNT = click.IntRange(1, 10_000_000)  # calibration.MAX_IMAGES (not imported here: --help loads no torch)
 #: CPU threads: at most four per core (more only slows the run, and far more crashes the runtimes).
 THREADS = click.IntRange(1, 4 * (os.cpu_count() or 1))
 #: A positive, finite number of seconds, at most an hour (a time per measurement: more never ends
