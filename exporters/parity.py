@@ -123,15 +123,19 @@ class Tolerance:
             failed.append(f"max abs error {result.max_abs:.3g} > atol {self.atol:g}")
         shown = self._shown_below(result)
         if "cosine" in shown:
-            failed.append(f"cosine {shown['cosine']} < {self.min_cosine:g}")
+            failed.append(f"cosine {shown['cosine']} < {exact(self.min_cosine)}")
         if "top1_agreement" in shown:
-            failed.append(f"top-1 agreement {shown['top1_agreement']} < {self.min_top1:g}")
+            failed.append(f"top-1 agreement {shown['top1_agreement']} < {exact(self.min_top1)}")
         return failed
 
     def measured(self, result: Comparison) -> str:
-        """``result``'s numbers as ``name=value``: 3 significant digits, and a cosine or top-1
-        agreement below its limit with the digits that show it is (never ``cosine=1`` below 1)."""
+        """``result``'s numbers as ``name=value``: 3 significant digits, a cosine or top-1 agreement
+        below its limit with the digits that show it is, and one below 1 never written ``1``."""
         shown = {k: f"{v:.3g}" for k, v in result.to_dict().items() if v is not None}
+        for key in ("cosine", "top1_agreement"):
+            value = getattr(result, key)
+            if value is not None and value < 1 and shown[key] == "1":
+                shown[key] = below(value, 1.0)
         return ", ".join(f"{k}={v}" for k, v in (shown | self._shown_below(result)).items())
 
     def _shown_below(self, result: Comparison) -> dict[str, str]:
@@ -146,6 +150,12 @@ class Tolerance:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def exact(limit: float) -> str:
+    """``limit`` as given: ``0.99999``, ``1``, and ``0.99999999999999`` rather than ``1``."""
+    short = f"{limit:g}"
+    return short if float(short) == limit else repr(limit)
 
 
 def below(value: float, limit: float) -> str:

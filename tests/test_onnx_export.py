@@ -163,3 +163,10 @@ def test_tolerance_names_each_violation():
     assert exact.violations(almost_all)[1:] == ["cosine 0.99999999 < 1", "top-1 agreement 0.999000 < 1"]
     assert exact.measured(almost_all) == "max_abs=0.002, max_rel=0.1, cosine=0.99999999, top1_agreement=0.999000"
     assert exact.measured(replace(almost_all, top1_agreement=None)).endswith(", cosine=0.99999999")
+    atol_only = PRECISIONS["int8"].tolerance.with_limits(atol=0.0)  # the cosine passes its limit, yet is not 1
+    measured = atol_only.measured(replace(result, cosine=0.9995461))
+    assert measured.startswith("max_abs=0.002, max_rel=0.1, cosine=0.999546,")
+    close = replace(result, cosine=0.99999999999996)
+    assert exact.with_limits(min_cosine=0.99999999999999).violations(close)[1] == (
+        "cosine 0.99999999999996 < 0.99999999999999"
+    )
