@@ -19,6 +19,7 @@ from corp_deploy import CorpError
 from corp_deploy.artifact import Artifact
 from corp_deploy.metrics import as_rows, cosine, top1_matches
 from exporters.manifest import MANIFEST, model_files, read_manifest
+from exporters.quantize import float_linear_layers
 from exporters.runners import OnnxRuntimeRunner, Runner, TorchRunner
 
 from .data import EvalImages
@@ -144,6 +145,5 @@ def _graph_bytes(path: Path) -> int:
 
 
 def _kept_float(path: Path) -> int:
-    """How many Linear layers the int8 graph ``path`` keeps in float, from its ``export.json``."""
-    models = read_manifest(path.parent).models.values()
-    return len(next(entry.int8["kept_float"] for entry in models if entry.onnx[0] == path.name))
+    """How many Linear layers the int8 graph ``path`` computes in float, counted in the graph."""
+    return len(float_linear_layers(path))

@@ -53,14 +53,22 @@ REPORT_FORMAT = DocumentFormat(
 ALLOCATION_PLOT = "allocation.png"
 
 
-def _check_input_size(config: ArtifactConfig, data_config: dict, path: str | Path) -> None:
-    """CorpError unless ``config.json``'s ``input.input_size`` is the input size of the model it
-    describes (``data_config``: that model's), which export and bench feed it."""
-    recorded, own = list(config.input.input_size), list(data_config["input_size"])
-    if recorded != own:
+def _check_input(config: ArtifactConfig, data_config: dict, path: str | Path) -> None:
+    """CorpError unless ``config.json``'s ``input`` is the input of the model it describes
+    (``data_config``: that model's, :func:`~corp_deploy.models.model_transform`): its size, which
+    export and bench feed it, and every entry of its preprocessing that both hold (mean, std, crop,
+    interpolation), which export copies into ``export.json`` for the runtimes' users."""
+    recorded, own = config.input, _jsonable(data_config)
+    pairs = [("input_size", list(recorded.input_size), own["input_size"])] + [
+        (f"data_config.{key}", value, own[key]) for key, value in recorded.data_config.items() if key in own
+    ]
+    differs = next((pair for pair in pairs if pair[1] != pair[2]), None)
+    if differs is not None:
+        name, value, actual = differs
+        what = "input size" if name == "input_size" else "preprocessing"
         raise CorpError(
-            f"{Path(path) / CONFIG_FILE} is malformed: input.input_size {recorded} is not the input size of the "
-            f"model it describes ({own}); compress the model again"
+            f"{Path(path) / CONFIG_FILE} is malformed: input.{name} {value} is not the {what} of the model it "
+            f"describes ({actual}); compress the model again"
         )
 
 
@@ -75,6 +83,7 @@ def _reshaped(model: nn.Module, config: ArtifactConfig) -> nn.Module:
     them (empty layers where a block was pruned), in eval mode."""
     fc2_bias, proj_bias = config.fc2_bias, config.proj_bias
     for i, (block, dims) in enumerate(zip(blocks_of(model), config.blocks)):
+        _check_dims(i, dims, block_dims(block))
         reshape_block(
             block,
             dims,
@@ -199,6 +208,20 @@ def read_report(path: str | Path) -> dict:
     return read_recorded_json(path, "artifact", REPORT_FORMAT)
 
 
+def _check_dims(index: int, dims: BlockDims, dense: BlockDims) -> None:
+    """CorpError unless a block's recorded ``dims`` are sizes compression can leave of the dense
+    block's (``dense``): the heads as many, each width at most the dense one, the attention a kind
+    :func:`reshape_block` builds."""
+    if dims.attention not in ("timm", "pruned"):
+        raise CorpError(f"blocks row {index}.attention must be 'timm' or 'pruned', not {dims.attention!r}")
+    if dims.num_heads != dense.num_heads:
+        raise CorpError(f"blocks row {index}.num_heads is {dims.num_heads}; the dense block has {dense.num_heads}")
+    for name in ("mlp_hidden", "qk_head_dim", "v_head_dim"):
+        size, whole = getattr(dims, name), getattr(dense, name)
+        if not 0 <= size <= whole:
+            raise CorpError(f"blocks row {index}.{name} must be in [0, {whole}] (the dense block's), not {size}")
+
+
 def recorded_checksums(path: str | Path) -> dict[str, str] | None:
     """``{"config_sha256", "weights_sha256"}`` of an artifact as its record says now (None without a
     readable record): what an export records as the artifact it was made from. The files are checked
@@ -276,28 +299,47 @@ class Artifact:
         verify_files(self.path, "artifact", [WEIGHTS_FILE])
         return self.path / WEIGHTS_FILE
 
+    def check_structure(self) -> None:
+        """CorpError unless ``config.json`` rebuilds exactly the weights file's tensors (their names
+        and shapes, from the file's header; the model is built on the meta device, without weights):
+        checked once, before the compressed or the dense model is built from the record, so an
+        edited record cannot have either of another model."""
+        return self._structure
+
+    @cached_property
+    def _structure(self) -> None:
+        from safetensors import safe_open
+
+        base = self.config.base_model
+        try:
+            skeleton = _reshaped(base_skeleton(base.name, base.model_kwargs), self.config).state_dict()
+        except (CorpError, TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
+            raise CorpError(
+                f"{self.path / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
+            ) from None
+        try:
+            with safe_open(str(self.verified_weights()), "pt") as weights:
+                shapes = {key: torch.empty(weights.get_slice(key).get_shape(), device="meta") for key in weights.keys()}
+        except Exception as exc:
+            raise CorpError(f"cannot read weights of {self.path}: {first_line(exc)}") from None
+        problem = state_mismatch(skeleton, shapes, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
+        if problem is not None:
+            raise CorpError(f"the weights of {self.path} do not match its {CONFIG_FILE}: {problem}")
+
     @cached_property
     def _loaded(self) -> tuple[nn.Module, tuple[Callable, dict]]:
         """The compressed model rebuilt from ``config.json`` and the weights file (strict load,
         finite weights), and its preprocessing."""
         from safetensors.torch import load_file
 
-        weights = self.verified_weights()
-        try:
-            model = build_skeleton(self.config)
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
-            raise CorpError(
-                f"{self.path / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
-            ) from None
+        self.check_structure()
+        model = build_skeleton(self.config)
         transform = model_transform(model)
-        _check_input_size(self.config, transform[1], self.path)
+        _check_input(self.config, transform[1], self.path)
         try:
-            state = load_file(str(weights))
+            state = load_file(str(self.verified_weights()))
         except Exception as exc:
             raise CorpError(f"cannot read weights of {self.path}: {exc}") from None
-        problem = state_mismatch(model.state_dict(), state, WEIGHTS_FILE, f"the model {CONFIG_FILE} describes")
-        if problem is not None:
-            raise CorpError(f"the weights of {self.path} do not match its {CONFIG_FILE}: {problem}")
         model.load_state_dict(state, strict=True)
         check_finite(model, f"the weights of {self.path}", "no export or measurement of them could mean anything")
         return model.eval(), transform
@@ -314,8 +356,9 @@ class Artifact:
 
     def dense(self) -> nn.Module:
         """The dense model the artifact was compressed from, rebuilt from its weights record (a new
-        module at each call) and checked to have the artifact's patch embedding. CorpError when the
-        source cannot be reproduced."""
+        module at each call, once :meth:`check_structure` passed) and checked to have the artifact's
+        patch embedding. CorpError when the source cannot be reproduced."""
+        self.check_structure()
         base = self.base_model
         dense = rebuilt_dense(base.name, base.model_kwargs, base.weights or {}, f"the artifact {self}")
         _check_patch_embedding(self, dense)

@@ -85,13 +85,19 @@ class ArtifactConfig(Document):
             raise CorpError(f"calibration.{problem}")
 
 
+#: The calibration summary's sources: a folder's images, the bundled photos.
+CALIBRATION_SOURCES = ("directory", "builtin")
+
 #: How the messages name the JSON types the records' own checks want.
 _KINDS = {str: "a string", int: "an integer"}
 
 
 def _calibration_problem(calibration: dict) -> str | None:
     """What of the calibration summary's entries that the tool reads (the source, a folder's path,
-    the photos' names, the files' digests) is missing or of the wrong type, or None."""
+    the photos' names, the files' digests) is missing or of the wrong type, or None. A source other
+    than a folder's or the bundled photos' is refused: read as neither, it would calibrate on other images."""
+    if "source" in calibration and calibration["source"] not in CALIBRATION_SOURCES:
+        return f"source must be one of {', '.join(map(repr, CALIBRATION_SOURCES))}, not {calibration['source']!r}"
     if calibration.get("source") == "directory" and not isinstance(calibration.get("path"), str):
         return "path needs the calibration folder (a string) for the source 'directory'"
     for entry in ("photos", "image_digests", "pixel_digests"):

@@ -588,8 +588,9 @@ class CalibrationSpec:
         if source is None and calibration.get("source") == "directory":
             source = Path(calibration["path"])
             if not source.is_dir():
+                now = "not a folder any more" if source.exists() else "not there any more"
                 raise CorpError(
-                    f"the artifact was calibrated on {source}, which is not there any more; "
+                    f"the artifact was calibrated on {source}, which is {now}; "
                     "pass the calibration images with --calib DIR"
                 )
         try:  # what the artifact records, checked apart from what is given: it is no usage of the caller's

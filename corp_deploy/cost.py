@@ -13,6 +13,16 @@ from .errors import BadUsage, check_instance, first_line
 from .families import attention_macs, standard_copy
 
 
+def share_text(fraction: float) -> str:
+    """``fraction`` (of the dense model's MACs) in three significant digits, or as many more as it
+    takes not to write a fraction below 1 as ``1`` or one above 0 as ``0``: ``0.9999``, not ``1``."""
+    for digits in range(3, 18):
+        text = f"{fraction:.{digits}g}"
+        if (float(text) == 1) == (fraction == 1) and (float(text) == 0) == (fraction == 0):
+            return text
+    return repr(fraction)
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

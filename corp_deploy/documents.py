@@ -117,7 +117,7 @@ class DocumentFormat:
         if found != self.version and found not in self.also_reads:
             readable = ", ".join(str(v) for v in (self.version, *self.also_reads) if v is not None)
             return (
-                f"{source}: {self.title} format version {found} is not supported by this corp-deploy (reads "
+                f"{source}: {self.title} format version {found!r} is not supported by this corp-deploy (reads "
                 f"version {readable}); {self.again}"
             )
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cost import share_text
 from .parts import UNIT_PARTS
 
 
@@ -31,7 +32,7 @@ def plot_allocation(budget: dict, path: str | Path, title: str = "") -> None:
         ylabel="fraction of dims kept",
         ylim=(0, 1.05),
         xticks=blocks,
-        title=f"Budget {budget['macs_fraction']:.3g} of the dense MACs "
+        title=f"Budget {share_text(budget['macs_fraction'])} of the dense MACs "
         f"({budget['planned_macs'] / 1e9:.3g} of {budget['dense_macs'] / 1e9:.3g} GMACs)",
     )
     positive = [u["distortion"] for u in budget["units"] if u["distortion"] > 0]

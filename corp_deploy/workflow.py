@@ -238,7 +238,11 @@ def recover_artifact(
             "save_artifact was given no settings, or others), and recover compresses the dense model again with "
             "them; compress it with the recovery instead (compress --recover-steps, or CompressConfig(recovery=...))"
         )
-    compression = replace(CompressConfig.from_dict(settings), recovery=recovery, device=device)
+    try:  # what the artifact records, checked apart from what is given: it is no usage of the caller's
+        recorded = CompressConfig.from_dict(settings)
+    except SettingError as exc:
+        raise CorpError(f"{artifact} records compression settings this corp-deploy cannot use: {exc}") from None
+    compression = replace(recorded, recovery=recovery, device=device)
     check_apart([out_dir], {"the artifact to recover": artifact})
     dense = artifact.dense()  # rebuilt from the artifact's record, and checked against its weights
     calibration = calibration or CalibrationSpec.recorded(artifact.config.calibration, settings)

@@ -85,8 +85,11 @@ class ExportManifest(Document):
             raise CorpError("models needs the compressed model")
         for key, entry in self.models.items():
             kept = (entry.int8 or {}).get("kept_float")
-            if self.precision == "int8" and not (isinstance(kept, list) and all(isinstance(n, str) for n in kept)):
-                raise CorpError(f"models.{key}.int8 needs the quantizer's record (kept_float: a list of layer names)")
+            names = isinstance(kept, list) and all(isinstance(n, str) for n in kept) and len(set(kept)) == len(kept)
+            if self.precision == "int8" and not names:
+                raise CorpError(
+                    f"models.{key}.int8 needs the quantizer's record (kept_float: a list of distinct layer names)"
+                )
 
 
 def read_manifest(folder: str | Path) -> ExportManifest:

@@ -197,6 +197,13 @@ def _linear_ops(fp32_path: str | Path) -> list[tuple[str, str, bool]]:
     ]
 
 
+def float_linear_layers(path: str | Path) -> list[str]:
+    """The module paths of the layers with a weight that a QDQ graph computes in float (their weight
+    is the graph's own float tensor, not dequantized from int8): what the graph itself says of an
+    int8 export's ``kept_float`` record."""
+    return [module for _, module, has_weight in _linear_ops(path) if has_weight]
+
+
 def calibrate_ranges(fp32_path: str | Path, batches: Iterable[np.ndarray], calibrate_method, scratch: Path):
     """Activation ranges of the inputs of every :data:`MATMUL_OPS` node, with ONNX Runtime's own
     calibrator for ``calibrate_method``, fed :data:`CALIBRATION_CHUNK` images at a time: min/max

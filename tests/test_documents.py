@@ -75,6 +75,7 @@ def test_a_document_round_trips_exactly_and_is_typed():
             "note again",
         ),
         ({k: v for k, v in note().items() if k != "format_version"}, "note format version None is not supported"),
+        (note(format_version="2"), "note format version '2' is not supported by this corp-deploy (reads version 2, 1)"),
         ({k: v for k, v in note().items() if k != "count"}, "n.json is malformed: it lacks count"),
         (note(count="3"), "n.json is malformed: count must be an integer, not a string"),
         (note(count=True), "n.json is malformed: count must be an integer, not true or false"),

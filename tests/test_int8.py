@@ -32,6 +32,7 @@ from exporters.manifest import read_manifest
 from exporters.onnx_export import export_onnx
 from exporters.pipeline import PARITY_BATCHES, check_parity, parity_images
 from exporters.precision import PRECISIONS
+from exporters.quantize import float_linear_layers
 from exporters.runners import OnnxRuntimeRunner, TorchRunner
 from lab.real_weights import DINOV2_MODEL_KWARGS, DINOV2_TIMM_NAME, build_dinov2, find_dinov2_onnx
 from tests.helpers import SMALL_VIT_CLI_ARGS
@@ -134,12 +135,14 @@ def test_uint8_activations_give_a_checked_u8s8_graph(tmp_path, tiny_artifact, ru
 def test_an_int8_manifest_edited_with_its_record_without_its_quantizer_record_is_refused(
     int8_export, tmp_path, run_cli
 ):
-    """export-int8/export.json whose int8 entry is gone or mistyped, its record rewritten to match: bench
-    refuses it when it reads it (one message, exit 1), not with a TypeError while it lists the graphs."""
+    """export-int8/export.json whose int8 entry is gone, mistyped or names a layer twice, its record
+    rewritten to match: bench refuses it when it reads it (one message, exit 1), not with a TypeError
+    while it lists the graphs."""
     artifact = shutil.copytree(int8_export[0], tmp_path / "art")
     manifest = artifact / "export-int8" / "export.json"
     original = json.loads(manifest.read_text())
-    for broken in (None, {**original["models"]["model"]["int8"], "kept_float": 3}):
+    int8 = original["models"]["model"]["int8"]
+    for broken in (None, {**int8, "kept_float": 3}, {**int8, "kept_float": ["blocks.0.mlp.fc2"] * 2}):
         edited = copy.deepcopy(original)
         edited["models"]["model"]["int8"] = broken
         manifest.write_text(json.dumps(edited))
@@ -286,6 +289,7 @@ def test_keep_float_leaves_the_most_hurt_linear_layers_in_float(tmp_path, export
     model = load_compressed(artifact)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert len(int8["kept_float"]) == 3 and set(int8["kept_float"]) <= set(linears)
+    assert sorted(float_linear_layers(tmp_path / "out" / "model.onnx")) == int8["kept_float"]  # the graph agrees
     assert sum(int8["quantized_ops"].values()) == len(linears) - 3
     assert int8["int8_weights"] == sum(
         m.weight.numel() for name, m in linears.items() if name not in int8["kept_float"]

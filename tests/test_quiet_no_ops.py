@@ -12,6 +12,7 @@ import json
 import pytest
 
 from corp_deploy import CompressConfig
+from corp_deploy.cost import share_text
 from corp_deploy.errors import EXIT_GATE_FAILED, SettingError
 from exporters import ExportOptions, Tolerance, export_artifact
 from exporters.manifest import read_manifest
@@ -104,6 +105,20 @@ def test_a_budget_the_dense_model_fits_warns_that_the_artifact_is_dense(tmp_path
     assert "the MAC budget (1 of the dense MACs) fits the dense model" in flat and DENSE_WARNING in flat, text
     report = json.loads((tmp_path / "art" / "report.json").read_text())
     assert report["macs"]["compressed"] == report["macs"]["dense"]
+
+
+def test_a_budget_just_below_the_dense_model_is_never_written_as_1(tmp_path, run_cli):
+    """``--speedup 1.0001`` is a budget of 0.9999 of the dense MACs: the budget's table (and the
+    warning, where nothing could be pruned for it) say 0.9999, not 1."""
+    result, text = run_cli([*COMPRESS, "--speedup", 1.0001, "-o", tmp_path / "art"], tmp_path / "state")
+    assert result.exit_code == 0, text
+    flat = " ".join(text.split())
+    assert "budget 0.9999 of the dense MACs" in flat and "1 of the dense MACs" not in flat, text
+
+
+def test_a_share_of_the_dense_macs_shows_the_digits_that_tell_it_from_0_and_1():
+    assert [share_text(f) for f in (0.5, 1 / 3, 1.0, 0.0)] == ["0.5", "0.333", "1", "0"]
+    assert [share_text(f) for f in (1 / 1.0001, 1 - 1e-12, 1e-9)] == ["0.9999", "0.999999999999", "1e-09"]
 
 
 def test_any_budget_whose_plan_keeps_every_unit_warns(tmp_path, run_cli, monkeypatch):

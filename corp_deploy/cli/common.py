@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from ..cost import share_text
 from ..errors import BadUsage, CorpError
 from .group import COMMAND_LINE
 from .options import parse_model_args
@@ -105,7 +106,7 @@ def nothing_pruned_warning(dense_macs: int, compressed_macs: int, budget: float 
     why = (
         "every sparsity is 0"
         if budget is None
-        else f"the MAC budget ({budget:g} of the dense MACs) fits the dense model, so no unit was pruned"
+        else f"the MAC budget ({share_text(budget)} of the dense MACs) fits the dense model, so no unit was pruned"
     )
     return (
         f"{why}: every dim is kept, and the artifact is the dense model (the exactness check; useful as "

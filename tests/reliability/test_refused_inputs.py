@@ -287,11 +287,14 @@ def _broken_images(w: Path) -> Path:
     return folder
 
 
-def _recorded_calib_gone(w: Path) -> Path:
+def _recorded_calib_gone(w: Path, replaced_by_a_file: bool = False) -> Path:
+    """An artifact calibrated on a folder that was removed since (and a file written in its place)."""
     calib = image_folder(w / "calib")
     code, text, _ = invoke([*BASE, "--calib", calib, "-o", w / "calibrated"], w.parent / "state")
     assert code == 0, text
     shutil.rmtree(calib)
+    if replaced_by_a_file:
+        calib.write_text("not a folder")
     return w / "calibrated"
 
 
@@ -689,7 +692,87 @@ REFUSALS: dict[str, Refusal] = {
             w / "o",
         ],
         1,
-        "config.json does not describe a model this corp-deploy can rebuild",
+        "config.json does not describe a model this corp-deploy can rebuild: blocks row 0.mlp_hidden must be in "
+        "[0, 192] (the dense block's), not 1000000000000000000000000000000",
+    ),
+    "export-config-of-other-heads-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _edited_with_record(w / "art", "config.json", "artifact", lambda c: c["blocks"][1].update(num_heads=2)),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json does not describe a model this corp-deploy can rebuild: blocks row 1.num_heads is 2; the "
+        "dense block has 3",
+    ),
+    "recover-config-of-another-depth-with-its-record": Refusal(
+        lambda w: [
+            "recover",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["base_model"]["model_kwargs"].update(depth=1)
+            ),
+            "--recover-steps",
+            2,
+            "-o",
+            w / "o",
+        ],
+        1,
+        "do not match its config.json: 12 unexpected tensors (e.g. blocks.1.attn.proj.bias",
+    ),
+    "recover-config-of-other-classes-with-its-record": Refusal(
+        lambda w: [
+            "recover",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["base_model"]["model_kwargs"].update(num_classes=10)
+            ),
+            "--recover-steps",
+            2,
+            "-o",
+            w / "o",
+        ],
+        1,
+        "do not match its config.json: 2 tensors of other shapes (e.g. head.weight: [1000, 48] in model.safetensors, "
+        "[10, 48] in the model config.json describes)",
+    ),
+    "recover-config-settings-out-of-range-with-its-record": Refusal(
+        lambda w: [
+            "recover",
+            _edited_with_record(w / "art", "config.json", "artifact", lambda c: c["settings"].update(s_mlp=5)),
+            "--recover-steps",
+            2,
+            "-o",
+            w / "o",
+        ],
+        1,
+        "records compression settings this corp-deploy cannot use: s_mlp must be in [0, 1), got 5",
+    ),
+    "recover-config-unknown-calibration-source-with-its-record": Refusal(
+        lambda w: [
+            "recover",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["calibration"].update(source="elsewhere")
+            ),
+            "--recover-steps",
+            2,
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: calibration.source must be one of 'directory', 'builtin', not 'elsewhere'",
+    ),
+    "export-config-other-preprocessing-with-its-record": Refusal(
+        lambda w: [
+            "export",
+            _edited_with_record(
+                w / "art", "config.json", "artifact", lambda c: c["input"]["data_config"].update(mean=[0.1, 0.2, 0.3])
+            ),
+            "-o",
+            w / "o",
+        ],
+        1,
+        "config.json is malformed: input.data_config.mean [0.1, 0.2, 0.3] is not the preprocessing of the model it "
+        "describes ([0.485, 0.456, 0.406])",
     ),
     "export-config-of-other-sizes-than-its-weights-with-its-record": Refusal(
         lambda w: [
@@ -810,6 +893,11 @@ REFUSALS: dict[str, Refusal] = {
         lambda w: ["export", _recorded_calib_gone(w), "--precision", "int8", "-o", w / "o"],
         1,
         "which is not there any more",
+    ),
+    "export-int8-recorded-calibration-now-a-file": Refusal(
+        lambda w: ["export", _recorded_calib_gone(w, replaced_by_a_file=True), "--precision", "int8", "-o", w / "o"],
+        1,
+        "which is not a folder any more; pass the calibration images with --calib DIR",
     ),
     "export-workspace-nan": Refusal(
         lambda w: ["export", w / "art", "--workspace", "nan", "-o", w / "o"],

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cost import share_text
 from ...errors import BadUsage, SettingError
 
 
@@ -58,7 +59,7 @@ def check_feasible(
         dense = fixed_macs + sum(total * per_dim for total, per_dim in shapes)
 
         def amount(macs: int) -> str:
-            return f"{_macs_text(macs, dense)}, {macs / dense:.3g} of the dense model's"
+            return f"{_macs_text(macs, dense)}, {share_text(macs / dense)} of the dense model's"
 
         needs = (
             f"the budget ({amount(budget_macs)} {_macs_text(dense, dense)}) is below what the floors "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...blocks import embed_tokens
-from ...cost import count_macs
+from ...cost import count_macs, share_text
 from ...families import blocks_of
 from ...models import model_transform
 from ...parts import UNIT_PARTS
@@ -120,7 +120,7 @@ def allocation_table(budget: dict):
 
     parts = list(dict.fromkeys(u["part"] for u in budget["units"]))
     table = Table(
-        title=f"budget {budget['macs_fraction']:.3g} of the dense MACs: "
+        title=f"budget {share_text(budget['macs_fraction'])} of the dense MACs: "
         f"{budget['planned_macs'] / 1e9:.4g} of {budget['dense_macs'] / 1e9:.4g} GMACs",
         caption=f"kept / full (distortion, {budget['distortion']})",
     )
