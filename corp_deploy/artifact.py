@@ -310,9 +310,8 @@ class Artifact:
     def _structure(self) -> None:
         from safetensors import safe_open
 
-        base = self.config.base_model
         try:
-            skeleton = _reshaped(base_skeleton(base.name, base.model_kwargs), self.config).state_dict()
+            skeleton = _record_skeleton(self.config)
         except (CorpError, TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
             raise CorpError(
                 f"{self.path / CONFIG_FILE} does not describe a model this corp-deploy can rebuild: {first_line(exc)}"
@@ -394,16 +393,21 @@ def _check_patch_embedding(artifact: Artifact, dense: nn.Module) -> None:
         )
 
 
+def _record_skeleton(config: ArtifactConfig) -> dict[str, torch.Tensor]:
+    """The state dict (names and shapes, no values: :func:`~corp_deploy.models.base_skeleton`) of the
+    compressed model ``config`` describes."""
+    base = config.base_model
+    return _reshaped(base_skeleton(base.name, base.model_kwargs), config).state_dict()
+
+
 def _check_rebuildable(config: ArtifactConfig, state: dict[str, torch.Tensor]) -> None:
     """CorpError unless ``config`` rebuilds a model whose state dict has exactly the keys of
     ``state``, each of the same shape: checked on a skeleton without weights
     (:func:`~corp_deploy.models.base_skeleton`), so no memory is taken for a second model."""
-    base = config.base_model
-    skeleton = _reshaped(base_skeleton(base.name, base.model_kwargs), config).state_dict()
-    problem = state_mismatch(skeleton, state, "the compressed model", "the model the record rebuilds")
+    problem = state_mismatch(_record_skeleton(config), state, "the compressed model", "the model the record rebuilds")
     if problem is not None:
         raise CorpError(
-            f"the recorded base model {base.to_dict()} does not rebuild this model ({problem}); pass "
+            f"the recorded base model {config.base_model.to_dict()} does not rebuild this model ({problem}); pass "
             "the timm name and model kwargs it was created with"
         )
 
